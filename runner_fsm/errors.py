@@ -1,0 +1,50 @@
+"""One error hierarchy for the whole runner.
+
+Every message names what was expected and what came, and where it is known the replica
+(DP rank) and the step, so that a line in a log is enough to find the culprit.
+"""
+
+from __future__ import annotations
+
+
+class RunnerError(Exception):
+    """Base of every error the runner raises on purpose."""
+
+
+class ConfigError(RunnerError, ValueError):
+    """The configuration or the parallel layout is inconsistent."""
+
+
+class BatchError(RunnerError, ValueError):
+    """A scheduled batch is malformed; raised before any state is changed."""
+
+
+class DesyncError(RunnerError):
+    """Replicas disagree on the step id or phase of a collective they all joined.
+
+    `sent` maps each DP rank to the (step_id, phase) it sent.
+    """
+
+    def __init__(self, message: str, sent: dict[int, tuple[int, int]] | None = None):
+        super().__init__(message)
+        self.sent = dict(sent or {})
+
+
+class CollectiveTimeout(RunnerError):
+    """A collective did not finish within the configured time."""
+
+
+class StaleBufferError(RunnerError):
+    """A graph replay would read persistent buffers not refreshed for this step."""
+
+
+class ReplicaFault(RunnerError):
+    """A replica reported a non-zero status in the DP agreement: every replica stops.
+
+    `replica` is the DP rank that sent the status, `status` its code.
+    """
+
+    def __init__(self, message: str, replica: int | None = None, status: int | None = None):
+        super().__init__(message)
+        self.replica = replica
+        self.status = status

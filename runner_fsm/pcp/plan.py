@@ -1,0 +1,318 @@
+"""The PCP plan: how one replica's global batch is cut into rank-local batches.
+
+DESIGN.md section 3 is the contract. Prefill requests are cut into ``C = 2P`` chunks and
+rank ``r`` takes chunk ``r`` (head) and chunk ``C-1-r`` (tail); decode requests (including
+verify rows of ``1+K`` tokens) are replicated on every rank. Everything is vectorised over
+segments and tokens; the only Python loop is over prefill requests, in the ``balanced``
+policy, where each request's extra tokens depend on the loads left by the ones before it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import numpy as np
+
+from runner_fsm.errors import BatchError
+
+ArrayLike = Sequence[int] | np.ndarray
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RankBatch:
+    """The rows one PCP rank executes; identical on every rank that computes the plan."""
+
+    token_idx: np.ndarray  # per row: global token index
+    req_idx: np.ndarray  # per row: request index
+    positions: np.ndarray  # per row: absolute position in its request
+    query_start_loc: np.ndarray  # per segment, plus one: row offsets of segments
+    seq_lens: np.ndarray  # per segment: causal key length (start + length)
+    seg_req_idx: np.ndarray  # per segment: request index
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_idx.shape[0])
+
+    @property
+    def num_segments(self) -> int:
+        return int(self.seg_req_idx.shape[0])
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PCPPlan:
+    """A replica's batch cut across its PCP ranks; identical on every PCP rank of it."""
+
+    pcp_size: int
+    per_rank_num_tokens: tuple[int, ...]
+    num_tokens_padded: int  # N: rows every PCP rank executes
+    padded_gather_idx: np.ndarray  # [P*N] global token of each gathered row (0 for padding)
+    kv_write_mask: np.ndarray  # [P*N] rows whose K/V this step writes (each token once)
+    hidden_restore_idx: np.ndarray  # [T] gathered row holding global token t
+    ranks: tuple[RankBatch, ...]
+
+    @property
+    def num_tokens(self) -> int:
+        """Global number of scheduled tokens T."""
+        return int(self.hidden_restore_idx.shape[0])
+
+    def rank_rows(self, rank: int) -> slice:
+        """Rows of the gathered layout that belong to ``rank`` (its rows, then padding)."""
+        n = self.num_tokens_padded
+        return slice(rank * n, (rank + 1) * n)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Batch:
+    num_scheduled: np.ndarray
+    is_prefilling: np.ndarray
+    num_computed: np.ndarray
+
+
+def _as_int_array(name: str, values: ArrayLike) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != 1:
+        raise BatchError(f"{name} must be one-dimensional, got shape {arr.shape}")
+    if arr.size and not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.bool_)):
+        raise BatchError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _validate(
+    num_scheduled: ArrayLike,
+    is_prefilling: ArrayLike,
+    num_computed: ArrayLike | None,
+    pcp_size: int,
+    chunking: str,
+    max_num_tokens: int | None,
+) -> _Batch:
+    if not isinstance(pcp_size, (int, np.integer)) or pcp_size < 1:
+        raise BatchError(f"pcp_size must be an integer >= 1, got {pcp_size!r}")
+    if chunking not in ("ceil", "balanced"):
+        raise BatchError(f"chunking must be 'ceil' or 'balanced', got {chunking!r}")
+    scheduled = _as_int_array("num_scheduled", num_scheduled)
+    prefilling = _as_int_array("is_prefilling", is_prefilling).astype(bool)
+    computed = (
+        np.zeros_like(scheduled) if num_computed is None else _as_int_array("num_computed", num_computed)
+    )
+    if not (scheduled.shape == prefilling.shape == computed.shape):
+        raise BatchError(
+            "num_scheduled, is_prefilling and num_computed must have one entry per request,"
+            f" got lengths {scheduled.shape[0]}, {prefilling.shape[0]}, {computed.shape[0]}"
+        )
+    for name, arr in (("num_scheduled", scheduled), ("num_computed", computed)):
+        bad = np.flatnonzero(arr < 0)
+        if bad.size:
+            raise BatchError(f"{name} must be >= 0, got {arr[bad[0]]} for request {bad[0]}")
+    empty = np.flatnonzero(scheduled == 0)
+    if empty.size and empty.size != scheduled.size:
+        kind = "prefill" if prefilling[empty[0]] else "decode"
+        raise BatchError(
+            f"request {empty[0]} ({kind}) has 0 scheduled tokens in a batch with real ones;"
+            " every scheduled request needs >= 1 token"
+        )
+    total = int(scheduled.sum())
+    if max_num_tokens is not None and total > max_num_tokens:
+        raise BatchError(
+            f"batch schedules {total} tokens, more than the capacity max_num_tokens={max_num_tokens}"
+        )
+    return _Batch(scheduled, prefilling, computed)
+
+
+def _dispatch_count(batch: _Batch, pcp_size: int, chunking: str) -> int:
+    """N = widest rank-local batch, computed without building the plan."""
+    lengths, prefilling = batch.num_scheduled, batch.is_prefilling
+    decode_tokens = int(lengths[~prefilling].sum())
+    prefill_lengths = lengths[prefilling]
+    if pcp_size == 1 or prefill_lengths.size == 0:
+        return decode_tokens + int(prefill_lengths.sum())
+    if chunking == "balanced":  # meets its lower bound by construction
+        return decode_tokens + -(-int(prefill_lengths.sum()) // pcp_size)
+    sizes = _ceil_chunk_sizes(prefill_lengths, 2 * pcp_size)
+    per_rank = sizes[:, :pcp_size] + sizes[:, ::-1][:, :pcp_size]
+    return decode_tokens + int(per_rank.sum(axis=0).max())
+
+
+def _ceil_chunk_sizes(lengths: np.ndarray, num_chunks: int) -> np.ndarray:
+    """[R, C] chunk sizes: every chunk ceil(L/C) long, later ones short or empty."""
+    chunk = -(-lengths // num_chunks)
+    starts = np.arange(num_chunks)[None, :] * chunk[:, None]
+    return np.clip(lengths[:, None] - starts, 0, chunk[:, None])
+
+
+def _balanced_chunk_sizes(lengths: np.ndarray, pcp_size: int) -> np.ndarray:
+    """[R, C] chunk sizes: floor(L/C) or one more, extras to the least-loaded ranks so far.
+
+    Per request, extras go one at a time to the rank of least load (ties to the lower
+    rank, at most one extra per chunk: head first, then tail). Loads stay within one of
+    each other, so that greedy order has a closed form: the ranks at the low level
+    ascending, then every rank ascending, then the ranks at the high level ascending.
+    """
+    num_chunks = 2 * pcp_size
+    base = lengths // num_chunks
+    sizes = np.repeat(base[:, None], num_chunks, axis=1)
+    loads = [0] * pcp_size
+    ranks = list(range(pcp_size))
+    for i, extra in enumerate((lengths % num_chunks).tolist()):
+        low = min(loads)
+        order = [r for r in ranks if loads[r] == low] + ranks + [r for r in ranks if loads[r] > low]
+        given = [0] * pcp_size
+        for r in order[:extra]:
+            sizes[i, r if given[r] == 0 else num_chunks - 1 - r] += 1
+            given[r] += 1
+        for r in ranks:
+            loads[r] += given[r]
+    return sizes
+
+
+def num_tokens_for_dispatch(
+    num_scheduled: ArrayLike,
+    is_prefilling: ArrayLike,
+    pcp_size: int,
+    *,
+    chunking: str = "ceil",
+    max_num_tokens: int | None = None,
+) -> int:
+    """Dispatch count N of a replica's batch: the widest rank-local batch.
+
+    It never reads ``num_computed``: dispatch sizing must not depend on request state that
+    may be stale.
+    """
+    batch = _validate(num_scheduled, is_prefilling, None, pcp_size, chunking, max_num_tokens)
+    return _dispatch_count(batch, pcp_size, chunking)
+
+
+def plan_batch(
+    num_scheduled: ArrayLike,
+    is_prefilling: ArrayLike,
+    num_computed: ArrayLike,
+    pcp_size: int,
+    *,
+    padded_num_tokens: int | None = None,
+    chunking: str = "ceil",
+    max_num_tokens: int | None = None,
+) -> PCPPlan:
+    """Cut a global batch into ``pcp_size`` rank-local batches (DESIGN.md section 3)."""
+    batch = _validate(num_scheduled, is_prefilling, num_computed, pcp_size, chunking, max_num_tokens)
+    segs = _segments(batch, pcp_size, chunking)
+    rows = _rows(segs, batch)
+    counts = np.bincount(segs.rank, weights=segs.length, minlength=pcp_size).astype(np.int64)
+    widest = int(counts.max()) if counts.size else 0
+    n = widest if padded_num_tokens is None else int(padded_num_tokens)
+    if n < widest:
+        raise BatchError(
+            f"padded_num_tokens={padded_num_tokens} is below the widest rank-local batch"
+            f" ({widest} tokens, per rank {counts.tolist()})"
+        )
+    return _assemble(batch, segs, rows, counts, n, pcp_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Segments:
+    """All non-empty segments of all ranks, sorted by rank and then in-rank order."""
+
+    rank: np.ndarray
+    req: np.ndarray
+    offset: np.ndarray  # first token's offset inside its request
+    length: np.ndarray
+
+
+def _segments(batch: _Batch, pcp_size: int, chunking: str) -> _Segments:
+    lengths, prefilling = batch.num_scheduled, batch.is_prefilling
+    num_chunks = 2 * pcp_size
+    decode_req = np.flatnonzero(~prefilling)
+    prefill_req = np.flatnonzero(prefilling)
+    ranks = np.arange(pcp_size)
+
+    # Decode: one whole-request segment per rank (replicated).
+    d_rank = np.repeat(ranks[None, :], decode_req.size, axis=0)
+    d_req = np.repeat(decode_req[:, None], pcp_size, axis=1)
+    d_off = np.zeros_like(d_rank)
+    d_len = np.repeat(lengths[decode_req][:, None], pcp_size, axis=1)
+    d_sub = np.zeros_like(d_rank)
+
+    # Prefill: chunk r (head, sub 0) and chunk C-1-r (tail, sub 1) on rank r.
+    p_len_all = lengths[prefill_req]
+    if chunking == "ceil":
+        sizes = _ceil_chunk_sizes(p_len_all, num_chunks)
+    else:
+        sizes = _balanced_chunk_sizes(p_len_all, pcp_size)
+    starts = np.cumsum(sizes, axis=1) - sizes
+    head, tail = ranks, num_chunks - 1 - ranks
+    p_rank = np.concatenate([np.broadcast_to(ranks, sizes[:, head].shape)] * 2, axis=1)
+    p_req = np.repeat(prefill_req[:, None], 2 * pcp_size, axis=1)
+    p_off = np.concatenate([starts[:, head], starts[:, tail]], axis=1)
+    p_len = np.concatenate([sizes[:, head], sizes[:, tail]], axis=1)
+    p_sub = np.repeat([0, 1], pcp_size)[None, :].repeat(prefill_req.size, axis=0)
+
+    rank = np.concatenate([d_rank.ravel(), p_rank.ravel()])
+    req = np.concatenate([d_req.ravel(), p_req.ravel()])
+    off = np.concatenate([d_off.ravel(), p_off.ravel()])
+    length = np.concatenate([d_len.ravel(), p_len.ravel()])
+    sub = np.concatenate([d_sub.ravel(), p_sub.ravel()])
+    # Pure prefill: a prefill segment that starts at absolute position 0; it goes last.
+    pure = prefilling[req] & (batch.num_computed[req] + off == 0)
+    keep = length > 0
+    order = np.lexsort((sub[keep], req[keep], pure[keep], rank[keep]))
+    return _Segments(rank[keep][order], req[keep][order], off[keep][order], length[keep][order])
+
+
+@dataclasses.dataclass(frozen=True)
+class _Rows:
+    token: np.ndarray
+    req: np.ndarray
+    position: np.ndarray
+
+
+def _rows(segs: _Segments, batch: _Batch) -> _Rows:
+    """Expand segments into rows without a Python loop over tokens."""
+    req_start = np.cumsum(batch.num_scheduled) - batch.num_scheduled
+    total = int(segs.length.sum())
+    seg_first_row = np.cumsum(segs.length) - segs.length
+    within = np.arange(total, dtype=np.int64) - np.repeat(seg_first_row, segs.length)
+    offset = np.repeat(segs.offset, segs.length) + within
+    req = np.repeat(segs.req, segs.length)
+    return _Rows(req_start[req] + offset, req, batch.num_computed[req] + offset)
+
+
+def _assemble(
+    batch: _Batch, segs: _Segments, rows: _Rows, counts: np.ndarray, n: int, pcp_size: int
+) -> PCPPlan:
+    seg_counts = np.bincount(segs.rank, minlength=pcp_size)
+    row_bounds = np.concatenate([[0], np.cumsum(counts)])
+    seg_bounds = np.concatenate([[0], np.cumsum(seg_counts)])
+    seq_lens_all = batch.num_computed[segs.req] + segs.offset + segs.length
+    ranks = []
+    for r in range(pcp_size):
+        rs, ss = slice(row_bounds[r], row_bounds[r + 1]), slice(seg_bounds[r], seg_bounds[r + 1])
+        qsl = np.concatenate([[0], np.cumsum(segs.length[ss])]).astype(np.int64)
+        ranks.append(
+            RankBatch(
+                token_idx=rows.token[rs],
+                req_idx=rows.req[rs],
+                positions=rows.position[rs],
+                query_start_loc=qsl,
+                seq_lens=seq_lens_all[ss],
+                seg_req_idx=segs.req[ss],
+            )
+        )
+
+    row_rank = np.repeat(np.arange(pcp_size), counts)
+    gathered_row = row_rank * n + (np.arange(rows.token.size) - row_bounds[row_rank])
+    gather_idx = np.zeros(pcp_size * n, dtype=np.int64)
+    gather_idx[gathered_row] = rows.token
+    # Decode rows are replicated: only rank 0's copy writes K/V and restores hidden states.
+    owner = batch.is_prefilling[rows.req] | (row_rank == 0)
+    write_mask = np.zeros(pcp_size * n, dtype=bool)
+    write_mask[gathered_row[owner]] = True
+    restore = np.zeros(int(batch.num_scheduled.sum()), dtype=np.int64)
+    restore[rows.token[owner]] = gathered_row[owner]
+    return PCPPlan(
+        pcp_size=pcp_size,
+        per_rank_num_tokens=tuple(int(c) for c in counts),
+        num_tokens_padded=n,
+        padded_gather_idx=gather_idx,
+        kv_write_mask=write_mask,
+        hidden_restore_idx=restore,
+        ranks=tuple(ranks),
+    )
