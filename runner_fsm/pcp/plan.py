@@ -220,8 +220,10 @@ class _Segments:
 def _segments(batch: _Batch, pcp_size: int, chunking: str) -> _Segments:
     lengths, prefilling = batch.num_scheduled, batch.is_prefilling
     num_chunks = 2 * pcp_size
-    decode_req = np.flatnonzero(~prefilling)
-    prefill_req = np.flatnonzero(prefilling)
+    # With one rank there is nothing to cut: a prefill is one whole segment, like a decode.
+    whole = ~prefilling if pcp_size > 1 else np.ones_like(prefilling)
+    decode_req = np.flatnonzero(whole)
+    prefill_req = np.flatnonzero(~whole)
     ranks = np.arange(pcp_size)
 
     # Decode: one whole-request segment per rank (replicated).
@@ -265,14 +267,19 @@ class _Rows:
 
 
 def _rows(segs: _Segments, batch: _Batch) -> _Rows:
-    """Expand segments into rows without a Python loop over tokens."""
+    """Expand segments into rows without a Python loop over tokens.
+
+    Row k of segment s has offset ``off[s] + (k - first_row[s])`` in its request, so each
+    per-row array is one ``arange`` plus a per-segment constant repeated over the segment.
+    """
     req_start = np.cumsum(batch.num_scheduled) - batch.num_scheduled
     total = int(segs.length.sum())
-    seg_first_row = np.cumsum(segs.length) - segs.length
-    within = np.arange(total, dtype=np.int64) - np.repeat(seg_first_row, segs.length)
-    offset = np.repeat(segs.offset, segs.length) + within
-    req = np.repeat(segs.req, segs.length)
-    return _Rows(req_start[req] + offset, req, batch.num_computed[req] + offset)
+    first_row = np.cumsum(segs.length) - segs.length
+    row = np.arange(total, dtype=np.int64)
+    shift = segs.offset - first_row
+    token = row + np.repeat(req_start[segs.req] + shift, segs.length)
+    position = row + np.repeat(batch.num_computed[segs.req] + shift, segs.length)
+    return _Rows(token, np.repeat(segs.req, segs.length), position)
 
 
 def _assemble(
@@ -297,16 +304,18 @@ def _assemble(
             )
         )
 
-    row_rank = np.repeat(np.arange(pcp_size), counts)
-    gathered_row = row_rank * n + (np.arange(rows.token.size) - row_bounds[row_rank])
+    # Rank r's rows are contiguous in the gathered layout: rows r*N .. r*N + n_r - 1.
     gather_idx = np.zeros(pcp_size * n, dtype=np.int64)
-    gather_idx[gathered_row] = rows.token
-    # Decode rows are replicated: only rank 0's copy writes K/V and restores hidden states.
-    owner = batch.is_prefilling[rows.req] | (row_rank == 0)
     write_mask = np.zeros(pcp_size * n, dtype=bool)
-    write_mask[gathered_row[owner]] = True
     restore = np.zeros(int(batch.num_scheduled.sum()), dtype=np.int64)
-    restore[rows.token[owner]] = gathered_row[owner]
+    for r, rank in enumerate(ranks):
+        rows_r = slice(r * n, r * n + rank.num_tokens)
+        gather_idx[rows_r] = rank.token_idx
+        # Decode rows are replicated: only rank 0's copy writes K/V and restores hidden states.
+        owned = np.ones(rank.num_tokens, bool) if r == 0 else batch.is_prefilling[rank.req_idx]
+        write_mask[rows_r] = owned
+        owned_rows = np.flatnonzero(owned)
+        restore[rank.token_idx[owned_rows]] = r * n + owned_rows
     return PCPPlan(
         pcp_size=pcp_size,
         per_rank_num_tokens=tuple(int(c) for c in counts),

@@ -1,0 +1,110 @@
+"""`runner-fsm`: look at plans and state tables, run demos, replay audit logs."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from runner_fsm.errors import RunnerError
+
+
+def _int_list(text: str) -> list[int]:
+    try:
+        return [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+
+
+def _add_plan(sub) -> None:
+    p = sub.add_parser("plan", help="show how a batch is cut across PCP ranks")
+    p.add_argument("--pcp", type=int, required=True, help="PCP size P")
+    p.add_argument("--scheduled", type=_int_list, required=True, help="tokens per request, e.g. 1,10")
+    p.add_argument("--prefill", type=_int_list, required=True, help="1 if prefilling, e.g. 0,1")
+    p.add_argument("--computed", type=_int_list, help="computed tokens per request (default 0)")
+    p.add_argument("--chunking", choices=("ceil", "balanced"), default="ceil")
+    p.add_argument("--padded", type=int, default=None, help="pad every rank to this many rows")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=_cmd_plan)
+
+
+def _cmd_plan(args) -> int:
+    from runner_fsm.pcp.plan import plan_batch
+
+    computed = args.computed if args.computed is not None else [0] * len(args.scheduled)
+    plan = plan_batch(
+        args.scheduled, args.prefill, computed, args.pcp,
+        padded_num_tokens=args.padded, chunking=args.chunking,
+    )
+    if args.json:
+        print(json.dumps(_plan_as_dict(plan)))
+    else:
+        print(_format_plan(plan, args.chunking))
+    return 0
+
+
+def _plan_as_dict(plan) -> dict:
+    ranks = [
+        {k: getattr(r, k).tolist() for k in
+         ("token_idx", "req_idx", "positions", "query_start_loc", "seq_lens", "seg_req_idx")}
+        for r in plan.ranks
+    ]
+    return {
+        "pcp_size": plan.pcp_size,
+        "per_rank_num_tokens": list(plan.per_rank_num_tokens),
+        "num_tokens_padded": plan.num_tokens_padded,
+        "padded_gather_idx": plan.padded_gather_idx.tolist(),
+        "kv_write_mask": plan.kv_write_mask.astype(int).tolist(),
+        "hidden_restore_idx": plan.hidden_restore_idx.tolist(),
+        "ranks": ranks,
+    }
+
+
+def _format_plan(plan, chunking: str) -> str:
+    lines = [f"PCP plan: P={plan.pcp_size}, chunking={chunking}, {plan.num_tokens} global tokens"]
+    for r, rank in enumerate(plan.ranks):
+        qsl = rank.query_start_loc.tolist()
+        segs = [rank.token_idx[a:b].tolist() for a, b in zip(qsl, qsl[1:])]
+        pos = [rank.positions[a:b].tolist() for a, b in zip(qsl, qsl[1:])]
+        lines.append(f"rank {r}: {rank.num_tokens} rows")
+        lines.append("  tokens    " + " | ".join(" ".join(map(str, s)) for s in segs))
+        lines.append("  positions " + " | ".join(" ".join(map(str, s)) for s in pos))
+        lines.append(f"  segments  requests {rank.seg_req_idx.tolist()}, seq_lens {rank.seq_lens.tolist()}")
+    lines.append(f"per-rank counts {list(plan.per_rank_num_tokens)}, dispatch count N = {plan.num_tokens_padded}")
+    lines.append(f"padded_gather_idx  {plan.padded_gather_idx.tolist()}")
+    lines.append(f"kv_write_mask      {plan.kv_write_mask.astype(int).tolist()}")
+    lines.append(f"hidden_restore_idx {plan.hidden_restore_idx.tolist()}")
+    return "\n".join(lines)
+
+
+def _add_demo(sub) -> None:
+    p = sub.add_parser("demo", help="the main job: a DP x PCP demo on the CPU")
+    p.set_defaults(func=_cmd_demo)
+
+
+def _cmd_demo(args) -> int:
+    print("runner-fsm demo: the PCP plan of DESIGN.md's worked example (P=2; request 0 a decode")
+    print("with 37 computed tokens, request 1 a fresh 10-token prefill). The multi-process")
+    print("DP x PCP engine demo replaces this once the embedded engine lands.\n")
+    return main(["plan", "--pcp", "2", "--scheduled", "1,10", "--prefill", "0,1", "--computed", "37,0"])
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="runner-fsm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_plan(sub)
+    _add_demo(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except RunnerError as exc:
+        print(f"runner-fsm {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
