@@ -1,0 +1,251 @@
+"""Persistent input buffers: allocated once at capacity, rewritten in place every step.
+
+A captured graph reads these tensors by address, so their storage never moves: every write
+is a ``copy_``/``fill_`` into a slice, never a rebinding. Each in-place write bumps the
+tensor's version counter (``tensor._version``, shared by views with their base), which the
+audit log records and the stale-buffer check compares: a replay after a step that did not
+move the versions would read the previous batch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Mapping, Sequence
+
+import numpy as np
+import torch
+
+from runner_fsm.config import RunnerConfig
+from runner_fsm.errors import BatchError
+from runner_fsm.pcp.kv import PAD_SLOT_ID
+from runner_fsm.pcp.plan import PCPPlan, RankBatch
+
+BUFFER_NAMES = (
+    "input_ids",
+    "positions",
+    "is_padding",
+    "query_start_loc",
+    "seq_lens",
+    "block_tables",
+    "gathered_slot_mapping",
+)
+
+_INT32_MAX = np.iinfo(np.int32).max
+
+
+@dataclasses.dataclass(frozen=True)
+class BufferFingerprint:
+    """Address, shape and write count of one buffer; equal fingerprints mean untouched."""
+
+    ptr: int
+    shape: tuple[int, ...]
+    version: int
+
+
+def stale_buffers(
+    before: Mapping[str, BufferFingerprint], after: Mapping[str, BufferFingerprint]
+) -> tuple[str, ...]:
+    """Names of the buffers a write did not touch (version unchanged)."""
+    return tuple(name for name in before if after[name].version == before[name].version)
+
+
+def _int_array(name: str, values: Sequence[int] | np.ndarray, ndim: int) -> np.ndarray:
+    arr = np.asarray(values)
+    if arr.ndim != ndim:
+        raise BatchError(f"{name} must be {ndim}-dimensional, got shape {arr.shape}")
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise BatchError(f"{name} must hold integers, got dtype {arr.dtype}")
+    return arr.astype(np.int64, copy=False)
+
+
+def _fits_int32(name: str, arr: np.ndarray) -> None:
+    if arr.size and (arr.max() > _INT32_MAX or arr.min() < -_INT32_MAX - 1):
+        raise BatchError(f"{name} holds {arr.max()}, beyond the int32 range of its buffer")
+
+
+def _host(arr: np.ndarray, dtype: type = np.int64) -> torch.Tensor:
+    """A CPU tensor over ``arr`` (copied only when it is read-only, strided or another dtype)."""
+    return torch.from_numpy(np.require(arr, dtype=dtype, requirements=("C", "W")))
+
+
+def dummy_query_lens(num_reqs: int, num_tokens: int) -> np.ndarray:
+    """Split ``num_tokens`` dummy rows over ``num_reqs`` requests; the last takes the rest."""
+    if num_tokens == 0 and num_reqs != 0:
+        raise BatchError(f"a dummy of 0 tokens has 0 requests, got num_reqs={num_reqs}")
+    if num_tokens > 0 and not 1 <= num_reqs <= num_tokens:
+        raise BatchError(
+            f"a dummy of {num_tokens} tokens needs 1..{num_tokens} requests, got {num_reqs}"
+        )
+    lens = np.full(num_reqs, num_tokens // max(num_reqs, 1), dtype=np.int64)
+    if num_reqs:
+        lens[-1] += num_tokens - int(lens.sum())
+    return lens
+
+
+class PersistentBuffers:
+    """Rank-local step inputs at fixed addresses; capacities come from ``RunnerConfig``."""
+
+    def __init__(self, config: RunnerConfig, device: torch.device | str = "cpu") -> None:
+        config.validate()
+        self.device = torch.device(device)
+        self.pcp_size = config.layout.pcp_size
+        self.max_num_tokens = config.max_num_tokens  # rank-local rows
+        self.max_num_segments = config.num_segments
+        self.max_blocks_per_req = config.max_blocks_per_req
+        rows, segs, dev = self.max_num_tokens, self.max_num_segments, self.device
+        self.input_ids = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
+        self.is_padding = torch.ones(rows, dtype=torch.bool, device=dev)
+        self.query_start_loc = torch.zeros(segs + 1, dtype=torch.int32, device=dev)
+        self.seq_lens = torch.zeros(segs, dtype=torch.int32, device=dev)
+        self.block_tables = torch.zeros(
+            segs, self.max_blocks_per_req, dtype=torch.int32, device=dev
+        )
+        self.gathered_slot_mapping = torch.full(
+            (self.pcp_size * rows,), PAD_SLOT_ID, dtype=torch.int64, device=dev
+        )
+        # What the last write put there (0 before any write).
+        self.num_tokens = 0  # N: rows this rank executes
+        self.num_segments = 0
+        self.is_dummy = False
+
+    # -- public writes ----------------------------------------------------------------
+
+    def write_real(
+        self,
+        plan: PCPPlan,
+        rank: int,
+        input_ids_global: Sequence[int] | np.ndarray,
+        block_tables: np.ndarray,
+        gathered_slots: Sequence[int] | np.ndarray,
+    ) -> None:
+        """Write PCP rank ``rank``'s rows of ``plan``; everything is checked before any write."""
+        ids, tables, slots = self._check_real(
+            plan, rank, input_ids_global, block_tables, gathered_slots
+        )
+        rb = plan.ranks[rank]
+        self._write_rows(ids[rb.token_idx], rb.positions)
+        self._write_segments(rb.query_start_loc, rb.seq_lens, tables[rb.seg_req_idx])
+        self._write_slots(slots)
+        self._record(plan.num_tokens_padded, rb.num_segments, is_dummy=False)
+
+    def write_dummy(self, num_reqs: int, num_tokens: int) -> None:
+        """Write a dummy of ``num_tokens`` padding rows in ``num_reqs`` requests.
+
+        Zeroed block tables and ``PAD_SLOT_ID`` everywhere: the dummy writes no K/V, and no
+        row of the previous real batch survives.
+        """
+        self._check_capacity(num_tokens, num_reqs, what="dummy")
+        lens = dummy_query_lens(num_reqs, num_tokens)
+        empty = np.zeros(0, dtype=np.int64)
+        self._write_rows(empty, empty)
+        query_start_loc = np.concatenate([[0], np.cumsum(lens)])
+        # Positions are all 0, so a dummy request's causal keys are just its own rows.
+        self._write_segments(query_start_loc, lens, np.zeros((num_reqs, 0), dtype=np.int64))
+        self._write_slots(empty)
+        self._record(num_tokens, num_reqs, is_dummy=True)
+
+    def _record(self, num_tokens: int, num_segments: int, *, is_dummy: bool) -> None:
+        self.num_tokens = int(num_tokens)
+        self.num_segments = int(num_segments)
+        self.is_dummy = is_dummy
+
+    def fingerprint(self) -> dict[str, BufferFingerprint]:
+        return {
+            name: BufferFingerprint(
+                ptr=buf.data_ptr(), shape=tuple(buf.shape), version=buf._version
+            )
+            for name, buf in ((n, getattr(self, n)) for n in BUFFER_NAMES)
+        }
+
+    # -- checks (no mutation) ---------------------------------------------------------
+
+    def _check_capacity(self, num_tokens: int, num_segments: int, what: str) -> None:
+        for name, value in (("num_tokens", num_tokens), ("num_segments", num_segments)):
+            if not isinstance(value, (int, np.integer)):
+                raise BatchError(f"{what}: {name} must be an integer, got {value!r}")
+        if not 0 <= num_tokens <= self.max_num_tokens:
+            raise BatchError(
+                f"{what} needs {num_tokens} rank-local rows,"
+                f" capacity is max_num_tokens={self.max_num_tokens}"
+            )
+        if not 0 <= num_segments <= self.max_num_segments:
+            raise BatchError(
+                f"{what} needs {num_segments} segments,"
+                f" capacity is num_segments={self.max_num_segments}"
+            )
+
+    def _check_real(
+        self,
+        plan: PCPPlan,
+        rank: int,
+        input_ids_global: Sequence[int] | np.ndarray,
+        block_tables: np.ndarray,
+        gathered_slots: Sequence[int] | np.ndarray,
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if plan.pcp_size != self.pcp_size:
+            raise BatchError(f"plan is for pcp_size={plan.pcp_size}, buffers for {self.pcp_size}")
+        if not isinstance(rank, (int, np.integer)) or not 0 <= rank < plan.pcp_size:
+            raise BatchError(f"rank must lie in [0, {plan.pcp_size}), got {rank!r}")
+        rb = plan.ranks[rank]
+        self._check_capacity(plan.num_tokens_padded, rb.num_segments, what=f"plan rank {rank}")
+        ids = _int_array("input_ids_global", input_ids_global, 1)
+        if ids.shape[0] != plan.num_tokens:
+            raise BatchError(
+                f"input_ids_global has {ids.shape[0]} entries, the plan has"
+                f" {plan.num_tokens} global tokens"
+            )
+        slots = _int_array("gathered_slots", gathered_slots, 1)
+        gathered = plan.pcp_size * plan.num_tokens_padded
+        if slots.shape[0] != gathered:
+            raise BatchError(
+                f"gathered_slots has {slots.shape[0]} entries, expected P*N={gathered}"
+            )
+        tables = self._check_tables(block_tables, rb)
+        return ids, tables, slots
+
+    def _check_tables(self, block_tables: np.ndarray, rb: RankBatch) -> np.ndarray:
+        tables = _int_array("block_tables", block_tables, 2)
+        if tables.shape[1] > self.max_blocks_per_req:
+            raise BatchError(
+                f"block_tables rows have {tables.shape[1]} blocks,"
+                f" capacity is max_blocks_per_req={self.max_blocks_per_req}"
+            )
+        missing = rb.seg_req_idx[rb.seg_req_idx >= tables.shape[0]]
+        if missing.size:
+            raise BatchError(
+                f"request {missing[0]} has no block-table row; block_tables has"
+                f" {tables.shape[0]} rows"
+            )
+        _fits_int32("block_tables", tables)
+        _fits_int32("seq_lens", rb.seq_lens)
+        return tables
+
+    # -- in-place writes --------------------------------------------------------------
+
+    def _write_rows(self, input_ids: np.ndarray, positions: np.ndarray) -> None:
+        """Real rows first, every later row padding (id 0, position 0)."""
+        n = input_ids.shape[0]
+        self.input_ids[:n].copy_(_host(input_ids))
+        self.input_ids[n:].zero_()
+        self.positions[:n].copy_(_host(positions))
+        self.positions[n:].zero_()
+        self.is_padding[:n].fill_(False)
+        self.is_padding[n:].fill_(True)
+
+    def _write_segments(
+        self, query_start_loc: np.ndarray, seq_lens: np.ndarray, seg_tables: np.ndarray
+    ) -> None:
+        """Segments first; later segments are empty (start = end, seq_len 0, zero table)."""
+        s, width = seq_lens.shape[0], seg_tables.shape[1]
+        self.query_start_loc[: s + 1].copy_(_host(query_start_loc, np.int32))
+        self.query_start_loc[s + 1 :].fill_(int(query_start_loc[-1]))
+        self.seq_lens[:s].copy_(_host(seq_lens, np.int32))
+        self.seq_lens[s:].zero_()
+        self.block_tables.zero_()
+        self.block_tables[:s, :width].copy_(_host(seg_tables, np.int32))
+
+    def _write_slots(self, slots: np.ndarray) -> None:
+        g = slots.shape[0]
+        self.gathered_slot_mapping[:g].copy_(_host(slots))
+        self.gathered_slot_mapping[g:].fill_(PAD_SLOT_ID)

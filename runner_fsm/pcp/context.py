@@ -1,0 +1,206 @@
+"""The PCP attention context of one step on one PCP rank: real or dummy.
+
+A real context is derived from the step's ``PCPPlan``; a dummy context is derived from the
+dummy batch alone (DESIGN.md section 6, ``idle_dummy``): an idle replica must never pick up
+PCP attention state left over from its previous real batch. ``PCPContextState`` keeps the last
+real context for whoever needs it, and its ``for_dummy`` never looks at it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from runner_fsm.errors import BatchError
+from runner_fsm.pcp.kv import dummy_slot_mapping, gathered_slot_mapping, slot_mapping
+from runner_fsm.pcp.plan import PCPPlan
+
+
+def _frozen(arr: np.ndarray, dtype: type = np.int64) -> np.ndarray:
+    """A private read-only copy, so a context cannot change after it is built."""
+    out = np.array(arr, dtype=dtype, copy=True)
+    out.setflags(write=False)
+    return out
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DSAGlobalView:
+    """Sparse-attention view over all global tokens; identical on every PCP rank."""
+
+    num_tokens: int
+    slot_mapping: np.ndarray  # [T] global slots
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DSALocalView:
+    """Sparse-attention view over this rank's gathered rows; a slice of the gathered slots."""
+
+    pcp_rank: int
+    num_tokens: int  # N
+    slot_mapping: np.ndarray  # [N] gathered slots rank*N .. (rank+1)*N
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PCPAttentionContext:
+    """Read-only step metadata; equal on all PCP ranks except pcp_rank (and slots under DCP)."""
+
+    pcp_size: int
+    pcp_rank: int
+    num_tokens: int  # T: global tokens (for a dummy: its own N rows)
+    num_tokens_padded: int  # N: rows every PCP rank executes
+    block_tables: np.ndarray  # [R, B] global block tables (zeros for a dummy)
+    global_slot_mapping: np.ndarray  # [T]
+    gathered_slot_mapping: np.ndarray  # [P*N], PAD_SLOT_ID where nothing is written
+    hidden_restore_idx: np.ndarray  # [T] gathered row holding global token t
+    padded_gather_idx: np.ndarray  # [P*N] global token of each gathered row
+    kv_write_mask: np.ndarray  # [P*N] rows whose K/V this step writes
+    is_dummy: bool
+
+    def local_rows(self) -> slice:
+        """This rank's rows of the gathered layout."""
+        n = self.num_tokens_padded
+        return slice(self.pcp_rank * n, (self.pcp_rank + 1) * n)
+
+    def dsa_global_view(self) -> DSAGlobalView:
+        return DSAGlobalView(num_tokens=self.num_tokens, slot_mapping=self.global_slot_mapping)
+
+    def dsa_local_view(self) -> DSALocalView:
+        return DSALocalView(
+            pcp_rank=self.pcp_rank,
+            num_tokens=self.num_tokens_padded,
+            slot_mapping=self.gathered_slot_mapping[self.local_rows()],
+        )
+
+    def same_as(self, other: "PCPAttentionContext") -> bool:
+        """Field-by-field equality (arrays compared by value, dtype and shape included)."""
+        for field in dataclasses.fields(self):
+            mine, theirs = getattr(self, field.name), getattr(other, field.name)
+            if isinstance(mine, np.ndarray):
+                if mine.dtype != theirs.dtype or not np.array_equal(mine, theirs):
+                    return False
+            elif mine != theirs:
+                return False
+        return True
+
+
+def _check_rank(pcp_size: int, pcp_rank: int) -> None:
+    if not isinstance(pcp_size, (int, np.integer)) or pcp_size < 1:
+        raise BatchError(f"pcp_size must be an integer >= 1, got {pcp_size!r}")
+    if not isinstance(pcp_rank, (int, np.integer)) or not 0 <= pcp_rank < pcp_size:
+        raise BatchError(f"pcp_rank must lie in [0, {pcp_size}), got {pcp_rank!r}")
+
+
+def global_token_layout(plan: PCPPlan) -> tuple[np.ndarray, np.ndarray]:
+    """(positions, req_idx) of every global token, read back from the plan's rank batches.
+
+    Every global token lies on at least one rank; replicated decode tokens lie on all of
+    them with the same position and request, so overlapping writes agree.
+    """
+    token = np.concatenate([rb.token_idx for rb in plan.ranks])
+    positions = np.zeros(plan.num_tokens, dtype=np.int64)
+    req_idx = np.zeros(plan.num_tokens, dtype=np.int64)
+    positions[token] = np.concatenate([rb.positions for rb in plan.ranks])
+    req_idx[token] = np.concatenate([rb.req_idx for rb in plan.ranks])
+    return positions, req_idx
+
+
+def build_real_context(
+    plan: PCPPlan,
+    pcp_rank: int,
+    block_tables: np.ndarray,
+    block_size: int,
+    *,
+    dcp_size: int = 1,
+    dcp_rank: int | None = None,
+    interleave: int = 1,
+) -> PCPAttentionContext:
+    """Context of a real batch on PCP rank ``pcp_rank``.
+
+    Positions and requests come from the plan itself, so they cannot disagree with it.
+    ``dcp_rank`` defaults to ``pcp_rank`` when ``dcp_size > 1`` (DCP spans the PCP group).
+    """
+    _check_rank(plan.pcp_size, pcp_rank)
+    if dcp_rank is None:
+        dcp_rank = pcp_rank if dcp_size > 1 else 0
+    positions, req_idx = global_token_layout(plan)
+    global_slots = slot_mapping(
+        positions, req_idx, block_tables, block_size,
+        dcp_size=dcp_size, dcp_rank=dcp_rank, interleave=interleave,
+    )
+    return PCPAttentionContext(
+        pcp_size=plan.pcp_size,
+        pcp_rank=int(pcp_rank),
+        num_tokens=plan.num_tokens,
+        num_tokens_padded=plan.num_tokens_padded,
+        block_tables=_frozen(block_tables),
+        global_slot_mapping=_frozen(global_slots),
+        gathered_slot_mapping=_frozen(gathered_slot_mapping(global_slots, plan)),
+        hidden_restore_idx=_frozen(plan.hidden_restore_idx),
+        padded_gather_idx=_frozen(plan.padded_gather_idx),
+        kv_write_mask=_frozen(plan.kv_write_mask, dtype=bool),
+        is_dummy=False,
+    )
+
+
+def build_dummy_context(
+    num_tokens: int,
+    pcp_size: int,
+    pcp_rank: int,
+    *,
+    num_reqs: int = 1,
+    max_blocks_per_req: int = 1,
+) -> PCPAttentionContext:
+    """Context of a dummy batch of ``num_tokens`` rows per rank, built from nothing else.
+
+    Nothing is written (all slots ``PAD_SLOT_ID``, write mask all False, zeroed block
+    tables), and each rank restores exactly its own rows: the dummy has no global order.
+    """
+    _check_rank(pcp_size, pcp_rank)
+    for name, value in (("num_tokens", num_tokens), ("num_reqs", num_reqs),
+                        ("max_blocks_per_req", max_blocks_per_req)):
+        if not isinstance(value, (int, np.integer)) or value < 0:
+            raise BatchError(f"dummy {name} must be an integer >= 0, got {value!r}")
+    n, gathered = int(num_tokens), int(pcp_size) * int(num_tokens)
+    return PCPAttentionContext(
+        pcp_size=int(pcp_size),
+        pcp_rank=int(pcp_rank),
+        num_tokens=n,
+        num_tokens_padded=n,
+        block_tables=_frozen(np.zeros((num_reqs, max_blocks_per_req))),
+        global_slot_mapping=_frozen(dummy_slot_mapping(n)),
+        gathered_slot_mapping=_frozen(dummy_slot_mapping(gathered)),
+        hidden_restore_idx=_frozen(pcp_rank * n + np.arange(n)),
+        padded_gather_idx=_frozen(np.zeros(gathered)),  # every row is padding
+        kv_write_mask=_frozen(np.zeros(gathered), dtype=bool),
+        is_dummy=True,
+    )
+
+
+class PCPContextState:
+    """Per-rank holder of the last real context; dummy steps neither read nor replace it."""
+
+    def __init__(self, pcp_size: int, pcp_rank: int) -> None:
+        _check_rank(pcp_size, pcp_rank)
+        self.pcp_size = int(pcp_size)
+        self.pcp_rank = int(pcp_rank)
+        self.last_real: PCPAttentionContext | None = None
+
+    def for_real(
+        self, plan: PCPPlan, block_tables: np.ndarray, block_size: int, **kv_layout: int
+    ) -> PCPAttentionContext:
+        """Build the real context of ``plan`` on this rank and remember it."""
+        if plan.pcp_size != self.pcp_size:
+            raise BatchError(f"plan is for pcp_size={plan.pcp_size}, this rank has {self.pcp_size}")
+        ctx = build_real_context(plan, self.pcp_rank, block_tables, block_size, **kv_layout)
+        self.last_real = ctx
+        return ctx
+
+    def for_dummy(
+        self, num_tokens: int, *, num_reqs: int = 1, max_blocks_per_req: int = 1
+    ) -> PCPAttentionContext:
+        """Build a dummy context from the dummy alone; ``last_real`` is never touched."""
+        return build_dummy_context(
+            num_tokens, self.pcp_size, self.pcp_rank,
+            num_reqs=num_reqs, max_blocks_per_req=max_blocks_per_req,
+        )
