@@ -1,0 +1,280 @@
+"""Per-process audit log: JSON Lines at `<run_dir>/rank-<global_rank>.jsonl` (DESIGN section 7).
+
+Each record is one line, written and flushed before the call returns, so that a process killed
+mid-step (or hung inside a collective) still leaves every record up to that point on disk.
+structlog renders the records through a processor chain owned by this log alone; the global
+structlog configuration (the human-readable console) is never touched.
+"""
+
+from __future__ import annotations
+
+import enum
+import io
+import json
+import os
+import threading
+import time
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import structlog
+
+from runner_fsm.errors import RunnerError
+
+try:  # orjson is optional: several times faster, same output shape
+    import orjson
+except ImportError:  # pragma: no cover - depends on the environment
+    orjson = None
+
+SCHEMA_VERSION = 1
+HEADER_FIELDS = ("schema", "run_id", "seq", "t_ns", "dp_rank", "pcp_rank", "event", "step_id")
+_RESERVED = frozenset(HEADER_FIELDS)
+TIME_FIELDS = ("t_ns",)
+COLLECTIVE_STAGES = ("enqueue", "done")
+GRAPH_ACTIONS = ("capture", "replay")
+
+
+class AuditLogClosedError(RunnerError):
+    """A record was written to an audit log after `close()`."""
+
+
+class AuditLogFormatError(RunnerError, ValueError):
+    """An audit log line is not a JSON object."""
+
+
+def log_path(run_dir: str | os.PathLike[str], global_rank: int) -> Path:
+    """Where the audit log of the process with this global rank lives."""
+    return Path(run_dir) / f"rank-{int(global_rank)}.jsonl"
+
+
+# ---------------------------------------------------------------- serialisation
+
+
+def _to_json_native(obj: Any) -> Any:
+    """`default` hook: NumPy/torch scalars and arrays, tuple subclasses, enums."""
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if hasattr(obj, "tolist"):  # numpy scalar/array, torch tensor
+        return obj.tolist()
+    if isinstance(obj, tuple):  # orjson refuses tuple subclasses such as torch.Size
+        return list(obj)
+    raise TypeError(f"audit log cannot serialise {type(obj).__qualname__}: {obj!r}")
+
+
+def _dumps_orjson(record: Mapping[str, Any]) -> bytes:
+    return orjson.dumps(record, default=_to_json_native, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+# One encoder for the process: json.dumps with options builds a fresh encoder per call,
+# which costs more than the encoding itself.
+_STDLIB_ENCODER = json.JSONEncoder(default=_to_json_native, separators=(",", ":"), allow_nan=False)
+
+
+def _dumps_stdlib(record: Mapping[str, Any]) -> bytes:
+    return _STDLIB_ENCODER.encode(record).encode()
+
+
+dumps_record = _dumps_orjson if orjson is not None else _dumps_stdlib
+
+
+# ---------------------------------------------------------------- structlog plumbing
+
+
+class _LineFile:
+    """structlog's wrapped logger: one unbuffered write per line, so no line sits in a buffer."""
+
+    def __init__(self, path: Path):
+        # Exclusive create: `seq` must run gapless from 0 in the file, so appending to an old
+        # run would break it, and truncating would destroy its evidence.
+        try:
+            self._raw = io.FileIO(path, mode="xb")
+        except FileExistsError as err:
+            raise FileExistsError(
+                f"audit log {path} already exists; start each run in a fresh run_dir"
+            ) from err
+
+    def msg(self, line: bytes) -> None:
+        view = memoryview(line + b"\n")
+        while view:
+            view = view[self._raw.write(view) :]
+
+    def close(self) -> None:
+        self._raw.close()
+
+
+def _header_first(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
+    """Fixed key order so that files are diffable and the header reads first."""
+    record = {key: event_dict[key] for key in HEADER_FIELDS}
+    record.update(event_dict)  # header keys are overwritten in place, so they stay first
+    return record
+
+
+def _render_line(_logger: Any, _method: str, event_dict: dict[str, Any]) -> bytes:
+    return dumps_record(event_dict)
+
+
+# ---------------------------------------------------------------- the log
+
+
+class AuditLog:
+    """The audit log of one process; safe to write from several threads."""
+
+    def __init__(
+        self,
+        run_dir: str | os.PathLike[str],
+        run_id: str,
+        global_rank: int,
+        dp_rank: int,
+        pcp_rank: int,
+    ):
+        Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.path = log_path(run_dir, global_rank)
+        self._sink = _LineFile(self.path)
+        self._logger = structlog.wrap_logger(
+            self._sink,
+            processors=[_header_first, _render_line],
+            wrapper_class=structlog.BoundLogger,
+            context_class=dict,
+            schema=SCHEMA_VERSION,
+            run_id=str(run_id),
+            dp_rank=int(dp_rank),
+            pcp_rank=int(pcp_rank),
+        ).bind()  # concrete BoundLogger now, instead of a lazy proxy rebuilt per call
+        # seq and the file order must agree, so numbering and writing share one lock.
+        self._lock = threading.Lock()
+        self._next_seq = 0
+        self._closed = False
+
+    @property
+    def next_seq(self) -> int:
+        """The seq the next record will get (= records written so far)."""
+        return self._next_seq
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    # -- typed records
+
+    def transition(self, step_id: int | None, trigger: str, src: str, dst: str, outcome: str) -> None:
+        self._write("transition", step_id, trigger=trigger, src=src, dst=dst, outcome=outcome)
+
+    def collective(
+        self,
+        step_id: int | None,
+        group: str,
+        op: str,
+        phase: int | None,
+        shapes: Any,
+        pg_seq: int | None,
+        stage: str,
+    ) -> None:
+        if stage not in COLLECTIVE_STAGES:
+            raise ValueError(f"collective stage must be one of {COLLECTIVE_STAGES}, got {stage!r}")
+        self._write(
+            "collective", step_id,
+            group=group, op=op, phase=phase, shapes=shapes, pg_seq=pg_seq, stage=stage,
+        )
+
+    @contextmanager
+    def collective_span(
+        self,
+        step_id: int | None,
+        group: str,
+        op: str,
+        phase: int | None,
+        shapes: Any,
+        pg_seq: int | None,
+    ) -> Iterator[None]:
+        """`enqueue` before the body, `done` after it; nothing if the body raises.
+
+        A dangling `enqueue` is exactly what the replay checker reads as a hang, so an error
+        path must not paper over it with a `done` (the caller logs the `fault` itself).
+        """
+        self.collective(step_id, group, op, phase, shapes, pg_seq, "enqueue")
+        yield
+        self.collective(step_id, group, op, phase, shapes, pg_seq, "done")
+
+    def buffers(self, step_id: int | None, reason: str, fingerprints: Mapping[str, Any]) -> None:
+        snapshot = {str(name): _fingerprint(fp) for name, fp in fingerprints.items()}
+        self._write("buffers", step_id, reason=reason, buffers=snapshot)
+
+    def graph(self, step_id: int | None, action: str, **extra: Any) -> None:
+        if action not in GRAPH_ACTIONS:
+            raise ValueError(f"graph action must be one of {GRAPH_ACTIONS}, got {action!r}")
+        reserved = extra.keys() & _RESERVED
+        if reserved:
+            raise ValueError(f"graph record: extra fields {sorted(reserved)} are reserved")
+        self._write("graph", step_id, action=action, **extra)
+
+    def fault(self, step_id: int | None, error: str | BaseException, message: str) -> None:
+        error_name = type(error).__name__ if isinstance(error, BaseException) else str(error)
+        self._write("fault", step_id, error=error_name, message=str(message))
+
+    # -- lifecycle
+
+    def close(self) -> None:
+        with self._lock:
+            if not self._closed:
+                self._closed = True
+                self._sink.close()
+
+    def __enter__(self) -> AuditLog:
+        return self
+
+    def __exit__(self, *_exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"AuditLog({str(self.path)!r}, next_seq={self._next_seq}, closed={self._closed})"
+
+    # -- the one write path
+
+    def _write(self, event: str, step_id: int | None, **fields: Any) -> None:
+        with self._lock:
+            if self._closed:
+                raise AuditLogClosedError(
+                    f"audit log {self.path} is closed; cannot write {event!r} (step {step_id})"
+                )
+            # seq is only consumed once the line is written: a record that fails to
+            # serialise leaves no gap behind.
+            self._logger.msg(
+                event, seq=self._next_seq, t_ns=time.monotonic_ns(), step_id=step_id, **fields
+            )
+            self._next_seq += 1
+
+
+def _fingerprint(fp: Any) -> dict[str, Any]:
+    """{ptr, shape, version} from a dict, an object with those attributes, or a tensor."""
+    if isinstance(fp, Mapping):
+        ptr, shape, version = fp["ptr"], fp["shape"], fp["version"]
+    elif hasattr(fp, "data_ptr"):  # a torch tensor: its storage address and in-place counter
+        ptr, shape, version = fp.data_ptr(), fp.shape, fp._version
+    else:
+        ptr, shape, version = fp.ptr, fp.shape, fp.version
+    return {"ptr": int(ptr), "shape": [int(d) for d in shape], "version": int(version)}
+
+
+# ---------------------------------------------------------------- reading back
+
+
+def read_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
+    """Yield each record of one audit file; strict: any bad line raises with file:line."""
+    with open(path, "rb") as lines:
+        for line_no, line in enumerate(lines, start=1):
+            try:
+                record = json.loads(line)
+            except ValueError as err:
+                raise AuditLogFormatError(f"{path}:{line_no}: unparsable audit line: {err}") from err
+            if not isinstance(record, dict):
+                raise AuditLogFormatError(
+                    f"{path}:{line_no}: audit line is a {type(record).__name__}, expected an object"
+                )
+            yield record
+
+
+def strip_times(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy without wall-clock fields, for comparing runs against a golden file."""
+    return {key: value for key, value in record.items() if key not in TIME_FIELDS}
