@@ -89,11 +89,24 @@ def _cmd_demo(args) -> int:
     return main(["plan", "--pcp", "2", "--scheduled", "1,10", "--prefill", "0,1", "--computed", "37,0"])
 
 
+def _add_states(sub) -> None:
+    p = sub.add_parser("states", help="print the transition table as a Mermaid stateDiagram-v2")
+    p.set_defaults(func=_cmd_states)
+
+
+def _cmd_states(args) -> int:
+    from runner_fsm.states import mermaid
+
+    print(mermaid(), end="")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="runner-fsm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan(sub)
     _add_demo(sub)
+    _add_states(sub)
     return parser
 
 
