@@ -1,0 +1,1 @@
+"""The embedded engine: scheduler and multi-process launcher."""

@@ -1,0 +1,247 @@
+"""Start a DP x PCP job as local processes joined by gloo process groups on 127.0.0.1.
+
+`spawn(fn, layout, *args)` runs `fn(groups, *args)` in one process per global rank and returns
+the per-rank results. It never hangs: past its deadline it kills every child and raises, and
+when a child raises it kills the others at once (they may be blocked in a collective with it).
+A child leaves with `os._exit` after reporting and flushing logging and stdio: anything `fn`
+leaves buffered elsewhere must be flushed by `fn` itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import logging
+import multiprocessing as mp
+import os
+import pickle
+import queue as queue_module
+import socket
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from runner_fsm.config import ParallelLayout
+
+# How long a child that exited without a result may still have one in flight in the queue.
+_EXIT_GRACE_S = 0.5
+_POLL_S = 0.05
+
+
+@dataclasses.dataclass(frozen=True)
+class ProcessGroups:
+    """One process's groups and coordinates; every member of a group holds the same group."""
+
+    layout: ParallelLayout
+    global_rank: int
+    dp_rank: int
+    pcp_rank: int
+    world: dist.ProcessGroup  # every rank
+    dp: dist.ProcessGroup  # the replicas' ranks holding this PCP rank: the DP agreement's group
+    pcp: dist.ProcessGroup  # this replica's PCP ranks
+    expert: dist.ProcessGroup  # every rank: experts are parallel over DP x PCP
+
+
+class SpawnError(RuntimeError):
+    """A child process raised or died; names the rank and carries the child's traceback."""
+
+    def __init__(self, message: str, rank: int, exc_type: str = "", child_traceback: str = ""):
+        super().__init__(message)
+        self.rank = rank
+        self.exc_type = exc_type
+        self.child_traceback = child_traceback
+
+
+class SpawnTimeout(TimeoutError):
+    """The job did not finish by its deadline; every child was killed."""
+
+    def __init__(self, message: str, pending_ranks: list[int]):
+        super().__init__(message)
+        self.pending_ranks = pending_ranks
+
+
+def init_process_groups(
+    layout: ParallelLayout, global_rank: int, port: int, *, timeout_s: float = 60.0
+) -> ProcessGroups:
+    """Join the gloo job at 127.0.0.1:`port` and create every DP, PCP and expert group.
+
+    `new_group` is collective over the whole world, so every rank creates every group in the
+    same order and keeps the ones it belongs to.
+    """
+    timeout = datetime.timedelta(seconds=timeout_s)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=global_rank,
+        world_size=layout.world_size,
+        timeout=timeout,
+    )
+    dp_rank, pcp_rank = layout.coords(global_rank)
+    dp_groups = [dist.new_group(ranks, timeout=timeout) for ranks in layout.dp_group_ranks()]
+    pcp_groups = [dist.new_group(ranks, timeout=timeout) for ranks in layout.pcp_group_ranks()]
+    expert = dist.new_group(layout.expert_group_ranks(), timeout=timeout)
+    return ProcessGroups(
+        layout=layout,
+        global_rank=global_rank,
+        dp_rank=dp_rank,
+        pcp_rank=pcp_rank,
+        world=dist.group.WORLD,
+        dp=dp_groups[pcp_rank],
+        pcp=pcp_groups[dp_rank],
+        expert=expert,
+    )
+
+
+def spawn(
+    fn: Callable[..., Any],
+    layout: ParallelLayout,
+    *args: Any,
+    timeout_s: float = 120.0,
+    pg_timeout_s: float | None = None,
+) -> list[Any]:
+    """Run `fn(groups, *args)` on every global rank; return the results in rank order.
+
+    `fn` must be importable at module level (the `spawn` start method pickles it by name).
+    `timeout_s` bounds the whole job, start-up included; `pg_timeout_s` (default `timeout_s`)
+    bounds each collective inside it.
+    """
+    layout.validate()
+    context = mp.get_context("spawn")
+    results_queue = context.Queue()
+    port = _free_port()
+    deadline = time.monotonic() + timeout_s
+    child_args = (fn, layout, port, args, pg_timeout_s or timeout_s, results_queue)
+    processes: list[mp.process.BaseProcess] = []
+    try:
+        with _single_threaded_children():
+            for rank in range(layout.world_size):
+                process = context.Process(
+                    target=_child_main, args=(rank, *child_args), name=f"runner-rank-{rank}"
+                )
+                process.start()
+                processes.append(process)
+        results = _collect(processes, results_queue, deadline)
+        _join_all(processes, deadline)
+        return [results[rank] for rank in range(layout.world_size)]
+    finally:
+        _kill_all(processes)
+        results_queue.close()
+
+
+def _child_main(rank, fn, layout, port, args, pg_timeout_s, results_queue) -> None:
+    torch.set_num_threads(1)  # children share a few cores; intra-op threads only contend
+    ok = _run_and_report(rank, fn, layout, port, args, pg_timeout_s, results_queue)
+    results_queue.close()
+    results_queue.join_thread()  # the report is in the pipe before the process goes
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Skip interpreter teardown: unloading torch costs ~0.4 s of CPU per child, for nothing.
+    os._exit(0 if ok else 1)
+
+
+def _run_and_report(rank, fn, layout, port, args, pg_timeout_s, results_queue) -> bool:
+    initialized = False
+    try:
+        groups = init_process_groups(layout, rank, port, timeout_s=pg_timeout_s)
+        initialized = True
+        # Pickle here, so that an unpicklable result is reported as this rank's error.
+        payload = pickle.dumps(fn(groups, *args))
+        # Rank 0 hosts the store: nobody leaves while a peer may still need it.
+        dist.barrier(group=groups.world)
+        results_queue.put((rank, True, payload))
+        return True
+    except BaseException as error:  # report everything, KeyboardInterrupt included
+        report = (type(error).__qualname__, str(error), traceback.format_exc())
+        results_queue.put((rank, False, report))
+        return False
+    finally:
+        if initialized:
+            dist.destroy_process_group()
+
+
+def _collect(processes, results_queue, deadline: float) -> dict[int, Any]:
+    results: dict[int, Any] = {}
+    dead_since: dict[int, float] = {}
+    while len(results) < len(processes):
+        now = time.monotonic()
+        if now >= deadline:
+            pending = [rank for rank in range(len(processes)) if rank not in results]
+            raise SpawnTimeout(
+                f"ranks {pending} did not finish before the deadline; killed every child",
+                pending,
+            )
+        try:
+            rank, ok, payload = results_queue.get(timeout=min(_POLL_S, deadline - now))
+        except queue_module.Empty:
+            _check_dead(processes, results, dead_since)
+            continue
+        if not ok:
+            exc_type, message, child_traceback = payload
+            raise SpawnError(
+                f"rank {rank} raised {exc_type}: {message}\n--- traceback of rank {rank} ---\n"
+                f"{child_traceback}",
+                rank=rank,
+                exc_type=exc_type,
+                child_traceback=child_traceback,
+            )
+        results[rank] = pickle.loads(payload)
+    return results
+
+
+def _check_dead(processes, results: dict[int, Any], dead_since: dict[int, float]) -> None:
+    """Fail for a child that exited without a result once its last message had time to land."""
+    now = time.monotonic()
+    for rank, process in enumerate(processes):
+        if rank in results or process.is_alive():
+            continue
+        first_seen = dead_since.setdefault(rank, now)
+        if now - first_seen >= _EXIT_GRACE_S:
+            raise SpawnError(
+                f"rank {rank} exited with code {process.exitcode} without reporting a result",
+                rank=rank,
+            )
+
+
+def _join_all(processes, deadline: float) -> None:
+    for rank, process in enumerate(processes):
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            raise SpawnTimeout(
+                f"rank {rank} reported its result but did not exit before the deadline", [rank]
+            )
+
+
+def _kill_all(processes) -> None:
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+    for process in processes:
+        process.join(timeout=5.0)
+
+
+def _free_port() -> int:
+    # The port is free now; rank 0 binds it a moment later (a small, accepted race).
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextlib.contextmanager
+def _single_threaded_children() -> Iterator[None]:
+    """Children inherit the environment at start: OMP must see 1 thread before torch loads."""
+    saved = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if saved is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = saved
