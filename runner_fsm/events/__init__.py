@@ -1,0 +1,67 @@
+"""The closed vocabulary of events a replica consumes.
+
+Each event is a small frozen dataclass. The driver turns an event into triggers of the
+transition table; nothing else in the code triggers a transition.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import ClassVar, Union
+
+from runner_fsm.batch import ScheduledBatch
+from runner_fsm.states import Trigger
+
+
+@dataclasses.dataclass(frozen=True)
+class Capture:
+    """Capture the graphs of the configured sizes (none in eager mode), then be ready."""
+
+    triggers: ClassVar[tuple[Trigger, ...]] = (Trigger.CAPTURE, Trigger.CAPTURED)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class RealStep:
+    """A step with scheduled work; `batch` was validated before the event was made."""
+
+    batch: ScheduledBatch
+
+    @property
+    def trigger(self) -> Trigger:
+        return Trigger.PREFILL if self.batch.any_prefill else Trigger.DECODE
+
+
+@dataclasses.dataclass(frozen=True)
+class DummyStep:
+    """A step with no work here: join the peers' collectives with a dummy batch."""
+
+    trigger: ClassVar[Trigger] = Trigger.IDLE
+
+
+@dataclasses.dataclass(frozen=True)
+class DraftStep:
+    """The replicated draft of a step: its own DP agreements on every replica."""
+
+    trigger: ClassVar[Trigger] = Trigger.DRAFT
+
+
+@dataclasses.dataclass(frozen=True)
+class Shutdown:
+    """Stop: refuse pending events with `reason`, destroy groups, flush logs."""
+
+    reason: str = "shutdown requested"
+    trigger: ClassVar[Trigger] = Trigger.SHUTDOWN
+
+
+@dataclasses.dataclass(frozen=True)
+class Fault:
+    """An error from outside a transition (for example a peer's abort) ends the replica."""
+
+    error: BaseException
+    trigger: ClassVar[Trigger] = Trigger.FAULT
+
+
+Event = Union[Capture, RealStep, DummyStep, DraftStep, Shutdown, Fault]
+StepEvent = Union[RealStep, DummyStep]
+
+__all__ = ["Capture", "DraftStep", "DummyStep", "Event", "Fault", "RealStep", "Shutdown", "StepEvent"]

@@ -1,0 +1,115 @@
+"""Captured decode graphs, and the check that a replay reads refreshed buffers.
+
+A graph reads its inputs from the persistent buffers by address. Before every replay the
+runner checks that (1) every buffer still has the storage and shape it had at capture and
+(2) every buffer was written since the step began: the first `idle_dummy` after a real
+batch must refresh the buffers for the dummy, or the graph would replay the real batch.
+Either failure is a `StaleBufferError` and nothing runs.
+
+Back-ends: `static` (CPU) re-runs the forward reading nothing but the persistent buffers,
+so stale-buffer faults reproduce without an accelerator; `cuda` captures
+`torch.cuda.CUDAGraph`s; `npu` uses `torch_npu`'s NPUGraph, imported only when asked for.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Mapping
+
+import torch
+
+from runner_fsm.errors import ConfigError, RunnerError, StaleBufferError
+from runner_fsm.pcp.buffers import BufferFingerprint, PersistentBuffers, stale_buffers
+
+BACKENDS = ("static", "cuda", "npu")
+Fingerprints = Mapping[str, BufferFingerprint]
+
+
+def backend_for(device: torch.device) -> str:
+    return {"cuda": "cuda", "npu": "npu"}.get(device.type, "static")
+
+
+class GraphRunner:
+    """Decode graphs of one replica, one per capture size, reading only `buffers`.
+
+    `forward(num_tokens)` must read its inputs from `buffers` alone and return a tensor.
+    """
+
+    def __init__(self, buffers: PersistentBuffers, forward: Callable[[int], torch.Tensor],
+                 *, backend: str = "static", audit=None):
+        if backend not in BACKENDS:
+            raise ConfigError(f"graph backend must be one of {BACKENDS}, got {backend!r}")
+        self.buffers = buffers
+        self.backend = backend
+        self._forward = forward
+        self._audit = audit
+        self._captured: dict[int, Fingerprints] = {}
+        self._graphs: dict[int, Any] = {}
+        self._outputs: dict[int, torch.Tensor] = {}
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(sorted(self._captured))
+
+    def capture(self, sizes, *, step_id: int | None = None) -> None:
+        for size in sizes:
+            self.buffers.write_dummy(1, size)  # capture reads a well-formed dummy
+            if self.backend == "static":
+                self._outputs[size] = self._forward(size)
+            else:
+                self._graphs[size], self._outputs[size] = _capture_device_graph(
+                    self.backend, lambda: self._forward(size))
+            fingerprint = self.buffers.fingerprint()
+            self._captured[size] = fingerprint
+            if self._audit is not None:
+                self._audit.graph(step_id, "capture", num_tokens=size, backend=self.backend)
+                self._audit.buffers(step_id, "capture", fingerprint)
+
+    def replay(self, size: int, *, step_id: int, since: Fingerprints) -> torch.Tensor:
+        """Replay the graph of `size`; `since` is the fingerprint taken when the step began."""
+        if size not in self._captured:
+            raise RunnerError(f"step {step_id}: no graph captured for {size} tokens (have {self.sizes})")
+        now = self.buffers.fingerprint()
+        check_replay(self._captured[size], since, now, step_id=step_id)
+        if self._audit is not None:
+            self._audit.buffers(step_id, "replay", now)
+            self._audit.graph(step_id, "replay", num_tokens=size, backend=self.backend)
+        if self.backend == "static":
+            return self._forward(size)
+        self._graphs[size].replay()
+        return self._outputs[size]
+
+
+def check_replay(captured: Fingerprints, since: Fingerprints, now: Fingerprints, *, step_id) -> None:
+    """Raise `StaleBufferError` when storage moved since capture or a buffer was not refreshed."""
+    moved = [n for n in captured if (now[n].ptr, now[n].shape) != (captured[n].ptr, captured[n].shape)]
+    if moved:
+        details = ", ".join(f"{n} {captured[n].ptr:#x}->{now[n].ptr:#x}" for n in moved)
+        raise StaleBufferError(
+            f"step {step_id}: graph replay refused: storage of {details} differs from capture"
+        )
+    stale = stale_buffers(since, now)
+    if stale:
+        raise StaleBufferError(
+            f"step {step_id}: graph replay refused: buffers {list(stale)} were not refreshed"
+            f" this step (versions {[now[n].version for n in stale]} unchanged)"
+        )
+
+
+def _capture_device_graph(backend: str, run: Callable[[], torch.Tensor]):
+    if backend == "cuda":
+        graph_cls, stream_fn = torch.cuda.CUDAGraph, torch.cuda.Stream
+        graph_ctx, current = torch.cuda.graph, torch.cuda.current_stream
+    else:
+        import torch_npu  # noqa: F401  (only on the NPU path: it needs Ascend's CANN)
+
+        graph_cls, stream_fn = torch.npu.NPUGraph, torch.npu.Stream
+        graph_ctx, current = torch.npu.graph, torch.npu.current_stream
+    side = stream_fn()
+    side.wait_stream(current())
+    with torch.cuda.stream(side) if backend == "cuda" else torch.npu.stream(side):
+        run()  # warm-up outside the graph: lazy initialisation must not be captured
+    current().wait_stream(side)
+    graph = graph_cls()
+    with graph_ctx(graph):
+        output = run()
+    return graph, output

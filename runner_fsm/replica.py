@@ -1,0 +1,207 @@
+"""One replica's step work, bound to the transitions of the state machine.
+
+The order inside a step is fixed:
+validate -> plan / dummy -> DP agreement -> buffers -> forward -> restore -> sample -> draft sync.
+
+- `prefill` / `decode`: validation runs in the `ready` state (before anything changes);
+  the rest runs in the step state.
+- `idle_dummy`: agreement with 0 tokens; unless every replica is idle, a dummy batch of
+  the agreed size, a PCP context built from the dummy alone (never from saved state), the
+  buffers refreshed for the dummy (same storage), and the forward.
+- `draft_sync`: on every replica, fresh agreements for the replicated draft: DRAFT_PREFILL
+  and, when K > 1, DRAFT_DECODE. The target's PCP-local agreement is never reused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from runner_fsm import dp
+from runner_fsm.batch import ScheduledBatch, validate_batch
+from runner_fsm.collectives import CollectiveRunner
+from runner_fsm.components import Agreement, Drafter, ForwardStep, Model
+from runner_fsm.config import GraphMode, RunnerConfig
+from runner_fsm.events import RealStep
+from runner_fsm.graphs import GraphRunner, backend_for
+from runner_fsm.machine import Handler, ReplicaMachine
+from runner_fsm.pcp.buffers import PersistentBuffers
+from runner_fsm.pcp.context import PCPContextState
+from runner_fsm.pcp.plan import num_tokens_for_dispatch, plan_batch
+from runner_fsm.spec import tokens_per_request
+from runner_fsm.states import Trigger
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class StepOutput:
+    """What a step produced on this rank; identical on the PCP ranks of a replica."""
+
+    step_id: int
+    trigger: Trigger
+    agreed: dp.DPSyncState
+    num_rows: int  # rows this rank executed (0 when every replica was idle)
+    graph: bool
+    sampled: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+    drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
+
+
+class Replica:
+    """The step work of one (dp_rank, pcp_rank) process, driven by its `ReplicaMachine`."""
+
+    def __init__(self, config: RunnerConfig, *, dp_rank: int, pcp_rank: int, model: Model,
+                 agreement: Agreement, collectives: CollectiveRunner, audit=None,
+                 drafter: Drafter | None = None, device: str = "cpu"):
+        self.config = config.validate()
+        self.dp_rank, self.pcp_rank = dp_rank, pcp_rank
+        self.model, self.agreement, self.drafter = model, agreement, drafter
+        self.collectives, self.audit = collectives, audit
+        self.buffers = PersistentBuffers(config, device)
+        self.contexts = PCPContextState(config.layout.pcp_size, pcp_rank)
+        self.graphs = GraphRunner(self.buffers, self._graph_forward,
+                                  backend=backend_for(self.buffers.device), audit=audit)
+        self.step_id = -1
+        self.output: StepOutput | None = None
+        self.agreed_this_step = False  # an abort must still join the step's agreement
+        self._batch: ScheduledBatch | None = None
+        self._step_start_fingerprint = None
+        self.machine = ReplicaMachine(self._handlers(), on_record=self._record_transition,
+                                      on_fault=self._record_fault)
+
+    @property
+    def drafting(self) -> bool:
+        return self.config.num_speculative_tokens > 0
+
+    def _handlers(self) -> dict[Trigger, Handler]:
+        return {
+            Trigger.CAPTURE: Handler(after=self._capture),
+            Trigger.PREFILL: Handler(before=self._begin_real, after=self._run_real),
+            Trigger.DECODE: Handler(before=self._begin_real, after=self._run_real),
+            Trigger.IDLE: Handler(before=self._begin_dummy, after=self._run_dummy),
+            Trigger.DRAFT: Handler(after=self._run_draft),
+        }
+
+    # -- audit ------------------------------------------------------------------------
+
+    def _record_transition(self, trigger, src, dst, outcome) -> None:
+        if self.audit is not None:
+            self.audit.transition(self.step_id, trigger.value, src.value, dst.value, outcome)
+
+    def _record_fault(self, error: BaseException) -> None:
+        if self.audit is not None:
+            self.audit.fault(self.step_id, error, f"dp_rank {self.dp_rank}: {error}")
+
+    # -- capture ----------------------------------------------------------------------
+
+    def _capture(self, _event) -> None:
+        if self.config.graph_mode is GraphMode.FULL_DECODE_ONLY:
+            self.graphs.capture(self.config.capture_sizes, step_id=self.step_id)
+
+    def _graph_forward(self, num_tokens: int):
+        # In graph mode every replica runs the same padded count: the exchange is uniform.
+        agreed = dp.DPSyncState(self.step_id, dp.TARGET, (num_tokens,) * self.config.layout.dp_size,
+                                dp.GRAPH_FULL, 0, 1, False)
+        step = ForwardStep(self.step_id, num_tokens, agreed, num_tokens, is_dummy=self.buffers.is_dummy)
+        return self.model.forward(self.buffers, step)
+
+    # -- steps ------------------------------------------------------------------------
+
+    def _begin_step(self) -> None:
+        self.step_id += 1
+        self.output, self.agreed_this_step = None, False
+        self._step_start_fingerprint = self.buffers.fingerprint()
+
+    def _begin_real(self, event: RealStep) -> None:
+        self._begin_step()  # the step id moves first, so an abort names the step peers are at
+        validate_batch(event.batch, self.config, where=f"replica {self.dp_rank}, step {self.step_id}")
+        self._batch = event.batch
+
+    def _begin_dummy(self, _event) -> None:
+        self._begin_step()
+        self._batch = None
+
+    async def _agree(self, local: dp.LocalDispatch) -> dp.DPSyncState:
+        self.agreed_this_step = True
+        return await self.collectives.run(
+            "dp", "all_reduce", self.agreement.sync, local, step_id=self.step_id,
+            phase=local.phase, shapes=[(len(dp.ROWS), self.config.layout.dp_size)])
+
+    def _wants_graph(self, num_tokens: int, uniform: int) -> int:
+        cfg = self.config
+        fits = bool(cfg.capture_sizes) and num_tokens <= cfg.capture_sizes[-1]
+        ok = cfg.graph_mode is GraphMode.FULL_DECODE_ONLY and uniform > 0 and fits
+        return dp.GRAPH_FULL if ok else dp.GRAPH_EAGER
+
+    async def _run_real(self, event: RealStep) -> None:
+        batch, cfg = event.batch, self.config
+        pcp = cfg.layout.pcp_size
+        n = num_tokens_for_dispatch(batch.num_scheduled, batch.is_prefilling, pcp, chunking=cfg.chunking)
+        uniform = batch.uniform_query_len()
+        agreed = await self._agree(dp.LocalDispatch(
+            self.step_id, dp.TARGET, dp.STATUS_OK, n, self._wants_graph(n, uniform), uniform, batch.num_reqs))
+        padded = agreed.num_tokens_for(self.dp_rank)
+        plan = plan_batch(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp,
+                          padded_num_tokens=padded, chunking=cfg.chunking)
+        ctx = self.contexts.for_real(plan, batch.block_tables, cfg.block_size)
+        self.buffers.write_real(plan, self.pcp_rank, batch.token_ids, batch.block_tables,
+                                ctx.gathered_slot_mapping)
+        self._log_buffers("real")
+        local = await self._forward(ForwardStep(self.step_id, padded, agreed, n))
+        restored = self.model.restore(local, ctx)
+        sampled = tokens_per_request(np.asarray(self.model.sample(restored)), batch)
+        self.output = StepOutput(self.step_id, event.trigger, agreed, padded, agreed.use_graph, sampled)
+
+    async def _run_dummy(self, _event) -> None:
+        graph = dp.GRAPH_FULL if self.graphs.sizes else dp.GRAPH_EAGER
+        agreed = await self._agree(dp.LocalDispatch(self.step_id, dp.TARGET, dp.STATUS_OK, 0, graph, 0, 0))
+        rows = 0
+        if not agreed.all_idle:
+            # Eager peers keep their own counts (ours is 0): a one-row dummy joins them.
+            rows = max(1, agreed.num_tokens_for(self.dp_rank))
+            ctx = self.contexts.for_dummy(rows, num_reqs=1)
+            self.buffers.write_dummy(1, rows)
+            self._log_buffers("dummy")
+            step = ForwardStep(self.step_id, rows, agreed, 0, is_dummy=True)
+            self.model.restore(await self._forward(step), ctx)
+        self.output = StepOutput(self.step_id, Trigger.IDLE, agreed, rows, agreed.use_graph)
+
+    async def _forward(self, step: ForwardStep):
+        if step.agreed.use_graph:
+            return self.graphs.replay(step.num_rows, step_id=self.step_id, since=self._step_start_fingerprint)
+        return await self.collectives.run_local(self.model.forward, self.buffers, step)
+
+    async def _run_draft(self, _event) -> None:
+        batch, k, drafter = self._batch, self.config.num_speculative_tokens, self.drafter
+        sampled = self.output.sampled if self.output is not None else {}
+        # The draft is replicated: it runs the global batch, so its counts are global too.
+        rows = drafter.prefill_rows(batch, sampled) if batch is not None else 0
+        reqs = batch.num_reqs if batch is not None else 0
+        agreed = await self._agree(dp.LocalDispatch(self.step_id, dp.DRAFT_PREFILL, 0, rows, 0, 0, reqs))
+        if not agreed.all_idle:
+            step = ForwardStep(self.step_id, max(1, rows), agreed, rows, is_dummy=batch is None)
+            await self.collectives.run_local(drafter.prefill, batch, sampled, step)
+        if k > 1:
+            agreed = await self._agree(dp.LocalDispatch(self.step_id, dp.DRAFT_DECODE, 0, reqs, 0, 0, reqs))
+            if not agreed.all_idle:
+                step = ForwardStep(self.step_id, max(1, reqs), agreed, reqs, is_dummy=batch is None)
+                for _ in range(k - 1):
+                    await self.collectives.run_local(drafter.decode, step)
+        if batch is not None:
+            self.output = dataclasses.replace(self.output, drafts=drafter.proposals())
+
+    def _log_buffers(self, reason: str) -> None:
+        if self.audit is not None:
+            self.audit.buffers(self.step_id, reason, self.buffers.fingerprint())
+
+    # -- abort ------------------------------------------------------------------------
+
+    async def abort_peers(self, status: int) -> Any:
+        """Join this step's agreement with `status` so peers stop with our reason."""
+        if self.agreed_this_step:
+            return None
+        local = dp.LocalDispatch(self.step_id, dp.TARGET, status, 0, 0, 0, 0)
+        try:
+            return await self._agree(local)
+        except Exception as exc:  # the ReplicaFault naming us is the expected outcome
+            return exc

@@ -1,0 +1,1 @@
+"""In-process fakes and scripted scenarios for tests and benchmarks (not used in production)."""

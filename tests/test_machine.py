@@ -1,0 +1,130 @@
+"""The replica state machine: legal and illegal triggers, faults, cancellation."""
+
+import asyncio
+
+import anyio
+import pytest
+
+from runner_fsm.machine import Handler, ReplicaMachine, TransitionRefused
+from runner_fsm.states import TRANSITIONS, State, Trigger, next_state
+
+pytestmark = pytest.mark.asyncio
+
+
+def _recording_machine(handlers=None):
+    records = []
+    machine = ReplicaMachine(handlers or {}, on_record=lambda *r: records.append(r))
+    return machine, records
+
+
+def _force(machine: ReplicaMachine, state: State) -> None:
+    machine._machine.set_state(state.value, machine)  # test-only: start from any state
+
+
+@pytest.mark.parametrize("src, trigger", [(s, t.trigger) for t in TRANSITIONS for s in t.sources])
+async def test_every_legal_transition(src, trigger):
+    machine, records = _recording_machine()
+    _force(machine, src)
+    if trigger is Trigger.FAULT:
+        await machine.fault(RuntimeError("injected"))
+    else:
+        await machine.fire(trigger)
+    assert machine.state is next_state(src, trigger)
+    assert records[-1] == (trigger, src, machine.state, "ok")
+
+
+@pytest.mark.parametrize("src, trigger", [
+    (State.INIT, Trigger.PREFILL), (State.READY, Trigger.FINISH), (State.PREFILL, Trigger.IDLE),
+    (State.DRAFT_SYNC, Trigger.DRAFT), (State.FAULTED, Trigger.DECODE), (State.STOPPED, Trigger.CAPTURE),
+    (State.DECODE, Trigger.SHUTDOWN),
+])
+async def test_illegal_triggers_are_refused_and_logged(src, trigger):
+    machine, records = _recording_machine()
+    _force(machine, src)
+    with pytest.raises(TransitionRefused, match=f"'{trigger.value}' is not allowed from state '{src.value}'"):
+        await machine.fire(trigger)
+    assert machine.state is src
+    assert records == [(trigger, src, src, "refused")]
+
+
+async def test_bare_strings_are_not_triggers():
+    machine, _ = _recording_machine()
+    with pytest.raises(TypeError):
+        await machine.fire("capture")
+
+
+async def test_callbacks_run_in_order_in_one_task():
+    seen = []
+
+    async def after(event):
+        seen.append(("after", event, asyncio.current_task()))
+        await asyncio.sleep(0)
+        seen.append(("after-end", event, asyncio.current_task()))
+
+    def before(event):
+        seen.append(("before", event, asyncio.current_task()))
+
+    machine, _ = _recording_machine({Trigger.CAPTURE: Handler(before=before, after=after)})
+    await machine.fire(Trigger.CAPTURE, "E")
+    task = asyncio.current_task()
+    assert [(s[0], s[1]) for s in seen] == [("before", "E"), ("after", "E"), ("after-end", "E")]
+    assert all(s[2] is task for s in seen)
+
+
+async def test_error_in_callback_faults_with_cause():
+    def boom(event):
+        raise ValueError("bad block table")
+
+    machine, records = _recording_machine({Trigger.PREFILL: Handler(after=boom)})
+    _force(machine, State.READY)
+    with pytest.raises(ValueError, match="bad block table"):
+        await machine.fire(Trigger.PREFILL)
+    assert machine.state is State.FAULTED
+    assert isinstance(machine.fault_cause, ValueError)
+    assert records == [(Trigger.PREFILL, State.READY, State.PREFILL, "error"),
+                       (Trigger.FAULT, State.PREFILL, State.FAULTED, "ok")]
+
+
+async def test_error_in_before_faults_from_source_state():
+    def invalid(event):
+        raise ValueError("negative count")
+
+    machine, records = _recording_machine({Trigger.DECODE: Handler(before=invalid)})
+    _force(machine, State.READY)
+    with pytest.raises(ValueError):
+        await machine.fire(Trigger.DECODE)
+    assert records[0] == (Trigger.DECODE, State.READY, State.READY, "error")
+    assert machine.state is State.FAULTED
+
+
+async def test_timed_out_trigger_is_not_reported_as_success():
+    async def hang(event):
+        await anyio.sleep(30)
+
+    machine, records = _recording_machine({Trigger.IDLE: Handler(after=hang)})
+    _force(machine, State.READY)
+    with pytest.raises(TimeoutError):
+        with anyio.fail_after(0.05):
+            await machine.fire(Trigger.IDLE)
+    assert records == [(Trigger.IDLE, State.READY, State.IDLE_DUMMY, "cancelled")]
+
+
+async def test_cancelled_trigger_propagates_cancellation():
+    async def hang(event):
+        await anyio.sleep(30)
+
+    machine, records = _recording_machine({Trigger.CAPTURE: Handler(after=hang)})
+    task = asyncio.ensure_future(machine.fire(Trigger.CAPTURE))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert records[-1][3] == "cancelled"
+
+
+async def test_fault_after_stop_is_a_no_op():
+    machine, records = _recording_machine()
+    await machine.fire(Trigger.SHUTDOWN)
+    await machine.fault(RuntimeError("late"))
+    assert machine.state is State.STOPPED
+    assert machine.fault_cause is None
