@@ -25,6 +25,7 @@ from runner_fsm.collectives import CollectiveRunner
 from runner_fsm.components import Agreement, Drafter, ForwardStep, Model
 from runner_fsm.config import GraphMode, RunnerConfig
 from runner_fsm.events import RealStep
+from runner_fsm.faults import NO_FAULTS, Injector
 from runner_fsm.graphs import GraphRunner, backend_for
 from runner_fsm.machine import Handler, ReplicaMachine
 from runner_fsm.pcp.buffers import PersistentBuffers
@@ -52,11 +53,12 @@ class Replica:
 
     def __init__(self, config: RunnerConfig, *, dp_rank: int, pcp_rank: int, model: Model,
                  agreement: Agreement, collectives: CollectiveRunner, audit=None,
-                 drafter: Drafter | None = None, device: str = "cpu"):
+                 drafter: Drafter | None = None, device: str = "cpu", injector: Injector = NO_FAULTS):
         self.config = config.validate()
         self.dp_rank, self.pcp_rank = dp_rank, pcp_rank
         self.model, self.agreement, self.drafter = model, agreement, drafter
         self.collectives, self.audit = collectives, audit
+        self.injector = injector
         self.buffers = PersistentBuffers(config, device)
         self.contexts = PCPContextState(config.layout.pcp_size, pcp_rank)
         self.graphs = GraphRunner(self.buffers, self._graph_forward,
@@ -68,6 +70,9 @@ class Replica:
         self._step_start_fingerprint = None
         self.machine = ReplicaMachine(self._handlers(), on_record=self._record_transition,
                                       on_fault=self._record_fault)
+
+    def fault_due(self, kind: str) -> bool:
+        return self.injector.due(kind, self.dp_rank, self.step_id)
 
     @property
     def drafting(self) -> bool:

@@ -72,7 +72,7 @@ class ReplicaRunner:
             return None
         if isinstance(event, (RealStep, DummyStep)):
             await fire(event.trigger, event)
-            if self.replica.drafting:
+            if self.replica.drafting and not self.replica.fault_due("skip-draft-sync"):
                 await fire(Trigger.DRAFT, event)
             await fire(Trigger.FINISH, event)
             return self.replica.output

@@ -15,7 +15,7 @@ from runner_fsm.testing.fakes import FakeDrafter, FakeModel
 
 def make_runner(config: RunnerConfig, agreement, *, run_dir=None, run_id: str = "test",
                 model=None, drafter=None, dp_rank: int = 0, pcp_rank: int = 0,
-                on_close=None) -> ReplicaRunner:
+                on_close=None, injector=None) -> ReplicaRunner:
     layout = config.layout
     global_rank = layout.global_rank(dp_rank, pcp_rank)
     audit = AuditLog(run_dir, run_id, global_rank, dp_rank, pcp_rank) if run_dir is not None else None
@@ -24,7 +24,7 @@ def make_runner(config: RunnerConfig, agreement, *, run_dir=None, run_id: str = 
     replica = Replica(
         config, dp_rank=dp_rank, pcp_rank=pcp_rank, model=model or FakeModel(),
         agreement=agreement, collectives=CollectiveRunner(audit, config.collective_timeout_s),
-        audit=audit, drafter=drafter,
+        audit=audit, drafter=drafter, **({"injector": injector} if injector else {}),
     )
     return ReplicaRunner(replica, on_close=on_close)
 
