@@ -27,6 +27,7 @@ from runner_fsm.errors import RunnerError
 from runner_fsm.states import TRANSITIONS, State, Trigger
 
 Callback = Callable[[Any], Optional[Awaitable[None]]]
+_STATES = {s.value: s for s in State}
 
 
 class TransitionRefused(RunnerError):
@@ -47,6 +48,11 @@ class _SerialAsyncMachine(AsyncMachine):
     @staticmethod
     async def await_all(callables):
         return [await func() for func in callables]
+
+    async def callbacks(self, funcs, event_data):
+        # One after another; most hooks are empty, so skip building partials for them.
+        for func in funcs:
+            await self.callback(func, event_data)
 
     async def cancel_running_transitions(self, model, msg=None):
         return None
@@ -120,11 +126,11 @@ class ReplicaMachine:
 
     def _keep_error(self, event_data) -> None:
         self._error = event_data.error
-        self._error_state = State(self._fsm_state)
+        self._error_state = _STATES[self._fsm_state]
 
     @property
     def state(self) -> State:
-        return State(self._fsm_state)
+        return _STATES[self._fsm_state]
 
     async def fire(self, trigger: Trigger, event: Any = None) -> State:
         """Run `trigger`; on error fault the replica and re-raise the cause."""
