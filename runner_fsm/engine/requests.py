@@ -1,0 +1,79 @@
+"""Requests of the embedded engine, their assignment to replicas, and greedy outputs."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from runner_fsm.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """A prompt to complete greedily; identical on every rank that knows it."""
+
+    req_id: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    arrival_step: int = 0  # the engine step at which it becomes schedulable
+    replica: int | None = None  # pinned by a trace; None: round-robin
+
+    def __post_init__(self):
+        if not self.prompt:
+            raise ConfigError(f"request {self.req_id!r} has an empty prompt")
+        if self.max_new_tokens < 1:
+            raise ConfigError(f"request {self.req_id!r} needs max_new_tokens >= 1, got {self.max_new_tokens}")
+
+
+def assign(requests: Sequence[Request], dp_size: int) -> list[list[Request]]:
+    """Per replica, its requests: trace-pinned ones where pinned, the rest round-robin."""
+    per_replica: list[list[Request]] = [[] for _ in range(dp_size)]
+    next_replica = 0
+    for req in requests:
+        if req.replica is not None:
+            if not 0 <= req.replica < dp_size:
+                raise ConfigError(f"request {req.req_id!r} is pinned to replica {req.replica},"
+                                  f" but dp_size is {dp_size}")
+            per_replica[req.replica].append(req)
+        else:
+            per_replica[next_replica].append(req)
+            next_replica = (next_replica + 1) % dp_size
+    return per_replica
+
+
+def synthetic_requests(num: int, *, vocab_size: int, seed: int = 0, min_prompt: int = 4,
+                       max_prompt: int = 48, max_new_tokens: int = 8,
+                       arrival_every: int = 0) -> list[Request]:
+    """Random prompts (a fixed seed makes them identical on every rank)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(num):
+        length = int(rng.integers(min_prompt, max_prompt + 1))
+        prompt = tuple(int(t) for t in rng.integers(1, vocab_size, length))
+        out.append(Request(f"r{i}", prompt, max_new_tokens, arrival_step=i * arrival_every))
+    return out
+
+
+def load_trace(path: str | Path) -> list[Request]:
+    """A JSON Lines trace: {"id", "prompt": [ids], "max_new_tokens", "arrival_step"?, "replica"?}."""
+    requests = []
+    for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+            requests.append(Request(str(obj["id"]), tuple(int(t) for t in obj["prompt"]),
+                                    int(obj["max_new_tokens"]), int(obj.get("arrival_step", 0)),
+                                    obj.get("replica")))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"{path}:{line_no}: bad trace line ({exc})") from None
+    return requests
+
+
+def outputs_equal(a: dict[str, list[int]], b: dict[str, list[int]]) -> list[str]:
+    """Request ids whose outputs differ (empty when equal)."""
+    return sorted(rid for rid in set(a) | set(b) if a.get(rid) != b.get(rid))
