@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from runner_fsm.engine.commands import add_demo, add_run
 from runner_fsm.errors import RunnerError
 
 
@@ -77,18 +78,6 @@ def _format_plan(plan, chunking: str) -> str:
     return "\n".join(lines)
 
 
-def _add_demo(sub) -> None:
-    p = sub.add_parser("demo", help="the main job: a DP x PCP demo on the CPU")
-    p.set_defaults(func=_cmd_demo)
-
-
-def _cmd_demo(args) -> int:
-    print("runner-fsm demo: the PCP plan of DESIGN.md's worked example (P=2; request 0 a decode")
-    print("with 37 computed tokens, request 1 a fresh 10-token prefill). The multi-process")
-    print("DP x PCP engine demo replaces this once the embedded engine lands.\n")
-    return main(["plan", "--pcp", "2", "--scheduled", "1,10", "--prefill", "0,1", "--computed", "37,0"])
-
-
 def _add_states(sub) -> None:
     p = sub.add_parser("states", help="print the transition table as a Mermaid stateDiagram-v2")
     p.set_defaults(func=_cmd_states)
@@ -101,12 +90,39 @@ def _cmd_states(args) -> int:
     return 0
 
 
+_MODEL_SHAPE_FLAGS = ("layers", "hidden", "heads", "kv_heads", "experts", "top_k", "vocab", "intermediate")
+
+
+def _add_make_model(sub) -> None:
+    p = sub.add_parser("make-model", help="write a tiny random Mixtral checkpoint (no network)")
+    p.add_argument("dir", help="output directory: config.json, model.safetensors, tokenizer files")
+    for name in _MODEL_SHAPE_FLAGS:
+        p.add_argument("--" + name.replace("_", "-"), dest=name, type=int, default=None)
+    p.add_argument("--seed", type=int, default=0, help="weights are a function of the seed")
+    p.add_argument("--draft", action="store_true", help="the smaller draft defaults (same vocab)")
+    p.set_defaults(func=_cmd_make_model)
+
+
+def _cmd_make_model(args) -> int:
+    from runner_fsm.model.make import DRAFT_SPEC, TARGET_SPEC, make_random_model, with_overrides
+
+    base = DRAFT_SPEC if args.draft else TARGET_SPEC
+    spec = with_overrides(base, **{name: getattr(args, name) for name in _MODEL_SHAPE_FLAGS})
+    cfg = make_random_model(args.dir, spec, seed=args.seed)
+    print(f"wrote {args.dir}: {cfg.num_hidden_layers} layers, hidden {cfg.hidden_size}, {cfg.num_attention_heads}"
+          f" heads ({cfg.num_key_value_heads} kv) of {cfg.head_dim}, {cfg.num_local_experts} experts top-"
+          f"{cfg.num_experts_per_tok}, vocab {cfg.vocab_size}, seed {args.seed}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="runner-fsm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     _add_plan(sub)
-    _add_demo(sub)
+    add_demo(sub)
+    add_run(sub)
     _add_states(sub)
+    _add_make_model(sub)
     return parser
 
 

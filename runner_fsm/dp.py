@@ -251,3 +251,24 @@ def _validate(rows: list[list[int]]) -> None:
                 raise ValueError(
                     f"replica {rank} sent {ROWS[row]}={column[row]} at step {step}; expected >= 0"
                 )
+
+
+class GlooAgreement:
+    """The replica's agreement: `sync` on its DP gloo group (the `Agreement` interface)."""
+
+    def __init__(self, group, capture_sizes: Sequence[int] = ()):
+        self.group = group
+        self.capture_sizes = tuple(capture_sizes)
+
+    def sync(self, local: LocalDispatch) -> DPSyncState:
+        return sync(self.group, local, capture_sizes=self.capture_sizes)
+
+
+class SingleReplicaAgreement:
+    """The agreement of a run with one replica: the same rule over its one column."""
+
+    def __init__(self, capture_sizes: Sequence[int] = ()):
+        self.capture_sizes = tuple(capture_sizes)
+
+    def sync(self, local: LocalDispatch) -> DPSyncState:
+        return agree([local], capture_sizes=self.capture_sizes)

@@ -157,9 +157,10 @@ class Replica:
         sampled = tokens_per_request(np.asarray(self.model.sample(restored)), batch)
         self.output = StepOutput(self.step_id, event.trigger, agreed, padded, agreed.use_graph, sampled)
 
-    async def _run_dummy(self, _event) -> None:
+    async def _run_dummy(self, event) -> None:
         graph = dp.GRAPH_FULL if self.graphs.sizes else dp.GRAPH_EAGER
-        agreed = await self._agree(dp.LocalDispatch(self.step_id, dp.TARGET, dp.STATUS_OK, 0, graph, 0, 0))
+        pending = getattr(event, "pending", 0)
+        agreed = await self._agree(dp.LocalDispatch(self.step_id, dp.TARGET, dp.STATUS_OK, 0, graph, 0, pending))
         rows = 0
         if not agreed.all_idle:
             # Eager peers keep their own counts (ours is 0): a one-row dummy joins them.

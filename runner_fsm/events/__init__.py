@@ -33,8 +33,13 @@ class RealStep:
 
 @dataclasses.dataclass(frozen=True)
 class DummyStep:
-    """A step with no work here: join the peers' collectives with a dummy batch."""
+    """A step with no work here: join the peers' collectives with a dummy batch.
 
+    `pending` counts requests this replica still owes (not yet arrived or blocked): sent as
+    `num_reqs`, it lets every replica see that all are idle *and* done.
+    """
+
+    pending: int = 0
     trigger: ClassVar[Trigger] = Trigger.IDLE
 
 

@@ -92,17 +92,6 @@ class LocalAgreement:
         return dp.agree([local], capture_sizes=self.capture_sizes)
 
 
-class GroupAgreement:
-    """The real agreement: `dp.sync` on a gloo DP group."""
-
-    def __init__(self, group, capture_sizes: Sequence[int] = ()):
-        self.group = group
-        self.capture_sizes = tuple(capture_sizes)
-
-    def sync(self, local: dp.LocalDispatch) -> dp.DPSyncState:
-        return dp.sync(self.group, local, capture_sizes=self.capture_sizes)
-
-
 class ScriptedPeers:
     """The agreement of replica 0 with scripted peers: `peers(local)` returns their columns.
 

@@ -12,7 +12,8 @@ from runner_fsm.config import RunnerConfig
 from runner_fsm.engine.launch import ProcessGroups
 from runner_fsm.events import Capture, DummyStep, RealStep, Shutdown
 from runner_fsm.faults import Injection, Injector
-from runner_fsm.testing.fakes import FakeModel, GroupAgreement
+from runner_fsm.dp import GlooAgreement
+from runner_fsm.testing.fakes import FakeModel
 from runner_fsm.testing.harness import decode_batch, make_runner, prefill_batch
 
 
@@ -28,7 +29,7 @@ def run_script(groups: ProcessGroups, run_dir: str, config_kwargs: dict, script:
     """Run `script` (per step, per replica: None to idle or ("prefill"|"decode", sizes))."""
     config = RunnerConfig(layout=groups.layout, **config_kwargs)
     runner = make_runner(
-        config, GroupAgreement(groups.dp, config.capture_sizes), run_dir=run_dir,
+        config, GlooAgreement(groups.dp, config.capture_sizes), run_dir=run_dir,
         model=FakeModel(groups.pcp), dp_rank=groups.dp_rank, pcp_rank=groups.pcp_rank,
         injector=Injector(Injection.parse(i) for i in injections),
     )

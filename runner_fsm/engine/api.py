@@ -1,0 +1,55 @@
+"""Run the embedded engine: one process per rank (DP x PCP) on gloo, or in-process for 1x1."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+from runner_fsm.engine.config import EngineConfig
+from runner_fsm.engine.launch import spawn
+from runner_fsm.engine.requests import Request
+from runner_fsm.engine.worker import RankResult, run_rank
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineResult:
+    """Outputs of every request, merged over replicas, and each rank's report."""
+
+    outputs: dict[str, list[int]]
+    ranks: tuple[RankResult, ...]
+    run_dir: str
+
+    @property
+    def errors(self) -> list[RankResult]:
+        return [r for r in self.ranks if r.error is not None]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    @property
+    def elapsed_s(self) -> float:
+        return max(r.elapsed_s for r in self.ranks)
+
+    @property
+    def num_steps(self) -> int:
+        return max(r.num_steps for r in self.ranks)
+
+
+def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float = 600.0,
+               in_process: bool | None = None) -> EngineResult:
+    """Serve `requests` to completion; a 1x1 layout runs in this process unless told not to."""
+    cfg.validate()
+    os.makedirs(cfg.run_dir, exist_ok=True)
+    if in_process is None:
+        in_process = cfg.layout.world_size == 1
+    if in_process:
+        ranks = [run_rank(None, cfg, requests)]
+    else:
+        ranks = spawn(run_rank, cfg.layout, cfg, requests, timeout_s=timeout_s,
+                      pg_timeout_s=cfg.collective_timeout_s + 30)
+    outputs: dict[str, list[int]] = {}
+    for rank in ranks:
+        if rank.pcp_rank == 0:
+            outputs.update(rank.outputs)
+    return EngineResult(outputs, tuple(ranks), cfg.run_dir)

@@ -1,0 +1,60 @@
+"""One configuration for an embedded-engine run, from which every part's config derives."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from runner_fsm.config import GraphMode, ParallelLayout, RunnerConfig
+from runner_fsm.engine.scheduler import SchedulerConfig
+from runner_fsm.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineConfig:
+    """An engine run; identical on every rank (each derives its parts from it)."""
+
+    model_dir: str | None  # None: the fake model (tests only)
+    run_dir: str
+    layout: ParallelLayout = dataclasses.field(default_factory=ParallelLayout)
+    draft_dir: str | None = None
+    num_speculative_tokens: int = 0
+    graph_mode: GraphMode = GraphMode.NONE
+    capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
+    chunking: str = "ceil"
+    token_budget: int = 256
+    max_num_reqs: int = 16
+    num_kv_blocks: int = 512
+    block_size: int = 16
+    max_blocks_per_req: int = 64
+    collective_timeout_s: float = 60.0
+    device: str = "cpu"
+    dtype: str = "float32"
+    run_id: str = "run"
+    injections: tuple[str, ...] = ()
+    progress_every: int = 0  # print a progress line every N steps from rank 0 (0: never)
+
+    def runner_config(self) -> RunnerConfig:
+        # A rank never executes more rows than the global budget, or a capture size above it.
+        rows = max(self.token_budget, self.capture_sizes[-1] if self.capture_sizes else 1)
+        return RunnerConfig(
+            layout=self.layout, graph_mode=self.graph_mode,
+            num_speculative_tokens=self.num_speculative_tokens, chunking=self.chunking,
+            max_num_reqs=self.max_num_reqs, max_num_tokens=rows, block_size=self.block_size,
+            max_blocks_per_req=self.max_blocks_per_req, capture_sizes=self.capture_sizes,
+            collective_timeout_s=self.collective_timeout_s,
+        ).validate()
+
+    def scheduler_config(self) -> SchedulerConfig:
+        return SchedulerConfig(
+            num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
+            max_blocks_per_req=self.max_blocks_per_req, token_budget=self.token_budget,
+            max_num_reqs=self.max_num_reqs, num_speculative_tokens=self.num_speculative_tokens)
+
+    def validate(self) -> "EngineConfig":
+        self.runner_config()
+        if self.num_speculative_tokens > 0 and self.model_dir is not None and self.draft_dir is None:
+            raise ConfigError("num_speculative_tokens > 0 needs a draft model (draft_dir)")
+        if self.token_budget < 1 + self.num_speculative_tokens:
+            raise ConfigError(f"token_budget={self.token_budget} cannot hold one verify row of"
+                              f" 1 + {self.num_speculative_tokens} tokens")
+        return self

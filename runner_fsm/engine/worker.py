@@ -1,0 +1,127 @@
+"""One rank of the embedded engine: its replica's scheduler driving the replica's runner.
+
+Every step each replica either runs a batch or, with nothing to run, a dummy step, so all
+replicas join every agreement. The run ends when an agreement shows every replica idle and
+none with requests still to come.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import anyio
+
+from runner_fsm.audit import AuditLog
+from runner_fsm.collectives import CollectiveRunner
+from runner_fsm.dp import GlooAgreement
+from runner_fsm.engine.config import EngineConfig
+from runner_fsm.engine.requests import Request, assign
+from runner_fsm.engine.scheduler import Scheduler
+from runner_fsm.events import Capture, DummyStep, RealStep, Shutdown
+from runner_fsm.faults import Injection, Injector
+from runner_fsm.replica import Replica
+from runner_fsm.runner import ReplicaRunner
+
+
+@dataclasses.dataclass(frozen=True)
+class RankResult:
+    """What one rank reports back: its replica's outputs, counts and the error, if any."""
+
+    global_rank: int
+    dp_rank: int
+    pcp_rank: int
+    outputs: dict[str, list[int]]
+    num_steps: int
+    num_real_steps: int
+    num_preemptions: int
+    num_tokens: int  # tokens this replica scheduled (prompt and verify rows)
+    elapsed_s: float
+    error: dict | None = None
+
+
+def _model_and_drafter(cfg: EngineConfig, groups):
+    if cfg.model_dir is None:
+        from runner_fsm.testing.fakes import FakeDrafter, FakeModel
+
+        drafter = FakeDrafter(cfg.num_speculative_tokens) if cfg.num_speculative_tokens else None
+        return FakeModel(groups.pcp if groups else None), drafter
+    from runner_fsm.model import load_drafter, load_model, model_groups
+
+    mg = model_groups(groups, cfg.device)
+    kw = dict(kv_num_blocks=cfg.num_kv_blocks, block_size=cfg.block_size, groups=mg,
+              device=cfg.device, dtype=cfg.dtype)
+    model = load_model(cfg.model_dir, **kw)
+    drafter = None
+    if cfg.num_speculative_tokens > 0:
+        drafter = load_drafter(cfg.draft_dir, target_vocab_size=model.cfg.vocab_size, **kw)
+    return model, drafter
+
+
+def _agreement(groups, capture_sizes):
+    if groups is None:
+        from runner_fsm.dp import SingleReplicaAgreement
+
+        return SingleReplicaAgreement(capture_sizes)
+    return GlooAgreement(groups.dp, capture_sizes)
+
+
+def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
+    dp_rank, pcp_rank = (groups.dp_rank, groups.pcp_rank) if groups else (0, 0)
+    global_rank = cfg.layout.global_rank(dp_rank, pcp_rank)
+    rc = cfg.runner_config()
+    audit = AuditLog(cfg.run_dir, cfg.run_id, global_rank, dp_rank, pcp_rank)
+    model, drafter = _model_and_drafter(cfg, groups)
+    replica = Replica(
+        rc, dp_rank=dp_rank, pcp_rank=pcp_rank, model=model, drafter=drafter,
+        agreement=_agreement(groups, rc.capture_sizes), audit=audit,
+        collectives=CollectiveRunner(audit, rc.collective_timeout_s), device=cfg.device,
+        injector=Injector(Injection.parse(i) for i in cfg.injections),
+    )
+    return ReplicaRunner(replica)
+
+
+async def _serve(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, counts: dict) -> None:
+    await runner.handle(Capture())
+    step = 0
+    while True:
+        batch = sched.schedule(step)
+        event = RealStep(batch) if batch is not None else DummyStep(pending=sched.num_unfinished)
+        out = await runner.handle(event)
+        counts["steps"] += 1
+        if batch is not None:
+            counts["real"] += 1
+            counts["tokens"] += batch.num_tokens
+            sched.update(out.sampled, out.drafts)
+        if out.agreed.all_idle and out.agreed.num_reqs == 0:
+            break
+        step += 1
+        _progress(cfg, runner, sched, step)
+    await runner.handle(Shutdown("all requests finished"))
+
+
+def _progress(cfg: EngineConfig, runner: ReplicaRunner, sched: Scheduler, step: int) -> None:
+    if cfg.progress_every and step % cfg.progress_every == 0 and runner.replica.dp_rank == 0 \
+            and runner.replica.pcp_rank == 0:
+        print(f"[runner-fsm] step {step}: replica 0 has {len(sched.running)} running,"
+              f" {len(sched.waiting)} waiting, {len(sched.finished)} finished", file=sys.stderr, flush=True)
+
+
+def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
+    """Entry of one rank (`groups` None for a single process): serve, then report."""
+    dp_rank, pcp_rank = (groups.dp_rank, groups.pcp_rank) if groups else (0, 0)
+    counts = {"steps": 0, "real": 0, "tokens": 0}
+    sched = Scheduler(assign(requests, cfg.layout.dp_size)[dp_rank], cfg.scheduler_config())
+    start = time.perf_counter()
+    error = None
+    runner = build_runner(cfg, groups)
+    try:
+        anyio.run(_serve, runner, sched, cfg, counts)
+    except Exception as exc:  # reported as data: every rank's own typed error matters
+        error = {"type": type(exc).__name__, "message": str(exc), "step": runner.replica.step_id}
+    finally:
+        anyio.run(runner.close)
+    return RankResult(cfg.layout.global_rank(dp_rank, pcp_rank), dp_rank, pcp_rank, sched.results(),
+                      counts["steps"], counts["real"], sched.num_preemptions, counts["tokens"],
+                      time.perf_counter() - start, error)
