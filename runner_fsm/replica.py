@@ -66,6 +66,7 @@ class Replica:
         self.step_id = -1
         self.output: StepOutput | None = None
         self.agreed_this_step = False  # an abort must still join the step's agreement
+        self.num_agreements = 0
         self._batch: ScheduledBatch | None = None
         self._step_start_fingerprint = None
         self.machine = ReplicaMachine(self._handlers(), on_record=self._record_transition,
@@ -128,6 +129,7 @@ class Replica:
 
     async def _agree(self, local: dp.LocalDispatch) -> dp.DPSyncState:
         self.agreed_this_step = True
+        self.num_agreements += 1
         return await self.collectives.run(
             "dp", "all_reduce", self.agreement.sync, local, step_id=self.step_id,
             phase=local.phase, shapes=[(len(dp.ROWS), self.config.layout.dp_size)])

@@ -6,7 +6,9 @@ import dataclasses
 import os
 
 from runner_fsm.engine.config import EngineConfig
-from runner_fsm.engine.launch import spawn
+import torch.distributed as dist
+
+from runner_fsm.engine.launch import init_process_groups_from_env, spawn, under_torchrun
 from runner_fsm.engine.requests import Request
 from runner_fsm.engine.worker import RankResult, run_rank
 
@@ -22,6 +24,11 @@ class EngineResult:
     @property
     def errors(self) -> list[RankResult]:
         return [r for r in self.ranks if r.error is not None]
+
+    @property
+    def primary(self) -> bool:
+        """The process that reports: the caller, or global rank 0 under torchrun."""
+        return os.environ.get("RANK", "0") == "0" or not under_torchrun()
 
     @property
     def ok(self) -> bool:
@@ -43,7 +50,9 @@ def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float =
     os.makedirs(cfg.run_dir, exist_ok=True)
     if in_process is None:
         in_process = cfg.layout.world_size == 1
-    if in_process:
+    if under_torchrun():
+        ranks = _run_under_torchrun(cfg, requests)
+    elif in_process:
         ranks = [run_rank(None, cfg, requests)]
     else:
         ranks = spawn(run_rank, cfg.layout, cfg, requests, timeout_s=timeout_s,
@@ -53,3 +62,15 @@ def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float =
         if rank.pcp_rank == 0:
             outputs.update(rank.outputs)
     return EngineResult(outputs, tuple(ranks), cfg.run_dir)
+
+
+def _run_under_torchrun(cfg: EngineConfig, requests: list[Request]) -> list[RankResult]:
+    """This process is one rank of a `torchrun` job: serve, then share every rank's report."""
+    groups = init_process_groups_from_env(cfg.layout, timeout_s=cfg.collective_timeout_s + 30)
+    try:
+        mine = run_rank(groups, cfg, requests)
+        ranks: list = [None] * cfg.layout.world_size
+        dist.all_gather_object(ranks, mine, group=groups.world)
+        return ranks
+    finally:
+        dist.destroy_process_group()

@@ -15,58 +15,97 @@ from runner_fsm.engine.requests import load_trace, outputs_equal, synthetic_requ
 
 def add_run(sub) -> None:
     p = sub.add_parser("run", help="serve requests with the embedded engine on DP x PCP processes")
-    p.add_argument("--model", required=True, help="model directory (config.json + *.safetensors)")
-    p.add_argument("--draft", help="draft model directory (speculative decoding)")
-    p.add_argument("--spec", type=int, default=0, help="draft tokens per step K (needs --draft)")
+    p.add_argument("--model", help="model directory (config.json + *.safetensors); default: a tiny"
+                                   " random model made in OUT/model")
+    p.add_argument("--draft", help="draft model directory; default with --spec-tokens: a tiny one")
+    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32")
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--pcp", type=int, default=1)
-    p.add_argument("--graphs", action="store_true", help="FULL_DECODE_ONLY graphs (else eager)")
+    p.add_argument("--spec-tokens", type=int, default=0, help="draft tokens per step K")
+    p.add_argument("--graph-mode", choices=("none", "full_decode_only"), default="none")
     p.add_argument("--chunking", choices=("ceil", "balanced"), default="ceil")
-    p.add_argument("--trace", help="JSON Lines requests: id, prompt, max_new_tokens, arrival_step?, replica?")
-    p.add_argument("--requests", type=int, default=8, help="synthetic requests when no --trace")
+    p.add_argument("--trace", help="JSON Lines: id, prompt_token_ids, max_new_tokens, arrival_step, replica?")
+    p.add_argument("--requests", type=int, default=16, help="synthetic requests when no --trace")
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget", type=int, default=256, help="token budget per replica and step")
     p.add_argument("--kv-blocks", type=int, default=512)
-    p.add_argument("--run-dir", default=None, help="where the audit logs go (default runs/<time>)")
+    p.add_argument("--out", required=True, help="run directory: outputs.jsonl and the audit logs")
     p.add_argument("--inject", action="append", default=[], metavar="KIND@replica=R,step=S")
-    p.add_argument("--timeout", type=float, default=60.0, help="collective timeout in seconds")
-    p.add_argument("--json", action="store_true", help="print outputs as JSON")
+    p.add_argument("--collective-timeout", type=float, default=60.0, help="watchdog, seconds")
     p.set_defaults(func=_cmd_run)
 
 
 def _cmd_run(args) -> int:
-    run_dir = args.run_dir or f"runs/{time.strftime('%Y%m%d-%H%M%S')}"
+    out = Path(args.out)
+    model, draft = _models(args, out)
     cfg = EngineConfig(
-        model_dir=args.model, draft_dir=args.draft, run_dir=run_dir,
-        layout=ParallelLayout(args.dp, args.pcp), num_speculative_tokens=args.spec,
-        graph_mode=GraphMode.FULL_DECODE_ONLY if args.graphs else GraphMode.NONE,
-        chunking=args.chunking, token_budget=args.budget, num_kv_blocks=args.kv_blocks,
-        collective_timeout_s=args.timeout, injections=tuple(args.inject), progress_every=20,
-    )
+        model_dir=model, draft_dir=draft, run_dir=str(out), dtype=args.dtype,
+        layout=ParallelLayout(args.dp, args.pcp), num_speculative_tokens=args.spec_tokens,
+        graph_mode=GraphMode(args.graph_mode), chunking=args.chunking, token_budget=args.budget,
+        num_kv_blocks=args.kv_blocks, collective_timeout_s=args.collective_timeout,
+        injections=tuple(args.inject), progress_every=1,
+    ).validate()
     if args.trace:
-        requests = load_trace(args.trace)
+        requests = load_trace(args.trace, dp_size=args.dp)
     else:
-        vocab = json.loads((Path(args.model) / "config.json").read_text())["vocab_size"]
+        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         requests = synthetic_requests(args.requests, vocab_size=vocab, seed=args.seed,
-                                      max_new_tokens=args.max_new_tokens)
-    result = run_engine(cfg, requests, timeout_s=max(120.0, 4 * args.timeout))
-    if args.json:
-        print(json.dumps({"outputs": result.outputs, "errors": [r.error for r in result.errors]}))
-    else:
-        _print_result(result, f"DP={args.dp} x PCP={args.pcp}")
+                                      max_new_tokens=args.max_new_tokens, arrival_every=1)
+    result = run_engine(cfg, requests, timeout_s=max(300.0, 4 * args.collective_timeout))
+    if result.primary:
+        print(format_summary(result, f"DP={args.dp} x PCP={args.pcp}"))
+        if result.ok:
+            write_outputs(out / "outputs.jsonl", requests, result)
+            print(f"outputs: {out / 'outputs.jsonl'}; audit logs: {out}/rank-*.jsonl")
     return 0 if result.ok else 1
 
 
-def _print_result(result: EngineResult, label: str) -> None:
+def _models(args, out: Path) -> tuple[str, str | None]:
+    """The model dirs; tiny random ones are made in OUT when none are given."""
+    from runner_fsm.model import DRAFT_SPEC, TARGET_SPEC, make_random_model
+
+    model, draft = args.model, args.draft
+    if model is None:
+        model = str(out / "model")
+        if not (out / "model" / "config.json").exists():
+            make_random_model(model, TARGET_SPEC, seed=args.seed)
+    if args.spec_tokens > 0 and draft is None:
+        draft = str(out / "draft")
+        if not (out / "draft" / "config.json").exists():
+            make_random_model(draft, DRAFT_SPEC, seed=args.seed + 1)
+    return model, draft
+
+
+def write_outputs(path: Path, requests, result: EngineResult) -> None:
+    """One line per request, in trace order; written whole, then renamed into place."""
+    tmp = path.with_suffix(".jsonl.tmp")
+    with tmp.open("w") as f:
+        for req in requests:
+            f.write(json.dumps({"id": req.req_id, "token_ids": result.outputs[req.req_id],
+                                "prompt_len": len(req.prompt)}) + "\n")
+    tmp.replace(path)
+
+
+def format_summary(result: EngineResult, label: str) -> str:
     tokens = sum(len(t) for t in result.outputs.values())
-    print(f"{label}: {len(result.outputs)} requests, {tokens} tokens in {result.num_steps} steps,"
-          f" {result.elapsed_s:.2f} s ({tokens / max(result.elapsed_s, 1e-9):.1f} tokens/s);"
-          f" audit logs in {result.run_dir}")
+    lines = [f"{label}: {len(result.outputs)} requests, {tokens} generated tokens,"
+             f" {result.num_steps} steps, {result.elapsed_s:.2f} s,"
+             f" {tokens / max(result.elapsed_s, 1e-9):.1f} tokens/s"]
+    lines.append(f"  {'replica':>7} {'prefill':>7} {'decode':>7} {'idle':>7} {'handoffs':>8}"
+                 f" {'agreements/step':>15} {'preempted':>9}")
+    for rank in result.ranks:
+        if rank.pcp_rank != 0:
+            continue
+        st = rank.steps_per_state
+        lines.append(f"  {rank.dp_rank:>7} {st.get('prefill', 0):>7} {st.get('decode', 0):>7}"
+                     f" {st.get('idle_dummy', 0):>7} {rank.num_handoffs:>8}"
+                     f" {rank.num_agreements / max(rank.num_steps, 1):>15.2f} {rank.num_preemptions:>9}")
     for rank in result.errors:
         err = rank.error
-        print(f"  rank {rank.global_rank} (replica {rank.dp_rank}, pcp {rank.pcp_rank}) failed at"
-              f" step {err['step']}: {err['type']}: {err['message']}")
+        lines.append(f"  rank {rank.global_rank} (replica {rank.dp_rank}, pcp {rank.pcp_rank}) failed at"
+                     f" step {err['step']}: {err['type']}: {err['message']}")
+    return "\n".join(lines)
 
 
 def add_demo(sub) -> None:
@@ -99,7 +138,7 @@ def _cmd_demo(args) -> int:
                            num_speculative_tokens=k, graph_mode=mode,
                            run_dir=str(root / "logs" / f"{stamp}-dp{layout.dp_size}-pcp{layout.pcp_size}-k{k}-{mode.value}"))
         result = run_engine(cfg, requests)
-        _print_result(result, label)
+        print(format_summary(result, label))
         if reference is None:
             reference = result.outputs
         elif not result.ok or outputs_equal(reference, result.outputs):

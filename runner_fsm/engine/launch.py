@@ -28,10 +28,13 @@ import torch
 import torch.distributed as dist
 
 from runner_fsm.config import ParallelLayout
+from runner_fsm.errors import ConfigError
 
 # How long a child that exited without a result may still have one in flight in the queue.
 _EXIT_GRACE_S = 0.5
 _POLL_S = 0.05
+# How long children that all reported may take to leave their final barrier.
+_JOIN_GRACE_S = 10.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,11 +72,7 @@ class SpawnTimeout(TimeoutError):
 def init_process_groups(
     layout: ParallelLayout, global_rank: int, port: int, *, timeout_s: float = 60.0
 ) -> ProcessGroups:
-    """Join the gloo job at 127.0.0.1:`port` and create every DP, PCP and expert group.
-
-    `new_group` is collective over the whole world, so every rank creates every group in the
-    same order and keeps the ones it belongs to.
-    """
+    """Join the gloo job at 127.0.0.1:`port` and create every DP, PCP and expert group."""
     timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(
         "gloo",
@@ -82,6 +81,29 @@ def init_process_groups(
         world_size=layout.world_size,
         timeout=timeout,
     )
+    return _create_groups(layout, global_rank, timeout)
+
+
+def under_torchrun() -> bool:
+    """True in a process started by `torchrun` (or anything that sets its variables)."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def init_process_groups_from_env(layout: ParallelLayout, *, timeout_s: float = 60.0) -> ProcessGroups:
+    """Join a job started by `torchrun`: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT."""
+    world_size = int(os.environ["WORLD_SIZE"])
+    if world_size != layout.world_size:
+        raise ConfigError(f"torchrun started WORLD_SIZE={world_size} processes, the layout"
+                          f" dp={layout.dp_size} x pcp={layout.pcp_size} needs {layout.world_size}")
+    timeout = datetime.timedelta(seconds=timeout_s)
+    rank = int(os.environ["RANK"])
+    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+    return _create_groups(layout, rank, timeout)
+
+
+def _create_groups(layout: ParallelLayout, global_rank: int, timeout) -> ProcessGroups:
+    # `new_group` is collective over the whole world, so every rank creates every group in
+    # the same order and keeps the ones it belongs to.
     dp_rank, pcp_rank = layout.coords(global_rank)
     dp_groups = [dist.new_group(ranks, timeout=timeout) for ranks in layout.dp_group_ranks()]
     pcp_groups = [dist.new_group(ranks, timeout=timeout) for ranks in layout.pcp_group_ranks()]
@@ -127,7 +149,7 @@ def spawn(
                 process.start()
                 processes.append(process)
         results = _collect(processes, results_queue, deadline)
-        _join_all(processes, deadline)
+        _join_all(processes, min(deadline, time.monotonic() + _JOIN_GRACE_S))
         return [results[rank] for rank in range(layout.world_size)]
     finally:
         _kill_all(processes)
@@ -147,23 +169,29 @@ def _child_main(rank, fn, layout, port, args, pg_timeout_s, results_queue) -> No
 
 
 def _run_and_report(rank, fn, layout, port, args, pg_timeout_s, results_queue) -> bool:
-    initialized = False
+    groups = None
     try:
         groups = init_process_groups(layout, rank, port, timeout_s=pg_timeout_s)
-        initialized = True
         # Pickle here, so that an unpicklable result is reported as this rank's error.
-        payload = pickle.dumps(fn(groups, *args))
-        # Rank 0 hosts the store: nobody leaves while a peer may still need it.
-        dist.barrier(group=groups.world)
-        results_queue.put((rank, True, payload))
-        return True
+        results_queue.put((rank, True, pickle.dumps(fn(groups, *args))))
     except BaseException as error:  # report everything, KeyboardInterrupt included
-        report = (type(error).__qualname__, str(error), traceback.format_exc())
-        results_queue.put((rank, False, report))
+        results_queue.put((rank, False, (type(error).__qualname__, str(error), traceback.format_exc())))
         return False
     finally:
-        if initialized:
-            dist.destroy_process_group()
+        if groups is not None:
+            _leave(groups)
+    return True
+
+
+def _leave(groups: ProcessGroups) -> None:
+    """Rank 0 hosts the store: nobody leaves while a peer may still need it. After a fault
+    the groups may be broken; the parent then ends the stragglers after a grace period."""
+    try:
+        dist.barrier(group=groups.world)
+    except BaseException:  # the result is already reported; leaving is best effort
+        pass
+    finally:
+        dist.destroy_process_group()
 
 
 def _collect(processes, results_queue, deadline: float) -> dict[int, Any]:
@@ -210,12 +238,9 @@ def _check_dead(processes, results: dict[int, Any], dead_since: dict[int, float]
 
 
 def _join_all(processes, deadline: float) -> None:
-    for rank, process in enumerate(processes):
+    """Every result is in: wait for the children to leave, then end the stragglers."""
+    for process in processes:
         process.join(timeout=max(0.0, deadline - time.monotonic()))
-        if process.is_alive():
-            raise SpawnTimeout(
-                f"rank {rank} reported its result but did not exit before the deadline", [rank]
-            )
 
 
 def _kill_all(processes) -> None:

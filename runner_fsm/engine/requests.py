@@ -58,19 +58,27 @@ def synthetic_requests(num: int, *, vocab_size: int, seed: int = 0, min_prompt: 
     return out
 
 
-def load_trace(path: str | Path) -> list[Request]:
-    """A JSON Lines trace: {"id", "prompt": [ids], "max_new_tokens", "arrival_step"?, "replica"?}."""
-    requests = []
+def load_trace(path: str | Path, *, dp_size: int = 1) -> list[Request]:
+    """A JSON Lines trace, one request a line: {"id": str, "prompt_token_ids": [int],
+    "max_new_tokens": int, "arrival_step": int, "replica": int (optional, modulo dp_size)}."""
+    requests, seen = [], set()
     for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
         if not line.strip():
             continue
         try:
             obj = json.loads(line)
-            requests.append(Request(str(obj["id"]), tuple(int(t) for t in obj["prompt"]),
-                                    int(obj["max_new_tokens"]), int(obj.get("arrival_step", 0)),
-                                    obj.get("replica")))
-        except (KeyError, TypeError, ValueError) as exc:
-            raise ConfigError(f"{path}:{line_no}: bad trace line ({exc})") from None
+            replica = obj.get("replica")
+            req = Request(str(obj["id"]), tuple(int(t) for t in obj["prompt_token_ids"]),
+                          int(obj["max_new_tokens"]), int(obj.get("arrival_step", 0)),
+                          None if replica is None else int(replica) % dp_size)
+        except (KeyError, TypeError, ValueError, ConfigError) as exc:
+            raise ConfigError(f"{path}:{line_no}: bad trace line: {exc}") from None
+        if req.req_id in seen:
+            raise ConfigError(f"{path}:{line_no}: request id {req.req_id!r} appears twice")
+        seen.add(req.req_id)
+        requests.append(req)
+    if not requests:
+        raise ConfigError(f"{path}: the trace holds no requests")
     return requests
 
 

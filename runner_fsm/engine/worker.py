@@ -38,6 +38,9 @@ class RankResult:
     num_preemptions: int
     num_tokens: int  # tokens this replica scheduled (prompt and verify rows)
     elapsed_s: float
+    steps_per_state: dict[str, int]  # prefill / decode / idle_dummy steps of this replica
+    num_handoffs: int  # real steps followed by an idle_dummy step
+    num_agreements: int
     error: dict | None = None
 
 
@@ -90,6 +93,10 @@ async def _serve(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, cou
         event = RealStep(batch) if batch is not None else DummyStep(pending=sched.num_unfinished)
         out = await runner.handle(event)
         counts["steps"] += 1
+        state = out.trigger.value if batch is not None else "idle_dummy"
+        counts["states"][state] = counts["states"].get(state, 0) + 1
+        counts["handoffs"] += int(batch is None and counts["last_real"])
+        counts["last_real"] = batch is not None
         if batch is not None:
             counts["real"] += 1
             counts["tokens"] += batch.num_tokens
@@ -98,20 +105,30 @@ async def _serve(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, cou
             break
         step += 1
         _progress(cfg, runner, sched, step)
+    _progress(cfg, runner, sched, step, final=True)
     await runner.handle(Shutdown("all requests finished"))
 
 
-def _progress(cfg: EngineConfig, runner: ReplicaRunner, sched: Scheduler, step: int) -> None:
-    if cfg.progress_every and step % cfg.progress_every == 0 and runner.replica.dp_rank == 0 \
-            and runner.replica.pcp_rank == 0:
-        print(f"[runner-fsm] step {step}: replica 0 has {len(sched.running)} running,"
-              f" {len(sched.waiting)} waiting, {len(sched.finished)} finished", file=sys.stderr, flush=True)
+def _progress(cfg: EngineConfig, runner: ReplicaRunner, sched: Scheduler, step: int, *,
+              final: bool = False) -> None:
+    """A one-line progress bar on stderr, from global rank 0 (its replica's requests)."""
+    replica = runner.replica
+    if not cfg.progress_every or replica.dp_rank or replica.pcp_rank:
+        return
+    tty = sys.stderr.isatty()  # a bar redrawn in place; in a log, a line now and then
+    every = cfg.progress_every if tty else 25 * cfg.progress_every
+    if final or step % every == 0:
+        done, total = len(sched.finished), len(sched.finished) + sched.num_unfinished
+        bar = "#" * (20 * done // max(total, 1))
+        start = "\r" if tty else ""
+        print(f"{start}[runner-fsm] step {step:5d} replica 0 [{bar:<20s}] {done}/{total} requests",
+              end="\n" if final or not tty else "", file=sys.stderr, flush=True)
 
 
 def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
     """Entry of one rank (`groups` None for a single process): serve, then report."""
     dp_rank, pcp_rank = (groups.dp_rank, groups.pcp_rank) if groups else (0, 0)
-    counts = {"steps": 0, "real": 0, "tokens": 0}
+    counts = {"steps": 0, "real": 0, "tokens": 0, "states": {}, "handoffs": 0, "last_real": False}
     sched = Scheduler(assign(requests, cfg.layout.dp_size)[dp_rank], cfg.scheduler_config())
     start = time.perf_counter()
     error = None
@@ -124,4 +141,5 @@ def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
         anyio.run(runner.close)
     return RankResult(cfg.layout.global_rank(dp_rank, pcp_rank), dp_rank, pcp_rank, sched.results(),
                       counts["steps"], counts["real"], sched.num_preemptions, counts["tokens"],
-                      time.perf_counter() - start, error)
+                      time.perf_counter() - start, counts["states"], counts["handoffs"],
+                      runner.replica.num_agreements, error)
