@@ -115,6 +115,26 @@ def _cmd_make_model(args) -> int:
     return 0
 
 
+def _add_replay(sub) -> None:
+    p = sub.add_parser("replay", help="judge a run from its audit logs (exit 0 sound, 1 findings, 2 unreadable)")
+    p.add_argument("run_dir", metavar="RUN_DIR", help="directory holding rank-<global_rank>.jsonl files")
+    p.add_argument("--json", action="store_true", help="print the verdicts and a summary as JSON")
+    p.add_argument("--plot", metavar="FILE", help="write a timeline picture (needs matplotlib)")
+    p.add_argument("--limit", type=int, default=20, help="verdicts listed in the human report (default 20)")
+    p.set_defaults(func=_cmd_replay)
+
+
+def _cmd_replay(args) -> int:
+    from runner_fsm.audit.replay import replay, replay_with_plot
+
+    report = replay_with_plot(args.run_dir, args.plot) if args.plot else replay(args.run_dir)
+    if args.json:
+        print(json.dumps(report.as_dict(), indent=1))
+    else:
+        print(report.format(limit=args.limit))
+    return report.exit_code
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="runner-fsm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
@@ -123,6 +143,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_run(sub)
     _add_states(sub)
     _add_make_model(sub)
+    _add_replay(sub)
     return parser
 
 

@@ -113,7 +113,9 @@ class Scheduler:
             count = min(remaining, budget)
         if count <= 0:
             return None
-        needed = -(-(live.num_computed + count) // self.config.block_size) - len(live.blocks)
+        # Lookahead for the draft: it writes up to K positions past the target's.
+        reach = live.num_computed + count + self.config.num_speculative_tokens
+        needed = -(-reach // self.config.block_size) - len(live.blocks)
         while needed > 0:
             fresh = self.allocator.allocate(needed)
             if fresh is not None:
@@ -146,7 +148,8 @@ class Scheduler:
             remaining = len(s.live.tokens) - start
             token_ids.extend(s.live.tokens[start:start + min(remaining, s.num_scheduled)])
             token_ids.extend(s.drafts)
-            tables.append(s.live.blocks + [0] * (width - len(s.live.blocks)))
+            # -1 pads: a padding column must never name another request's block.
+            tables.append(s.live.blocks + [-1] * (width - len(s.live.blocks)))
         drafting = self.config.num_speculative_tokens > 0
         return ScheduledBatch.build(
             [s.live.req.req_id for s in slots], [s.num_scheduled for s in slots],
