@@ -21,10 +21,10 @@ from runner_fsm.errors import CollectiveTimeout
 class CollectiveRunner:
     """Runs blocking collectives per group; `describe_peers()` feeds timeout messages."""
 
-    def __init__(self, audit, timeout_s: float, *, describe_peers: Callable[[], str] = lambda: ""):
+    def __init__(self, audit, timeout_s: float, *, heartbeat=None):
         self._audit = audit
         self.timeout_s = timeout_s
-        self._describe_peers = describe_peers
+        self._heartbeat = heartbeat
         self._limiters: dict[str, anyio.CapacityLimiter] = {}
         self._seq: dict[str, itertools.count] = {}
 
@@ -43,38 +43,65 @@ class CollectiveRunner:
         step_id: int | None,
         phase: int = 0,
         shapes: Sequence[Sequence[int]] = (),
+        enqueue_extra: dict | None = None,
+        done_extra: Callable[[Any], dict] | None = None,
     ) -> Any:
-        """`fn(*args)` in `group`'s worker thread, with audit records and the watchdog."""
+        """`fn(*args)` in `group`'s worker thread, with audit records and the watchdog.
+
+        `enqueue_extra` is logged with the enqueue record, `done_extra(result)` with done.
+        """
         limiter = self._limiter(group)
         pg_seq = next(self._seq[group])
         shapes = [list(s) for s in shapes]
+        where = f"{op} on group {group!r} (pg_seq {pg_seq}, phase {phase}) at step {step_id}"
+        self._beat(step_id, phase, f"{group} {op} #{pg_seq}")
         if self._audit is not None:
-            self._audit.collective(step_id, group, op, phase, shapes, pg_seq, "enqueue")
+            self._audit.collective(step_id, group, op, phase, shapes, pg_seq, "enqueue",
+                                   **(enqueue_extra or {}))
         try:
             with anyio.fail_after(self.timeout_s):
                 result = await anyio.to_thread.run_sync(
                     fn, *args, limiter=limiter, abandon_on_cancel=True
                 )
         except TimeoutError:
-            peers = self._describe_peers()
-            raise CollectiveTimeout(
-                f"{op} on group {group!r} (pg_seq {pg_seq}) at step {step_id} did not finish"
-                f" within {self.timeout_s:g} s" + (f"; last known: {peers}" if peers else "")
-            ) from None
+            raise CollectiveTimeout(f"{where} did not finish within {self.timeout_s:g} s"
+                                    + self._peers()) from None
+        except RuntimeError as exc:
+            if not _peer_lost(exc):
+                raise
+            raise CollectiveTimeout(f"{where} failed: a peer is gone ({_first_line(exc)})"
+                                    + self._peers()) from None
         if self._audit is not None:
-            self._audit.collective(step_id, group, op, phase, shapes, pg_seq, "done")
+            self._audit.collective(step_id, group, op, phase, shapes, pg_seq, "done",
+                                   **(done_extra(result) if done_extra else {}))
+        self._beat(step_id, phase, "")
         return result
 
-    async def run_local(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """`fn(*args)` (a forward, which logs its own collectives) in the compute thread,
-        under the same watchdog."""
-        limiter = self._limiter("compute")
+    def _beat(self, step_id, phase: int, collective: str) -> None:
+        if self._heartbeat is not None and step_id is not None:
+            self._heartbeat.beat(step_id, phase, collective)
+
+    def _peers(self) -> str:
+        return f"; {self._heartbeat.describe()}" if self._heartbeat is not None else ""
+
+    async def stall(self, step_id: int) -> None:
+        """Stop before the next collective (fault injection `hang`), under the watchdog."""
         try:
             with anyio.fail_after(self.timeout_s):
-                return await anyio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=True)
+                await anyio.sleep_forever()
         except TimeoutError:
-            peers = self._describe_peers()
-            raise CollectiveTimeout(
-                f"{getattr(fn, '__qualname__', fn)} did not finish within {self.timeout_s:g} s"
-                + (f"; last known: {peers}" if peers else "")
-            ) from None
+            raise CollectiveTimeout(f"step {step_id}: stalled before its next collective (injected"
+                                    f" hang) for {self.timeout_s:g} s" + self._peers()) from None
+
+
+# gloo reports a peer that died mid-collective as a RuntimeError from its transport.
+_PEER_LOST_MARKERS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe",
+                      "pair.cc")
+
+
+def _peer_lost(exc: RuntimeError) -> bool:
+    return any(marker in str(exc) for marker in _PEER_LOST_MARKERS)
+
+
+def _first_line(exc: BaseException) -> str:
+    return str(exc).splitlines()[0][:200] if str(exc) else type(exc).__name__

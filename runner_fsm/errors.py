@@ -38,6 +38,10 @@ class StaleBufferError(RunnerError):
     """A graph replay would read persistent buffers not refreshed for this step."""
 
 
+class StaleContextError(RunnerError):
+    """A dummy step would run with a PCP attention context not built from the dummy."""
+
+
 class ReplicaFault(RunnerError):
     """A replica reported a non-zero status in the DP agreement: every replica stops.
 

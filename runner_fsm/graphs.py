@@ -69,9 +69,10 @@ class GraphRunner:
         if size not in self._captured:
             raise RunnerError(f"step {step_id}: no graph captured for {size} tokens (have {self.sizes})")
         now = self.buffers.fingerprint()
+        if self._audit is not None:  # before the check: a refused replay is on record too
+            self._audit.buffers(step_id, "replay", now)
         check_replay(self._captured[size], since, now, step_id=step_id)
         if self._audit is not None:
-            self._audit.buffers(step_id, "replay", now)
             self._audit.graph(step_id, "replay", num_tokens=size, backend=self.backend)
         if self.backend == "static":
             return self._forward(size)
@@ -87,10 +88,15 @@ def check_replay(captured: Fingerprints, since: Fingerprints, now: Fingerprints,
         raise StaleBufferError(
             f"step {step_id}: graph replay refused: storage of {details} differs from capture"
         )
+    check_refreshed(since, now, step_id=step_id, what="graph replay")
+
+
+def check_refreshed(since: Fingerprints, now: Fingerprints, *, step_id, what: str = "forward") -> None:
+    """Raise `StaleBufferError` unless every buffer was written since `since` (step start)."""
     stale = stale_buffers(since, now)
     if stale:
         raise StaleBufferError(
-            f"step {step_id}: graph replay refused: buffers {list(stale)} were not refreshed"
+            f"step {step_id}: {what} refused: buffers {list(stale)} were not refreshed"
             f" this step (versions {[now[n].version for n in stale]} unchanged)"
         )
 

@@ -15,6 +15,8 @@ validate -> plan / dummy -> DP agreement -> buffers -> forward -> restore -> sam
 from __future__ import annotations
 
 import dataclasses
+import functools
+import os
 from typing import Any
 
 import numpy as np
@@ -26,13 +28,17 @@ from runner_fsm.components import Agreement, Drafter, ForwardStep, Model
 from runner_fsm.config import GraphMode, RunnerConfig
 from runner_fsm.events import RealStep
 from runner_fsm.faults import NO_FAULTS, Injector
-from runner_fsm.graphs import GraphRunner, backend_for
+from runner_fsm.errors import StaleBufferError, StaleContextError
+from runner_fsm.graphs import GraphRunner, backend_for, check_refreshed
 from runner_fsm.machine import Handler, ReplicaMachine
 from runner_fsm.pcp.buffers import PersistentBuffers
-from runner_fsm.pcp.context import PCPContextState
+from runner_fsm.pcp.context import PCPAttentionContext, PCPContextState
 from runner_fsm.pcp.plan import num_tokens_for_dispatch, plan_batch
 from runner_fsm.spec import tokens_per_request
 from runner_fsm.states import Trigger
+
+
+CRASH_EXIT_CODE = 17  # the exit status of an injected crash
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -117,6 +123,8 @@ class Replica:
         self.step_id += 1
         self.output, self.agreed_this_step = None, False
         self._step_start_fingerprint = self.buffers.fingerprint()
+        if self.fault_due("crash"):
+            os._exit(CRASH_EXIT_CODE)  # injected: the process dies without a word
 
     def _begin_real(self, event: RealStep) -> None:
         self._begin_step()  # the step id moves first, so an abort names the step peers are at
@@ -128,11 +136,15 @@ class Replica:
         self._batch = None
 
     async def _agree(self, local: dp.LocalDispatch) -> dp.DPSyncState:
+        if self.fault_due("hang"):
+            await self.collectives.stall(self.step_id)  # injected: never reaches the agreement
         self.agreed_this_step = True
         self.num_agreements += 1
         return await self.collectives.run(
             "dp", "all_reduce", self.agreement.sync, local, step_id=self.step_id,
-            phase=local.phase, shapes=[(len(dp.ROWS), self.config.layout.dp_size)])
+            phase=local.phase, shapes=[(len(dp.ROWS), self.config.layout.dp_size)],
+            enqueue_extra={"sent": dataclasses.asdict(local)},
+            done_extra=lambda agreed: {"agreed": dataclasses.asdict(agreed)})
 
     def _wants_graph(self, num_tokens: int, uniform: int) -> int:
         cfg = self.config
@@ -145,8 +157,10 @@ class Replica:
         pcp = cfg.layout.pcp_size
         n = num_tokens_for_dispatch(batch.num_scheduled, batch.is_prefilling, pcp, chunking=cfg.chunking)
         uniform = batch.uniform_query_len()
+        reported = batch.num_tokens if self.fault_due("wrong-dispatch-count") else n
         agreed = await self._agree(dp.LocalDispatch(
-            self.step_id, dp.TARGET, dp.STATUS_OK, n, self._wants_graph(n, uniform), uniform, batch.num_reqs))
+            self.step_id, dp.TARGET, dp.STATUS_OK, reported, self._wants_graph(n, uniform), uniform,
+            batch.num_reqs))
         padded = agreed.num_tokens_for(self.dp_rank)
         plan = plan_batch(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp,
                           padded_num_tokens=padded, chunking=cfg.chunking)
@@ -167,17 +181,49 @@ class Replica:
         if not agreed.all_idle:
             # Eager peers keep their own counts (ours is 0): a one-row dummy joins them.
             rows = max(1, agreed.num_tokens_for(self.dp_rank))
-            ctx = self.contexts.for_dummy(rows, num_reqs=1)
-            self.buffers.write_dummy(1, rows)
-            self._log_buffers("dummy")
-            step = ForwardStep(self.step_id, rows, agreed, 0, is_dummy=True)
-            self.model.restore(await self._forward(step), ctx)
+            ctx = self._dummy_context(rows)
+            if not self.fault_due("skip-buffer-refresh"):
+                self.buffers.write_dummy(1, rows)
+                self._log_buffers("dummy")
+            if not self.fault_due("skip-dummy-forward"):
+                step = ForwardStep(self.step_id, rows, agreed, 0, is_dummy=True)
+                self.model.restore(await self._forward(step), ctx)
         self.output = StepOutput(self.step_id, Trigger.IDLE, agreed, rows, agreed.use_graph)
 
+    def _dummy_context(self, rows: int) -> PCPAttentionContext:
+        """The dummy's own context; anything else (a saved real one) is refused."""
+        if self.fault_due("stale-pcp-context") and self.contexts.last_real is not None:
+            ctx = self.contexts.last_real  # injected: the hand-off bug this runner prevents
+        else:
+            ctx = self.contexts.for_dummy(rows, num_reqs=1)
+        if not ctx.is_dummy or ctx.num_tokens_padded != rows:
+            raise StaleContextError(
+                f"replica {self.dp_rank}, step {self.step_id}: the dummy step got a PCP context"
+                f" {'of a real batch' if not ctx.is_dummy else 'of another size'}"
+                f" ({ctx.num_tokens_padded} rows, expected a dummy of {rows})")
+        return ctx
+
     async def _forward(self, step: ForwardStep):
+        """The target forward (graph replay or eager), watched and logged as the expert
+        group's collective: every replica must run it whenever any replica has work."""
         if step.agreed.use_graph:
-            return self.graphs.replay(step.num_rows, step_id=self.step_id, since=self._step_start_fingerprint)
-        return await self.collectives.run_local(self.model.forward, self.buffers, step)
+            fn = functools.partial(self.graphs.replay, step.num_rows, step_id=self.step_id,
+                                   since=self._step_start_fingerprint)
+        else:
+            self._check_refreshed()
+            fn = functools.partial(self.model.forward, self.buffers, step)
+        return await self.collectives.run(
+            "expert", "forward", fn, step_id=self.step_id, phase=dp.TARGET, shapes=[(step.num_rows,)],
+            enqueue_extra={"rows": step.num_rows, "dispatch_count": step.dispatch_count,
+                           "graph": step.agreed.use_graph})
+
+    def _check_refreshed(self) -> None:
+        now = self.buffers.fingerprint()
+        try:
+            check_refreshed(self._step_start_fingerprint, now, step_id=self.step_id)
+        except StaleBufferError:
+            self._log_buffers("refused")  # on record: the versions that did not move
+            raise
 
     async def _run_draft(self, _event) -> None:
         batch, k, drafter = self._batch, self.config.num_speculative_tokens, self.drafter
@@ -188,13 +234,16 @@ class Replica:
         agreed = await self._agree(dp.LocalDispatch(self.step_id, dp.DRAFT_PREFILL, 0, rows, 0, 0, reqs))
         if not agreed.all_idle:
             step = ForwardStep(self.step_id, max(1, rows), agreed, rows, is_dummy=batch is None)
-            await self.collectives.run_local(drafter.prefill, batch, sampled, step)
+            await self.collectives.run("expert", "draft_prefill", drafter.prefill, batch, sampled, step,
+                                       step_id=self.step_id, phase=dp.DRAFT_PREFILL, shapes=[(step.num_rows,)])
         if k > 1:
             agreed = await self._agree(dp.LocalDispatch(self.step_id, dp.DRAFT_DECODE, 0, reqs, 0, 0, reqs))
             if not agreed.all_idle:
                 step = ForwardStep(self.step_id, max(1, reqs), agreed, reqs, is_dummy=batch is None)
                 for _ in range(k - 1):
-                    await self.collectives.run_local(drafter.decode, step)
+                    await self.collectives.run("expert", "draft_decode", drafter.decode, step,
+                                               step_id=self.step_id, phase=dp.DRAFT_DECODE,
+                                               shapes=[(step.num_rows,)])
         if batch is not None:
             self.output = dataclasses.replace(self.output, drafts=drafter.proposals())
 

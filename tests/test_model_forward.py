@@ -202,7 +202,7 @@ def test_wrong_dispatch_count_raises_before_any_row_is_used(target_dir):
     seqs = Sequences([prompt(5, 10)])
     b = seqs.prefill()
     agreed = driver.agree_alone(b, 0)
-    with pytest.raises(DispatchCountError, match=r"replica 0 .*reported 6 tokens .* agreement holds 5") as info:
+    with pytest.raises(DispatchCountError, match=r"replica 0 .*sent 5 tokens to the DP agreement, but its batch dispatches 6") as info:
         driver.run(b, agreed, dispatch_count=6)
     assert (info.value.replica, info.value.reported, info.value.agreed, info.value.rows) == (0, 6, 5, 5)
     # Executing more rows than the exchange width fails even where counts are not compared.

@@ -161,8 +161,8 @@ def _compare(action, got, want, *, where):
         assert got[0] == "error", where
         kind, culprit, reported, agreed, message = got
         assert (culprit, reported, agreed) == (1, 2, 1), where  # one decode row, reported 2
-        assert "replica 1 (global rank 2) reported 2 tokens" in message, message
-        assert "agreement holds 1 tokens" in message and "step 5 (TARGET), layer 0" in message
+        assert "replica 1 (global rank 2) sent 1 tokens to the DP agreement" in message, message
+        assert "its batch dispatches 2 tokens" in message and "step 5 (TARGET), layer 0" in message
         return
     if action == "draft":
         kind, sampled, proposals = got

@@ -170,12 +170,17 @@ class AuditLog:
         shapes: Any,
         pg_seq: int | None,
         stage: str,
+        **extra: Any,
     ) -> None:
+        """`extra`: what the collective carried, e.g. the `sent` and `agreed` of an agreement."""
         if stage not in COLLECTIVE_STAGES:
             raise ValueError(f"collective stage must be one of {COLLECTIVE_STAGES}, got {stage!r}")
+        reserved = extra.keys() & _RESERVED
+        if reserved:
+            raise ValueError(f"collective record: extra fields {sorted(reserved)} are reserved")
         self._write(
             "collective", step_id,
-            group=group, op=op, phase=phase, shapes=shapes, pg_seq=pg_seq, stage=stage,
+            group=group, op=op, phase=phase, shapes=shapes, pg_seq=pg_seq, stage=stage, **extra,
         )
 
     @contextmanager

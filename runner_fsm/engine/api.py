@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 
 from runner_fsm.engine.config import EngineConfig
 import torch.distributed as dist
 
-from runner_fsm.engine.launch import init_process_groups_from_env, spawn, under_torchrun
+from runner_fsm.engine.launch import RankFailure, init_process_groups_from_env, spawn, under_torchrun
 from runner_fsm.engine.requests import Request
 from runner_fsm.engine.worker import RankResult, run_rank
 
@@ -55,8 +56,9 @@ def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float =
     elif in_process:
         ranks = [run_rank(None, cfg, requests)]
     else:
-        ranks = spawn(run_rank, cfg.layout, cfg, requests, timeout_s=timeout_s,
-                      pg_timeout_s=cfg.collective_timeout_s + 30)
+        ranks = [_as_result(r, cfg) for r in spawn(
+            run_rank, cfg.layout, cfg, requests, timeout_s=timeout_s,
+            pg_timeout_s=cfg.collective_timeout_s + 30, collect_failures=True)]
     outputs: dict[str, list[int]] = {}
     for rank in ranks:
         if rank.pcp_rank == 0:
@@ -74,3 +76,30 @@ def _run_under_torchrun(cfg: EngineConfig, requests: list[Request]) -> list[Rank
         return ranks
     finally:
         dist.destroy_process_group()
+
+
+def _as_result(result, cfg: EngineConfig) -> RankResult:
+    """A rank that died or was killed reports through its failure."""
+    if not isinstance(result, RankFailure):
+        return result
+    dp_rank, pcp_rank = cfg.layout.coords(result.rank)
+    step = _last_logged_step(cfg.run_dir, result.rank)
+    message = result.message + (f"; its audit log ends at step {step}" if step is not None else "")
+    error = {"type": result.exc_type, "message": message, "step": step}
+    return RankResult(result.rank, dp_rank, pcp_rank, {}, 0, 0, 0, 0, 0.0, {}, 0, 0, error)
+
+
+def _last_logged_step(run_dir: str, rank: int) -> int | None:
+    """The step of the last complete record a dead rank left (None without one)."""
+    path = os.path.join(run_dir, f"rank-{rank}.jsonl")
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            return json.loads(line).get("step_id")
+        except ValueError:
+            continue  # a line cut by the death
+    return None

@@ -34,7 +34,7 @@ from runner_fsm.errors import ConfigError
 _EXIT_GRACE_S = 0.5
 _POLL_S = 0.05
 # How long children that all reported may take to leave their final barrier.
-_JOIN_GRACE_S = 10.0
+_JOIN_GRACE_S = 3.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,18 +120,32 @@ def _create_groups(layout: ParallelLayout, global_rank: int, timeout) -> Process
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class RankFailure:
+    """In `collect_failures` mode, the result of a rank that raised, died or was killed."""
+
+    rank: int
+    exc_type: str
+    message: str
+    exitcode: int | None = None
+
+
 def spawn(
     fn: Callable[..., Any],
     layout: ParallelLayout,
     *args: Any,
     timeout_s: float = 120.0,
     pg_timeout_s: float | None = None,
+    collect_failures: bool = False,
 ) -> list[Any]:
     """Run `fn(groups, *args)` on every global rank; return the results in rank order.
 
     `fn` must be importable at module level (the `spawn` start method pickles it by name).
     `timeout_s` bounds the whole job, start-up included; `pg_timeout_s` (default `timeout_s`)
-    bounds each collective inside it.
+    bounds each collective inside it. By default the first failing rank raises and the
+    others are killed; with `collect_failures` each failure becomes a `RankFailure` in the
+    results and the other ranks are waited for (until the deadline), so every rank's own
+    error is seen.
     """
     layout.validate()
     context = mp.get_context("spawn")
@@ -148,7 +162,7 @@ def spawn(
                 )
                 process.start()
                 processes.append(process)
-        results = _collect(processes, results_queue, deadline)
+        results = _collect(processes, results_queue, deadline, collect_failures)
         _join_all(processes, min(deadline, time.monotonic() + _JOIN_GRACE_S))
         return [results[rank] for rank in range(layout.world_size)]
     finally:
@@ -194,13 +208,17 @@ def _leave(groups: ProcessGroups) -> None:
         dist.destroy_process_group()
 
 
-def _collect(processes, results_queue, deadline: float) -> dict[int, Any]:
+def _collect(processes, results_queue, deadline: float, collect_failures: bool = False) -> dict[int, Any]:
     results: dict[int, Any] = {}
     dead_since: dict[int, float] = {}
     while len(results) < len(processes):
         now = time.monotonic()
         if now >= deadline:
             pending = [rank for rank in range(len(processes)) if rank not in results]
+            if collect_failures:
+                for rank in pending:
+                    results[rank] = RankFailure(rank, "SpawnTimeout", "killed at the job's deadline")
+                return results
             raise SpawnTimeout(
                 f"ranks {pending} did not finish before the deadline; killed every child",
                 pending,
@@ -208,10 +226,16 @@ def _collect(processes, results_queue, deadline: float) -> dict[int, Any]:
         try:
             rank, ok, payload = results_queue.get(timeout=min(_POLL_S, deadline - now))
         except queue_module.Empty:
-            _check_dead(processes, results, dead_since)
+            for failure in _dead_without_result(processes, results, dead_since):
+                if not collect_failures:
+                    raise SpawnError(failure.message, rank=failure.rank)
+                results[failure.rank] = failure
             continue
         if not ok:
             exc_type, message, child_traceback = payload
+            if collect_failures:
+                results[rank] = RankFailure(rank, exc_type, message)
+                continue
             raise SpawnError(
                 f"rank {rank} raised {exc_type}: {message}\n--- traceback of rank {rank} ---\n"
                 f"{child_traceback}",
@@ -223,18 +247,20 @@ def _collect(processes, results_queue, deadline: float) -> dict[int, Any]:
     return results
 
 
-def _check_dead(processes, results: dict[int, Any], dead_since: dict[int, float]) -> None:
-    """Fail for a child that exited without a result once its last message had time to land."""
+def _dead_without_result(processes, results: dict[int, Any], dead_since: dict[int, float]) -> list[RankFailure]:
+    """Children that exited without a result once their last message had time to land."""
     now = time.monotonic()
+    failures = []
     for rank, process in enumerate(processes):
         if rank in results or process.is_alive():
             continue
         first_seen = dead_since.setdefault(rank, now)
         if now - first_seen >= _EXIT_GRACE_S:
-            raise SpawnError(
+            failures.append(RankFailure(
+                rank, "ProcessDied",
                 f"rank {rank} exited with code {process.exitcode} without reporting a result",
-                rank=rank,
-            )
+                process.exitcode))
+    return failures
 
 
 def _join_all(processes, deadline: float) -> None:

@@ -12,6 +12,7 @@ import sys
 import time
 
 import anyio
+import torch.distributed as dist
 
 from runner_fsm.audit import AuditLog
 from runner_fsm.collectives import CollectiveRunner
@@ -21,6 +22,7 @@ from runner_fsm.engine.requests import Request, assign
 from runner_fsm.engine.scheduler import Scheduler
 from runner_fsm.events import Capture, DummyStep, RealStep, Shutdown
 from runner_fsm.faults import Injection, Injector
+from runner_fsm.heartbeat import Heartbeat
 from runner_fsm.replica import Replica
 from runner_fsm.runner import ReplicaRunner
 
@@ -70,6 +72,13 @@ def _agreement(groups, capture_sizes):
     return GlooAgreement(groups.dp, capture_sizes)
 
 
+def _heartbeat(cfg: EngineConfig, groups) -> Heartbeat | None:
+    if groups is None:
+        return None
+    store = dist.distributed_c10d._get_default_store()
+    return Heartbeat(store, cfg.layout, groups.global_rank)
+
+
 def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
     dp_rank, pcp_rank = (groups.dp_rank, groups.pcp_rank) if groups else (0, 0)
     global_rank = cfg.layout.global_rank(dp_rank, pcp_rank)
@@ -79,7 +88,8 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
     replica = Replica(
         rc, dp_rank=dp_rank, pcp_rank=pcp_rank, model=model, drafter=drafter,
         agreement=_agreement(groups, rc.capture_sizes), audit=audit,
-        collectives=CollectiveRunner(audit, rc.collective_timeout_s), device=cfg.device,
+        collectives=CollectiveRunner(audit, rc.collective_timeout_s, heartbeat=_heartbeat(cfg, groups)),
+        device=cfg.device,
         injector=Injector(Injection.parse(i) for i in cfg.injections),
     )
     return ReplicaRunner(replica)

@@ -84,9 +84,11 @@ def check_headers(headers: list[DispatchHeader], step: ExchangeStep, groups: Mod
 
 def _problem(header: DispatchHeader, step: ExchangeStep, replica: int) -> str:
     agreed = step.num_tokens_across_dp[replica]
-    said = f"reported {header.dispatch_count} tokens and executes {header.rows} rows"
+    said = f"dispatches {header.dispatch_count} tokens per PCP rank and executes {header.rows} rows"
     if not step.use_graph and header.dispatch_count != agreed:
-        return f"{said}, but the agreement holds {agreed} tokens for it"
+        return (f"sent {agreed} tokens to the DP agreement, but its batch dispatches"
+                f" {header.dispatch_count} tokens per PCP rank (the agreement must carry the"
+                f" PCP-local count)")
     if header.rows > step.width:
         return f"{said}, more than the exchange width {step.width} (max of the agreed {list(step.num_tokens_across_dp)})"
     if header.rows < header.dispatch_count:

@@ -1,0 +1,106 @@
+"""Where every rank last was, kept in the job's key-value store, to name a culprit.
+
+gloo cannot say which member of a group never joined a collective. So each rank writes
+its position (step, and the collective it is entering, or that it is between collectives)
+into the c10d store that the process group already runs. When a collective times out,
+the rank reads every position and names the replica that is not where its peers are:
+- a replica outside any collective while its peers wait inside one never arrived (it hung,
+  faulted or died);
+- when every replica waits, one further along the step (later step, later phase, or past
+  the agreement into the forward) ran past a collective its peers are still in.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+
+from runner_fsm.config import ParallelLayout
+
+_KEY = "runner_fsm/position/{rank}"
+
+
+@dataclasses.dataclass(frozen=True)
+class Position:
+    """One rank's last position; `collective` is empty between collectives."""
+
+    rank: int
+    step: int
+    phase: int
+    collective: str
+
+    @property
+    def order(self) -> tuple[int, int, int]:
+        """Where in a step: phases in order, and in a phase the agreement before the forward."""
+        return (self.step, self.phase, 0 if self.collective.startswith("dp ") else 1)
+
+    def encode(self) -> bytes:
+        return f"{self.step}|{self.phase}|{self.collective}".encode()
+
+    @classmethod
+    def decode(cls, rank: int, raw: bytes) -> "Position":
+        step, phase, collective = raw.decode().split("|", 2)
+        return cls(rank, int(step), int(phase), collective)
+
+
+class Heartbeat:
+    """Writes this rank's position; on a timeout, reads everyone's and names the culprit."""
+
+    def __init__(self, store, layout: ParallelLayout, global_rank: int):
+        self.store = store
+        self.layout = layout
+        self.rank = global_rank
+
+    def beat(self, step: int, phase: int = 0, collective: str = "") -> None:
+        self.store.set(_KEY.format(rank=self.rank), Position(self.rank, step, phase, collective).encode())
+
+    def positions(self) -> dict[int, Position]:
+        keys = [_KEY.format(rank=r) for r in range(self.layout.world_size)]
+        self.store.set_timeout(datetime.timedelta(seconds=2))
+        found = {}
+        for rank, key in enumerate(keys):
+            if self.store.check([key]):
+                found[rank] = Position.decode(rank, self.store.get(key))
+        return found
+
+    def describe(self) -> str:
+        """A sentence naming the replicas out of step (or why it cannot tell)."""
+        try:
+            positions = self.positions()
+        except Exception as exc:  # the store lives in rank 0: if rank 0 died, so did it
+            return f"positions unreadable ({type(exc).__name__}: {exc}); rank 0 (replica 0) may be gone"
+        return describe_positions(positions, self.layout)
+
+
+def describe_positions(positions: dict[int, Position], layout: ParallelLayout) -> str:
+    per_replica = {}
+    for pos in positions.values():
+        per_replica.setdefault(layout.coords(pos.rank)[0], []).append(pos)
+    seen = "; ".join(
+        f"replica {d}: " + ", ".join(f"rank {p.rank} step {p.step} {p.collective or 'outside collectives'}"
+                                     for p in sorted(ps, key=lambda p: p.rank))
+        for d, ps in sorted(per_replica.items()))
+    silent = sorted(set(range(layout.dp_size)) - set(per_replica))
+    culprits = sorted(set(silent) | set(_culprits(positions, layout)))
+    verdict = (f"culprit: replica {', '.join(map(str, culprits))}" if culprits
+               else "no replica stands out")
+    return f"{verdict} ({seen})"
+
+
+def _culprits(positions: dict[int, Position], layout: ParallelLayout) -> list[int]:
+    """Replicas outside any collective while others wait in one; else, when every replica
+    waits, the ones furthest along the step's fixed order (they ran past a collective their
+    peers are still in)."""
+    outside, furthest = set(), {}
+    for p in positions.values():
+        replica = layout.coords(p.rank)[0]
+        furthest[replica] = max(furthest.get(replica, p.order), p.order)
+        if not p.collective:
+            outside.add(replica)
+    if not furthest or len(outside) == len(furthest):
+        return []
+    if outside:
+        return sorted(outside)
+    latest = max(furthest.values())
+    ahead = [d for d, order in furthest.items() if order == latest]
+    return sorted(ahead) if len(ahead) < len(furthest) else []

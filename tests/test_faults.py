@@ -1,0 +1,78 @@
+"""Fault injection, online: every process of a faulty run ends within a bounded time with a
+typed error naming the culprit replica and step; the run exits non-zero.
+
+Each test is a real DP=2 x PCP=2 run (4 processes on gloo) of the embedded engine with the
+tiny model and a 3 s collective timeout. Replica 1 owns one short request and idles from
+step 2 on while replica 0 still prefills and decodes; faults hit replica 1 at step 4
+(wrong-dispatch-count hits replica 0's prefill at step 0).
+"""
+
+import time
+
+import pytest
+
+from runner_fsm.config import ParallelLayout
+from runner_fsm.engine.api import run_engine
+from runner_fsm.engine.config import EngineConfig
+from runner_fsm.engine.requests import Request
+from runner_fsm.model import DRAFT_SPEC, TARGET_SPEC, make_random_model
+
+pytestmark = pytest.mark.multiproc
+
+TIMEOUT_S = 3.0
+WORKLOAD = [
+    Request("long", tuple(range(5, 41)), 14, 0, replica=0),
+    Request("mid", tuple(range(50, 62)), 10, 1, replica=0),
+    Request("short", tuple(range(70, 75)), 2, 0, replica=1),
+]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fault-models")
+    make_random_model(root / "target", TARGET_SPEC, seed=3)
+    make_random_model(root / "draft", DRAFT_SPEC, seed=4)
+    return str(root / "target"), str(root / "draft")
+
+
+def run_with_fault(models, run_dir, injection, **overrides):
+    target, draft = models
+    cfg = EngineConfig(model_dir=target, draft_dir=draft, run_dir=str(run_dir),
+                       layout=ParallelLayout(2, 2), num_speculative_tokens=1,
+                       collective_timeout_s=TIMEOUT_S, injections=(injection,), **overrides)
+    start = time.monotonic()
+    result = run_engine(cfg, WORKLOAD, timeout_s=120)
+    return result, time.monotonic() - start
+
+
+# kind -> (injection, error types every rank may end with, text naming the culprit)
+CASES = {
+    "skip-draft-sync": ("skip-draft-sync@replica=1,step=4", {"DesyncError"}, "odd one(s) out: replica(s) 1"),
+    "skip-dummy-forward": ("skip-dummy-forward@replica=1,step=4", {"CollectiveTimeout"}, "culprit: replica 1"),
+    "skip-buffer-refresh": ("skip-buffer-refresh@replica=1,step=4", {"StaleBufferError", "CollectiveTimeout"},
+                            "culprit: replica 1"),
+    "stale-pcp-context": ("stale-pcp-context@replica=1,step=4", {"StaleContextError", "CollectiveTimeout"},
+                          "culprit: replica 1"),
+    "wrong-dispatch-count": ("wrong-dispatch-count@replica=0,step=0", {"DispatchCountError"},
+                             "replica 0 (global rank 0) sent 36 tokens to the DP agreement, but its batch dispatches 18"),
+    "crash": ("crash@replica=1,step=4", {"ProcessDied", "CollectiveTimeout"}, "culprit: replica 1"),
+    "hang": ("hang@replica=1,step=4", {"CollectiveTimeout"}, "culprit: replica 1"),
+}
+
+
+@pytest.mark.parametrize("kind", list(CASES))
+def test_fault_stops_every_rank_naming_the_culprit(models, tmp_path, kind):
+    injection, types, culprit_text = CASES[kind]
+    result, elapsed = run_with_fault(models, tmp_path, injection)
+    assert not result.ok
+    assert elapsed < 60, f"{kind}: took {elapsed:.0f} s"
+    errors = {r.global_rank: r.error for r in result.ranks}
+    assert all(errors.values()), f"{kind}: some rank ended without an error: {errors}"
+    for rank, error in errors.items():
+        assert error["type"] in types, (kind, rank, error)
+    step = int(injection.rsplit("step=", 1)[1])
+    culprit = int(injection.split("replica=")[1].split(",")[0])
+    peers = [e for r, e in errors.items() if r // 2 != culprit]
+    for error in peers:  # the peers learn who it was and where
+        assert culprit_text in error["message"], (kind, error)
+        assert f"step {step}" in error["message"] or error["step"] == step, (kind, error)
