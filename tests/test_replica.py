@@ -196,3 +196,31 @@ async def test_shutdown_refuses_later_events_and_closes_log(tmp_path):
         await runner.handle(DummyStep())
     await runner.close()
     assert closed == [True] and runner.replica.audit.closed
+
+
+async def test_serve_answers_every_event_in_order_and_refuses_after_a_fault():
+    import anyio
+
+    from runner_fsm.runner import EventRefused
+
+    class Broken:
+        def forward(self, *a):
+            raise RuntimeError("boom")
+
+    runner = make_runner(_config(layout=ParallelLayout()), LocalAgreement(), model=Broken())
+    send_events, events = anyio.create_memory_object_stream(8)
+    send_outcomes, outcomes = anyio.create_memory_object_stream(8)
+    script = [Capture(), RealStep(prefill_batch([3])), DummyStep(), Shutdown("late")]
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(runner.serve, events, send_outcomes)
+        async with send_events:
+            for event in script:
+                await send_events.send(event)
+        answers = [o async for o in outcomes]
+    assert [a.event for a in answers] == script
+    assert answers[0].ok
+    assert isinstance(answers[1].error, RuntimeError) and "boom" in str(answers[1].error)
+    for refused in answers[2:]:
+        assert isinstance(refused.error, EventRefused)
+        assert "faulted at step 0: boom" in str(refused.error)
+    assert runner.replica.machine.state is State.FAULTED

@@ -14,17 +14,22 @@ import time
 import anyio
 import torch.distributed as dist
 
+try:
+    BaseExceptionGroup
+except NameError:  # Python 3.10: anyio depends on the backport
+    from exceptiongroup import BaseExceptionGroup
+
 from runner_fsm.audit import AuditLog
 from runner_fsm.collectives import CollectiveRunner
 from runner_fsm.dp import GlooAgreement
 from runner_fsm.engine.config import EngineConfig
 from runner_fsm.engine.requests import Request, assign
 from runner_fsm.engine.scheduler import Scheduler
-from runner_fsm.events import Capture, DummyStep, RealStep, Shutdown
+from runner_fsm.events import Capture, DummyStep, Event, RealStep, Shutdown
 from runner_fsm.faults import Injection, Injector
 from runner_fsm.heartbeat import Heartbeat
 from runner_fsm.replica import Replica
-from runner_fsm.runner import ReplicaRunner
+from runner_fsm.runner import Outcome, ReplicaRunner
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,12 +101,30 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
 
 
 async def _serve(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, counts: dict) -> None:
-    await runner.handle(Capture())
+    """The scheduler feeds the replica's event stream; the runner's task consumes it."""
+    send_events, events = anyio.create_memory_object_stream[Event](1)
+    send_outcomes, outcomes = anyio.create_memory_object_stream[Outcome](1)
+
+    async def submit(event: Event):
+        await send_events.send(event)
+        outcome = await outcomes.receive()
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.output
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(runner.serve, events, send_outcomes)
+        async with send_events, outcomes:
+            await submit(Capture())
+            await _step_loop(submit, runner, sched, cfg, counts)
+            await submit(Shutdown("all requests finished"))
+
+
+async def _step_loop(submit, runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, counts: dict) -> None:
     step = 0
     while True:
         batch = sched.schedule(step)
-        event = RealStep(batch) if batch is not None else DummyStep(pending=sched.num_unfinished)
-        out = await runner.handle(event)
+        out = await submit(RealStep(batch) if batch is not None else DummyStep(pending=sched.num_unfinished))
         counts["steps"] += 1
         state = out.trigger.value if batch is not None else "idle_dummy"
         counts["states"][state] = counts["states"].get(state, 0) + 1
@@ -116,7 +139,6 @@ async def _serve(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, cou
         step += 1
         _progress(cfg, runner, sched, step)
     _progress(cfg, runner, sched, step, final=True)
-    await runner.handle(Shutdown("all requests finished"))
 
 
 def _progress(cfg: EngineConfig, runner: ReplicaRunner, sched: Scheduler, step: int, *,
@@ -146,6 +168,7 @@ def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
     try:
         anyio.run(_serve, runner, sched, cfg, counts)
     except Exception as exc:  # reported as data: every rank's own typed error matters
+        exc = _unwrap_group(exc)
         error = {"type": type(exc).__name__, "message": str(exc), "step": runner.replica.step_id}
     finally:
         anyio.run(runner.close)
@@ -153,3 +176,10 @@ def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
                       counts["steps"], counts["real"], sched.num_preemptions, counts["tokens"],
                       time.perf_counter() - start, counts["states"], counts["handoffs"],
                       runner.replica.num_agreements, error)
+
+
+def _unwrap_group(exc: BaseException) -> BaseException:
+    """The first real error inside (nested) exception groups of the task group."""
+    while isinstance(exc, BaseExceptionGroup) and exc.exceptions:
+        exc = exc.exceptions[0]
+    return exc
