@@ -17,6 +17,7 @@ import torch
 
 from runner_fsm.config import RunnerConfig
 from runner_fsm.errors import BatchError
+from runner_fsm.pcp.arrays import int_array
 from runner_fsm.pcp.kv import PAD_SLOT_ID
 from runner_fsm.pcp.plan import PCPPlan, RankBatch
 
@@ -47,15 +48,6 @@ def stale_buffers(
 ) -> tuple[str, ...]:
     """Names of the buffers a write did not touch (version unchanged)."""
     return tuple(name for name in before if after[name].version == before[name].version)
-
-
-def _int_array(name: str, values: Sequence[int] | np.ndarray, ndim: int) -> np.ndarray:
-    arr = np.asarray(values)
-    if arr.ndim != ndim:
-        raise BatchError(f"{name} must be {ndim}-dimensional, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise BatchError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
 
 
 def _fits_int32(name: str, arr: np.ndarray) -> None:
@@ -189,13 +181,13 @@ class PersistentBuffers:
             raise BatchError(f"rank must lie in [0, {plan.pcp_size}), got {rank!r}")
         rb = plan.ranks[rank]
         self._check_capacity(plan.num_tokens_padded, rb.num_segments, what=f"plan rank {rank}")
-        ids = _int_array("input_ids_global", input_ids_global, 1)
+        ids = int_array("input_ids_global", input_ids_global, 1)
         if ids.shape[0] != plan.num_tokens:
             raise BatchError(
                 f"input_ids_global has {ids.shape[0]} entries, the plan has"
                 f" {plan.num_tokens} global tokens"
             )
-        slots = _int_array("gathered_slots", gathered_slots, 1)
+        slots = int_array("gathered_slots", gathered_slots, 1)
         gathered = plan.pcp_size * plan.num_tokens_padded
         if slots.shape[0] != gathered:
             raise BatchError(
@@ -205,7 +197,7 @@ class PersistentBuffers:
         return ids, tables, slots
 
     def _check_tables(self, block_tables: np.ndarray, rb: RankBatch) -> np.ndarray:
-        tables = _int_array("block_tables", block_tables, 2)
+        tables = int_array("block_tables", block_tables, 2)
         if tables.shape[1] > self.max_blocks_per_req:
             raise BatchError(
                 f"block_tables rows have {tables.shape[1]} blocks,"

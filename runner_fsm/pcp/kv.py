@@ -7,25 +7,14 @@ the step's K/V and writes it whole); only DCP shards it, token by token in runs 
 
 from __future__ import annotations
 
-from typing import Sequence
-
 import numpy as np
 
 from runner_fsm.errors import BatchError
+from runner_fsm.pcp.arrays import ArrayLike, int_array
 from runner_fsm.pcp.plan import PCPPlan
 
 PAD_SLOT_ID = -1
 
-ArrayLike = Sequence[int] | np.ndarray
-
-
-def _int_array(name: str, values: ArrayLike, ndim: int) -> np.ndarray:
-    arr = np.asarray(values)
-    if arr.ndim != ndim:
-        raise BatchError(f"{name} must be {ndim}-dimensional, got shape {arr.shape}")
-    if arr.size and not np.issubdtype(arr.dtype, np.integer):
-        raise BatchError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
 
 
 def _check_layout(block_size: int, dcp_size: int, dcp_rank: int, interleave: int) -> None:
@@ -100,9 +89,9 @@ def slot_mapping(
     table is row ``req_idx[t]`` of ``block_tables``.
     """
     _check_layout(block_size, dcp_size, dcp_rank, interleave)
-    pos = _int_array("positions", positions, 1)
-    req = _int_array("req_idx", req_idx, 1)
-    tables = _int_array("block_tables", block_tables, 2)
+    pos = int_array("positions", positions, 1)
+    req = int_array("req_idx", req_idx, 1)
+    tables = int_array("block_tables", block_tables, 2)
     span = block_size * dcp_size  # positions covered by one logical block across DCP ranks
     blk = _check_tokens(pos, req, tables, span)
     base = tables[req, blk] * block_size
@@ -120,7 +109,7 @@ def gathered_slot_mapping(global_slots: ArrayLike, plan: PCPPlan) -> np.ndarray:
     Replicated decode rows write only through rank 0's copy (``plan.kv_write_mask``), so a
     token's K/V reaches the cache exactly once however many ranks computed it.
     """
-    slots = _int_array("global_slots", global_slots, 1)
+    slots = int_array("global_slots", global_slots, 1)
     if slots.shape[0] != plan.num_tokens:
         raise BatchError(
             f"global_slots has {slots.shape[0]} entries,"

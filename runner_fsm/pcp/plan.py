@@ -10,13 +10,10 @@ policy, where each request's extra tokens depend on the loads left by the ones b
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
-
 import numpy as np
 
 from runner_fsm.errors import BatchError
-
-ArrayLike = Sequence[int] | np.ndarray
+from runner_fsm.pcp.arrays import ArrayLike, int_array
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -69,15 +66,6 @@ class _Batch:
     num_computed: np.ndarray
 
 
-def _as_int_array(name: str, values: ArrayLike) -> np.ndarray:
-    arr = np.asarray(values)
-    if arr.ndim != 1:
-        raise BatchError(f"{name} must be one-dimensional, got shape {arr.shape}")
-    if arr.size and not (np.issubdtype(arr.dtype, np.integer) or np.issubdtype(arr.dtype, np.bool_)):
-        raise BatchError(f"{name} must hold integers, got dtype {arr.dtype}")
-    return arr.astype(np.int64, copy=False)
-
-
 def _validate(
     num_scheduled: ArrayLike,
     is_prefilling: ArrayLike,
@@ -90,10 +78,10 @@ def _validate(
         raise BatchError(f"pcp_size must be an integer >= 1, got {pcp_size!r}")
     if chunking not in ("ceil", "balanced"):
         raise BatchError(f"chunking must be 'ceil' or 'balanced', got {chunking!r}")
-    scheduled = _as_int_array("num_scheduled", num_scheduled)
-    prefilling = _as_int_array("is_prefilling", is_prefilling).astype(bool)
+    scheduled = int_array("num_scheduled", num_scheduled)
+    prefilling = int_array("is_prefilling", is_prefilling, allow_bool=True).astype(bool)
     computed = (
-        np.zeros_like(scheduled) if num_computed is None else _as_int_array("num_computed", num_computed)
+        np.zeros_like(scheduled) if num_computed is None else int_array("num_computed", num_computed)
     )
     if not (scheduled.shape == prefilling.shape == computed.shape):
         raise BatchError(
