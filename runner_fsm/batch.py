@@ -25,6 +25,9 @@ class ScheduledBatch:
     token_ids: np.ndarray  # [T] input ids in global order (request by request)
     block_tables: np.ndarray  # [R, max_blocks] paged-KV block ids
     num_draft_tokens: np.ndarray | None = None  # [R] K verify tokens; None: no drafting
+    finished_req_ids: tuple[str, ...] = ()  # requests done since the previous batch
+    # New requests whose first num_computed tokens are already cached (prefix caching).
+    cached_prefix_req_ids: tuple[str, ...] = ()
 
     @property
     def num_reqs(self) -> int:
@@ -47,7 +50,7 @@ class ScheduledBatch:
 
     @classmethod
     def build(cls, req_ids, num_scheduled, is_prefilling, num_computed, token_ids, block_tables,
-              num_draft_tokens=None) -> "ScheduledBatch":
+              num_draft_tokens=None, finished_req_ids=(), cached_prefix_req_ids=()) -> "ScheduledBatch":
         """Wrap plain sequences as arrays; call `validate_batch` before using the result."""
         drafts = None if num_draft_tokens is None else np.asarray(num_draft_tokens, dtype=np.int64)
         tables = np.asarray(block_tables, dtype=np.int64)
@@ -61,6 +64,8 @@ class ScheduledBatch:
             token_ids=np.asarray(token_ids, dtype=np.int64),
             block_tables=tables,
             num_draft_tokens=drafts,
+            finished_req_ids=tuple(str(r) for r in finished_req_ids),
+            cached_prefix_req_ids=tuple(str(r) for r in cached_prefix_req_ids),
         )
 
 

@@ -34,6 +34,7 @@ from runner_fsm.machine import Handler, ReplicaMachine
 from runner_fsm.pcp.buffers import PersistentBuffers
 from runner_fsm.pcp.context import PCPAttentionContext, PCPContextState
 from runner_fsm.pcp.plan import num_tokens_for_dispatch, plan_batch
+from runner_fsm.request_table import RequestTable
 from runner_fsm.spec import tokens_per_request
 from runner_fsm.states import Trigger
 
@@ -65,6 +66,10 @@ class Replica:
         self.model, self.agreement, self.drafter = model, agreement, drafter
         self.collectives, self.audit = collectives, audit
         self.injector = injector
+        self.requests = RequestTable()
+        # Block ids must exist in the model's cache (unknown for fakes without one).
+        cache = getattr(model, "cache", None)
+        self.num_kv_blocks = getattr(cache, "num_blocks", None)
         self.buffers = PersistentBuffers(config, device)
         self.contexts = PCPContextState(config.layout.pcp_size, pcp_rank)
         self.graphs = GraphRunner(self.buffers, self._graph_forward,
@@ -128,7 +133,9 @@ class Replica:
 
     def _begin_real(self, event: RealStep) -> None:
         self._begin_step()  # the step id moves first, so an abort names the step peers are at
-        validate_batch(event.batch, self.config, where=f"replica {self.dp_rank}, step {self.step_id}")
+        where = f"replica {self.dp_rank}, step {self.step_id}"
+        validate_batch(event.batch, self.config, num_kv_blocks=self.num_kv_blocks, where=where)
+        self.requests.check(event.batch, where)
         self._batch = event.batch
 
     def _begin_dummy(self, _event) -> None:
@@ -171,6 +178,7 @@ class Replica:
         local = await self._forward(ForwardStep(self.step_id, padded, agreed, n))
         restored = self.model.restore(local, ctx)
         sampled = tokens_per_request(np.asarray(self.model.sample(restored)), batch)
+        self.requests.record(batch)
         self.output = StepOutput(self.step_id, event.trigger, agreed, padded, agreed.use_graph, sampled)
 
     async def _run_dummy(self, event) -> None:

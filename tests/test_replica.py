@@ -85,7 +85,7 @@ async def test_graph_replay_after_dummy_refresh_and_stale_refresh_refused(tmp_pa
     runner = make_runner(cfg, peers, run_dir=tmp_path)
     replica = runner.replica
     await runner.handle(Capture())
-    decode = decode_batch([20, 30])
+    decode = decode_batch([20, 30], cached_prefix=True)
     out = await runner.handle(RealStep(decode))
     assert out.graph and out.num_rows == 4  # padded to the peer's 3, then to capture size 4
     assert out.sampled == expected_tokens(decode)
@@ -110,7 +110,7 @@ async def test_replay_refused_when_storage_moved():
     await runner.handle(Capture())
     runner.replica.buffers.input_ids = torch.zeros_like(runner.replica.buffers.input_ids)
     with pytest.raises(StaleBufferError, match="storage of input_ids .* differs from capture"):
-        await runner.handle(RealStep(decode_batch([4])))
+        await runner.handle(RealStep(decode_batch([4], cached_prefix=True)))
 
 
 @pytest.mark.parametrize("k, per_step", [(1, [dp.DRAFT_PREFILL]), (3, [dp.DRAFT_PREFILL, dp.DRAFT_DECODE])])

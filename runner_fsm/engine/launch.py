@@ -284,15 +284,21 @@ def _free_port() -> int:
         return probe.getsockname()[1]
 
 
+# Children inherit the environment at start: OMP must see 1 thread before torch loads, and
+# gloo listens on the loopback interface only (nothing beyond 127.0.0.1), unless the user
+# chose an interface.
+_CHILD_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
+
+
 @contextlib.contextmanager
 def _single_threaded_children() -> Iterator[None]:
-    """Children inherit the environment at start: OMP must see 1 thread before torch loads."""
-    saved = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
+    saved = {name: os.environ.get(name) for name in _CHILD_ENV}
+    os.environ.update(_CHILD_ENV)
     try:
         yield
     finally:
-        if saved is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = saved
+        for name, value in saved.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value

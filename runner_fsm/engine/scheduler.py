@@ -71,6 +71,7 @@ class Scheduler:
         self.finished: dict[str, list[int]] = {}
         self.num_preemptions = 0
         self._slots: list[_Slot] = []
+        self._newly_finished: list[str] = []  # told to the replica with the next batch
 
     @property
     def num_unfinished(self) -> int:
@@ -155,7 +156,12 @@ class Scheduler:
             [s.live.req.req_id for s in slots], [s.num_scheduled for s in slots],
             [len(s.live.tokens) - s.live.num_computed > 1 for s in slots],
             [s.live.num_computed for s in slots], token_ids, tables,
-            num_draft_tokens=[len(s.drafts) for s in slots] if drafting else None)
+            num_draft_tokens=[len(s.drafts) for s in slots] if drafting else None,
+            finished_req_ids=self._take_finished())
+
+    def _take_finished(self) -> list[str]:
+        done, self._newly_finished = self._newly_finished, []
+        return done
 
     # -- applying a step's output -------------------------------------------------------
 
@@ -181,3 +187,4 @@ class Scheduler:
         self.allocator.free(live.blocks)
         live.blocks = []
         self.finished[live.req.req_id] = live.tokens[len(live.req.prompt):][: live.req.max_new_tokens]
+        self._newly_finished.append(live.req.req_id)

@@ -40,8 +40,10 @@ def prefill_batch(lengths, *, first_block: int = 0, block_size: int = 16, seed: 
 
 
 def decode_batch(computed, *, first_block: int = 0, block_size: int = 16, seed: int = 1,
-                 num_draft_tokens=None) -> ScheduledBatch:
-    """One decode row (1 + K verify tokens) per request that has `computed` tokens."""
+                 num_draft_tokens=None, cached_prefix: bool = False) -> ScheduledBatch:
+    """One decode row (1 + K verify tokens) per request that has `computed` tokens.
+
+    `cached_prefix`: the requests are new to the replica, their prefix already cached."""
     rng = np.random.default_rng(seed)
     drafts = [0] * len(computed) if num_draft_tokens is None else list(num_draft_tokens)
     scheduled = [1 + k for k in drafts]
@@ -50,4 +52,5 @@ def decode_batch(computed, *, first_block: int = 0, block_size: int = 16, seed: 
     return ScheduledBatch.build(
         [f"req-{first_block + i}" for i in range(len(computed))], scheduled, [False] * len(computed),
         computed, rng.integers(1, 900, sum(scheduled)), tables,
-        num_draft_tokens=drafts if num_draft_tokens is not None else None)
+        num_draft_tokens=drafts if num_draft_tokens is not None else None,
+        cached_prefix_req_ids=[f"req-{first_block + i}" for i in range(len(computed))] if cached_prefix else ())
