@@ -21,12 +21,18 @@ import dataclasses
 from typing import Any, Awaitable, Callable, Mapping, Optional
 
 from transitions import MachineError
+from transitions.extensions import asyncio as _transitions_asyncio
 from transitions.extensions.asyncio import AsyncMachine
 
 from runner_fsm.errors import RunnerError
 from runner_fsm.states import TRANSITIONS, State, Trigger
 
 Callback = Callable[[Any], Optional[Awaitable[None]]]
+
+# transitions logs eight debug lines per trigger; on the per-step path even the disabled-level
+# checks cost several microseconds, so its asyncio module's debug calls become no-ops.
+# Errors and warnings still reach logging.
+_transitions_asyncio._LOGGER.debug = lambda *args, **kwargs: None
 _STATES = {s.value: s for s in State}
 
 
@@ -57,20 +63,18 @@ class _SerialAsyncMachine(AsyncMachine):
     async def cancel_running_transitions(self, model, msg=None):
         return None
 
+    def __getattr__(self, name):
+        # transitions probes `hasattr(machine, "model_graphs")` on every state change; the
+        # stock __getattr__ parses callback-name patterns first, which costs more than the
+        # whole rest of a trigger.
+        if name == "model_graphs":
+            raise AttributeError(name)
+        return super().__getattr__(name)
+
     async def process_context(self, func, model):
-        cancelled: list[BaseException] = []
-
-        async def keep_cancel():
-            try:
-                return await func()
-            except asyncio.CancelledError as exc:
-                cancelled.append(exc)
-                raise
-
-        result = await super().process_context(keep_cancel, model)
-        if cancelled:
-            raise cancelled[0]
-        return result
+        # The stock version records the running task (for the cancellation above, which is
+        # off) and turns CancelledError into False; here a cancel simply propagates.
+        return await self._process_async(func, model)
 
 
 class ReplicaMachine:

@@ -22,6 +22,7 @@ from typing import Any
 import structlog
 
 from runner_fsm.errors import RunnerError
+from runner_fsm.pcp.fingerprint import BufferFingerprint
 
 try:  # orjson is optional: several times faster, same output shape
     import orjson
@@ -104,15 +105,10 @@ class _LineFile:
         self._raw.close()
 
 
-def _header_first(_logger: Any, _method: str, event_dict: dict[str, Any]) -> dict[str, Any]:
-    """Fixed key order so that files are diffable and the header reads first."""
-    record = {key: event_dict[key] for key in HEADER_FIELDS}
-    record.update(event_dict)  # header keys are overwritten in place, so they stay first
-    return record
-
-
-def _render_line(_logger: Any, _method: str, event_dict: dict[str, Any]) -> bytes:
-    return dumps_record(event_dict)
+def _render_record(_logger: Any, _method: str, event_dict: dict[str, Any]) -> bytes:
+    """The record arrives whole, header first (a fixed key order keeps files diffable);
+    structlog's own context copy and key merging would cost more than the encoding."""
+    return dumps_record(event_dict["record"])
 
 
 # ---------------------------------------------------------------- the log
@@ -134,14 +130,11 @@ class AuditLog:
         self._sink = _LineFile(self.path)
         self._logger = structlog.wrap_logger(
             self._sink,
-            processors=[_header_first, _render_line],
+            processors=[_render_record],
             wrapper_class=structlog.BoundLogger,
             context_class=dict,
-            schema=SCHEMA_VERSION,
-            run_id=str(run_id),
-            dp_rank=int(dp_rank),
-            pcp_rank=int(pcp_rank),
         ).bind()  # concrete BoundLogger now, instead of a lazy proxy rebuilt per call
+        self._run_id, self._dp_rank, self._pcp_rank = str(run_id), int(dp_rank), int(pcp_rank)
         # seq and the file order must agree, so numbering and writing share one lock.
         self._lock = threading.Lock()
         self._next_seq = 0
@@ -245,14 +238,20 @@ class AuditLog:
                 )
             # seq is only consumed once the line is written: a record that fails to
             # serialise leaves no gap behind.
-            self._logger.msg(
-                event, seq=self._next_seq, t_ns=time.monotonic_ns(), step_id=step_id, **fields
-            )
+            record = {
+                "schema": SCHEMA_VERSION, "run_id": self._run_id, "seq": self._next_seq,
+                "t_ns": time.monotonic_ns(), "dp_rank": self._dp_rank, "pcp_rank": self._pcp_rank,
+                "event": event, "step_id": step_id,
+            }
+            record.update(fields)
+            self._logger.msg(None, record=record)
             self._next_seq += 1
 
 
 def _fingerprint(fp: Any) -> dict[str, Any]:
     """{ptr, shape, version} from a dict, an object with those attributes, or a tensor."""
+    if type(fp) is BufferFingerprint:  # the common case first: no protocol checks
+        return {"ptr": fp.ptr, "shape": list(fp.shape), "version": fp.version}
     if isinstance(fp, Mapping):
         ptr, shape, version = fp["ptr"], fp["shape"], fp["version"]
     elif hasattr(fp, "data_ptr"):  # a torch tensor: its storage address and in-place counter

@@ -153,14 +153,12 @@ def _cmd_demo(args) -> int:
 
 
 def _replay(run_dir: str) -> int:
-    try:
-        from runner_fsm.audit.replay import replay_run
-    except ImportError:
-        return 0
-    report = replay_run(run_dir)
-    print(f"  replay {run_dir}: {'sound' if report.sound else 'UNSOUND'}"
-          f" ({report.num_records} records)")
+    """Judge the run's audit logs offline, as `runner-fsm replay` does."""
+    from runner_fsm.audit.replay import replay
+
+    report = replay(run_dir)
+    s = report.summary
+    print(f"  replay: {'sound' if report.sound else 'UNSOUND'} ({s.ranks} ranks, {s.records} records)")
     if not report.sound:
-        for verdict in report.verdicts[:5]:
-            print(f"    {verdict}", file=sys.stderr)
-    return 0 if report.sound else 1
+        print(report.format(limit=5), file=sys.stderr)
+    return report.exit_code

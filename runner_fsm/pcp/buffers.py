@@ -9,7 +9,6 @@ move the versions would read the previous batch.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -18,6 +17,7 @@ import torch
 from runner_fsm.config import RunnerConfig
 from runner_fsm.errors import BatchError
 from runner_fsm.pcp.arrays import int_array
+from runner_fsm.pcp.fingerprint import BufferFingerprint
 from runner_fsm.pcp.kv import PAD_SLOT_ID
 from runner_fsm.pcp.plan import PCPPlan, RankBatch
 
@@ -32,15 +32,6 @@ BUFFER_NAMES = (
 )
 
 _INT32_MAX = np.iinfo(np.int32).max
-
-
-@dataclasses.dataclass(frozen=True)
-class BufferFingerprint:
-    """Address, shape and write count of one buffer; equal fingerprints mean untouched."""
-
-    ptr: int
-    shape: tuple[int, ...]
-    version: int
 
 
 def stale_buffers(
@@ -143,12 +134,14 @@ class PersistentBuffers:
         self.is_dummy = is_dummy
 
     def fingerprint(self) -> dict[str, BufferFingerprint]:
-        return {
-            name: BufferFingerprint(
-                ptr=buf.data_ptr(), shape=tuple(buf.shape), version=buf._version
-            )
-            for name, buf in ((n, getattr(self, n)) for n in BUFFER_NAMES)
-        }
+        """Address, shape and write count of every buffer (read on every step: kept lean)."""
+        return {name: BufferFingerprint(buf.data_ptr(), tuple(buf.shape), buf._version)
+                for name, buf in zip(BUFFER_NAMES, self._buffers())}
+
+    def _buffers(self) -> tuple[torch.Tensor, ...]:
+        # Looked up by name each time: a rebound tensor must show up as moved storage.
+        return (self.input_ids, self.positions, self.is_padding, self.query_start_loc,
+                self.seq_lens, self.block_tables, self.gathered_slot_mapping)
 
     # -- checks (no mutation) ---------------------------------------------------------
 
