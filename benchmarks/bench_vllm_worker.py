@@ -7,7 +7,9 @@ measurement is a fresh process (vLLM's CPU worker rebinds threads and patches
 `LLM.generate` on the workload. Workers alternate (default, fsm, default, fsm, ...) so drift
 of a shared machine hits both; the ratio is of the medians. Wall time is what a user sees; the
 process's CPU time (all threads) is steadier on a shared machine and also counts busy-waiting
-OpenMP threads. Outputs are checked for equality.
+OpenMP threads. Outputs are checked for equality. Both workers get OMP_NUM_THREADS=1 by default
+(vLLM's own serving setting): with more threads than free cores, vLLM's CPU worker's bound,
+spin-waiting OpenMP threads make its times swing several-fold on a shared machine.
 
     .venv-vllm/bin/python benchmarks/bench_vllm_worker.py [--requests 32] [--max-new 32] [--repeats 2]
 """
@@ -45,9 +47,10 @@ def _child(args) -> None:
     requests = _workload(args.vocab, args.requests, args.max_new, args.seed)
     warmup = _workload(args.vocab, 4, 4, args.seed + 1)
     run_dir = str(Path(args.out).with_suffix("")) + "-run"
+    options = {"graph_mode": "full_decode_only"} if args.fsm_graphs else {}
     kwargs = h.llm_kwargs(args.model_dir, worker=worker, run_dir=run_dir if worker else None,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget,
-                          max_model_len=512, kv_cache_memory_bytes=256 << 20)
+                          max_model_len=512, kv_cache_memory_bytes=256 << 20, runner_fsm=options)
     with h.open_llm(**kwargs) as llm:
         h.generate(llm, warmup)
         cpu = time.process_time()
@@ -65,9 +68,13 @@ def _measure(args, worker: str, out: Path) -> dict:
     cmd = [sys.executable, __file__, "--child", worker, "--out", str(out), "--model-dir", args.model_dir,
            "--requests", str(args.requests), "--max-new", str(args.max_new), "--seed", str(args.seed),
            "--vocab", str(args.vocab), "--budget", str(args.budget), "--max-num-seqs", str(args.max_num_seqs)]
+    if args.fsm_graphs:
+        cmd.append("--fsm-graphs")
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     if args.threads:
         env["OMP_NUM_THREADS"] = str(args.threads)
+    else:
+        env.pop("OMP_NUM_THREADS", None)
     log = out.with_suffix(".log")
     with open(log, "w") as sink:
         code = subprocess.call(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
@@ -88,8 +95,11 @@ def main() -> None:
     p.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, help="OMP_NUM_THREADS for both workers (default: unset)")
+    p.add_argument("--threads", type=int, default=1,
+                   help="OMP_NUM_THREADS for both workers (default 1, as vLLM serves; 0: leave it unset)")
     p.add_argument("--vocab", type=int, default=512)
+    p.add_argument("--fsm-graphs", action="store_true",
+                   help="FSMWorker with graph_mode=full_decode_only (the runner's CPU static replay)")
     p.add_argument("--child", choices=("default", "fsm"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -120,7 +130,7 @@ def main() -> None:
     cpu = {w: statistics.median(r["cpu_s"] for r in rs) for w, rs in runs.items()}
     tokens = runs["fsm"][0]["output_tokens"]
     summary = {
-        "model_dir": args.model_dir, "omp_num_threads": args.threads, "requests": args.requests, "max_new_tokens": args.max_new,
+        "model_dir": args.model_dir, "omp_num_threads": args.threads, "fsm_graphs": args.fsm_graphs, "requests": args.requests, "max_new_tokens": args.max_new,
         "prompt_tokens": runs["fsm"][0]["prompt_tokens"], "output_tokens": tokens,
         "default_s": median["default"], "fsm_s": median["fsm"],
         "default_tok_per_s": tokens / median["default"], "fsm_tok_per_s": tokens / median["fsm"],

@@ -1,0 +1,1 @@
+"""Integrations of the runner into other engines (`runner_fsm.integrations.vllm`)."""
