@@ -62,6 +62,29 @@ def _measure(run_dir: Path, jobs: int, traced: bool) -> dict:
     return json.loads(out)
 
 
+def rows(quick: bool = False) -> list:
+    """benchmarks/run_all.py's rows: records/s and peak RSS of one process at 1x and 10x."""
+    from common import Row  # benchmarks/common.py, on the path when run_all imports this module
+
+    steps = 500 if quick else 1000
+    measured = {}
+    with tempfile.TemporaryDirectory(prefix="bench-replay-") as base:
+        for factor in (1, 10):
+            run_dir = Path(base) / f"{factor}x"
+            write_run(run_dir, SynthSpec(dp_size=4, pcp_size=2, steps=steps * factor, spec_tokens=1))
+            measured[factor] = _measure(run_dir, 1, traced=False)
+            shutil.rmtree(run_dir)
+    one, ten = measured[1], measured[10]
+    growth = ten["rss_mib"] / one["rss_mib"]
+    return [Row("runner-fsm replay, 10x log",
+                f"{ten['records'] / ten['seconds']:,.0f} rec/s, peak RSS {ten['rss_mib']:.1f} MiB"
+                f" ({ten['records']:,} records)",
+                f"1x log: {one['records'] / one['seconds']:,.0f} rec/s, {one['rss_mib']:.1f} MiB"
+                f" ({one['records']:,} records)",
+                f"RSS {growth:.2f}x", "peak memory flat (<= 1.2x)", "pass" if growth <= 1.2 else "miss",
+                note=f"8 ranks x {steps} and x {10 * steps} steps, one process")]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dp", type=int, default=4)

@@ -121,13 +121,18 @@ def _add_replay(sub) -> None:
     p.add_argument("--json", action="store_true", help="print the verdicts and a summary as JSON")
     p.add_argument("--plot", metavar="FILE", help="write a timeline picture (needs matplotlib)")
     p.add_argument("--limit", type=int, default=20, help="verdicts listed in the human report (default 20)")
+    p.add_argument("--jobs", type=int, default=None,
+                   help="processes, each judging a range of steps (default: 1 for small runs, else one per CPU)")
     p.set_defaults(func=_cmd_replay)
 
 
 def _cmd_replay(args) -> int:
     from runner_fsm.audit.replay import replay, replay_with_plot
 
-    report = replay_with_plot(args.run_dir, args.plot) if args.plot else replay(args.run_dir)
+    if args.plot:
+        report = replay_with_plot(args.run_dir, args.plot, jobs=args.jobs)
+    else:
+        report = replay(args.run_dir, jobs=args.jobs)
     if args.json:
         print(json.dumps(report.as_dict(), indent=1))
     else:

@@ -1,0 +1,98 @@
+"""The checks across ranks, run once per step on the merged step summaries.
+
+`missing_replica` lives here: a step that some replicas agreed on (a `dp` collective reached
+`done`) while a rank has no record of it at all. Consecutive missed steps of one rank make
+one finding, so a replica that died early is one verdict, not one per step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from runner_fsm.audit.agreed import check_agreed
+from runner_fsm.audit.groups import Groups
+from runner_fsm.audit.hangs import check_hangs
+from runner_fsm.audit.merge import StepMerger
+from runner_fsm.audit.sequences import SequenceChecker
+from runner_fsm.audit.stepsummary import RankStep
+from runner_fsm.audit.verdicts import Verdict
+
+
+@dataclasses.dataclass
+class MissedSteps:
+    """Consecutive steps that replicas agreed on and `rank` never reached."""
+
+    rank: int
+    replica: int
+    first: int
+    last: int
+    agreed_by: set[int]
+    whereabouts: str
+    open_end: bool = False  # still missing when the steps judged ended
+    continued: bool = False  # already missing before the first step judged
+
+    def verdict(self) -> Verdict:
+        steps = f"step {self.first}" if self.first == self.last else f"steps {self.first}..{self.last}"
+        agreed = ", ".join(map(str, sorted(self.agreed_by)))
+        detail = (f"replica {self.replica} never reached {steps}, which replica(s) {agreed} agreed on"
+                  f" ({self.whereabouts})")
+        return Verdict("missing_replica", self.replica, self.first, detail, (self.rank,))
+
+
+class CrossRankChecker:
+    def __init__(self, groups: Groups, merger: StepMerger, verdicts: list[Verdict]):
+        self.groups = groups
+        self.merger = merger
+        self.emit = verdicts.append
+        self.ranks = tuple(sorted(groups.infos))
+        self.sequences = SequenceChecker(groups, self.emit)
+        self.missed: list[MissedSteps] = []  # closed runs; see finish()
+        self._open: dict[int, MissedSteps] = {}
+
+    def check(self, step: int, present: dict[int, RankStep]) -> None:
+        if len(present) < len(self.ranks):
+            self._note_absent(step, present)
+        if self._open:
+            for rank in [r for r in self._open if r in present]:
+                self.missed.append(self._open.pop(rank))
+        self.sequences.check(step, present)
+        check_agreed(step, present, self.groups, self.emit)
+        check_hangs(step, present, self.groups, self.merger, self.emit)
+
+    def finish(self) -> list[MissedSteps]:
+        """Every run of missed steps, those still open marked `open_end`."""
+        for missed in self._open.values():
+            missed.open_end = True
+            self.missed.append(missed)
+        self._open.clear()
+        return self.missed
+
+    def _note_absent(self, step: int, present: dict[int, RankStep]) -> None:
+        agreed_by = {self.groups.replica(rank) for rank, summary in present.items() if summary.agreed_any("dp")}
+        if not agreed_by:
+            return
+        for rank in self.ranks:
+            if rank in present:
+                continue
+            self.sequences.mark_out_of_step(rank)
+            missed = self._open.get(rank)
+            if missed is None:
+                self._open[rank] = MissedSteps(rank, self.groups.replica(rank), step, step, set(agreed_by),
+                                               self.merger.whereabouts(rank, step))
+            else:
+                missed.last = step
+                missed.agreed_by |= agreed_by
+
+
+def join_missed(runs: list[MissedSteps]) -> list[Verdict]:
+    """One verdict per run; a run open at the end of one range of steps and continued at the
+    start of the next is one run."""
+    joined: list[MissedSteps] = []
+    for run in sorted(runs, key=lambda r: (r.rank, r.first)):
+        previous = joined[-1] if joined else None
+        if previous is not None and previous.rank == run.rank and previous.open_end and run.continued:
+            previous.last, previous.open_end = run.last, run.open_end
+            previous.agreed_by |= run.agreed_by
+        else:
+            joined.append(dataclasses.replace(run, agreed_by=set(run.agreed_by)))
+    return [run.verdict() for run in joined]

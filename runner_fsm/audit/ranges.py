@@ -1,0 +1,257 @@
+"""Judge a run in ranges of steps, one process per range, all streaming.
+
+Each rank's file is ordered by step, so the byte offset where any step starts is found by
+bisection, and a process can judge steps [lo, hi) of every rank alone: it starts a few steps
+early (`WARMUP_STEPS`: the previous buffers snapshot, the transition state, the collective
+template) and keeps only the findings from `lo` on. No step crosses a pipe, so the processes
+never wait on each other; each one's memory is that of a single-process replay.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import multiprocessing
+import os
+import traceback
+from pathlib import Path
+
+import orjson
+
+from runner_fsm.audit.crossrank import CrossRankChecker, MissedSteps
+from runner_fsm.audit.groups import Groups
+from runner_fsm.audit.merge import StepMerger
+from runner_fsm.audit.rankscan import scan_rank
+from runner_fsm.audit.reader import RankInfo
+from runner_fsm.audit.verdicts import ReplayInputError, Verdict
+
+WARMUP_STEPS = 8
+_TAIL = 1 << 16
+
+
+@dataclasses.dataclass
+class RangeResult:
+    """What judging one range of steps found."""
+
+    verdicts: list[Verdict]
+    missed: list[MissedSteps]
+    records: int
+    first_step: int | None
+    last_step: int | None
+
+
+def judge_range(infos: list[RankInfo], lo: int | None = None, hi: int | None = None, *,
+                timeline=None) -> RangeResult:
+    """Judge steps [lo, hi) of every rank (None: from the start, to the end)."""
+    verdicts: list[Verdict] = []
+    counts: dict[int, int] = {}
+    cut: set[int] = set()
+    streams, ended_before, offsets = {}, {}, {}
+    for info in infos:
+        offset = 0 if lo is None else seek_step(info.path, lo - WARMUP_STEPS)
+        if lo is not None and offset >= info.path.stat().st_size:
+            ended_before[info.global_rank] = last_step_of(info.path)  # nothing left in this range
+            continue
+        offsets[info.global_rank] = offset
+        streams[info.global_rank] = scan_rank(info, verdicts, counts, cut, offset=offset, count_from=lo,
+                                              stop_step=hi)
+    merger = StepMerger(streams, ended_before=ended_before, cut=cut)
+    checker = CrossRankChecker(Groups(infos), merger, verdicts)
+    first = last = None
+    for step, present in merger:
+        checker.check(step, present)
+        if timeline is not None:
+            timeline.add(step, present)
+        if lo is None or step >= lo:
+            first = step if first is None else first
+            last = step
+    missed = checker.finish()
+    if lo is not None:
+        verdicts = _own_verdicts(verdicts, lo, infos, offsets)
+        missed = _own_missed(missed, lo)
+    return RangeResult(verdicts, missed, sum(counts.values()), first, last)
+
+
+def _own_verdicts(verdicts: list[Verdict], lo: int, infos, offsets) -> list[Verdict]:
+    """The findings of steps from `lo` on (earlier ones are the previous range's), with line
+    numbers counted from the start of the file again."""
+    kept = [v for v in verdicts if v.step is not None and v.step >= lo]
+    by_file = {info.file: info for info in infos}
+    bases: dict[str, int] = {}
+    fixed = []
+    for verdict in kept:
+        info = by_file.get(verdict.file)
+        if info is not None and verdict.line and offsets.get(info.global_rank):
+            if verdict.file not in bases:
+                bases[verdict.file] = newlines_before(info.path, offsets[info.global_rank])
+            verdict = dataclasses.replace(verdict, line=verdict.line + bases[verdict.file])
+        fixed.append(verdict)
+    return fixed
+
+
+def _own_missed(missed: list[MissedSteps], lo: int) -> list[MissedSteps]:
+    own = []
+    for run in missed:
+        if run.last < lo:
+            continue
+        if run.first < lo:
+            run = dataclasses.replace(run, first=lo, continued=True)
+        own.append(run)
+    return own
+
+
+# ---------------------------------------------------------------- finding steps in files
+
+
+def _step_of(raw: bytes):
+    try:
+        step = orjson.loads(raw)["step_id"]
+    except (orjson.JSONDecodeError, KeyError, TypeError):
+        return None
+    return step if isinstance(step, int) else None
+
+
+def _first_step_from(handle, position: int) -> tuple[int, int | None]:
+    """(start of the first whole line at or after `position` that has a step, that step);
+    (end of file, None) when there is none."""
+    handle.seek(position)
+    if position:
+        handle.readline()  # the rest of a line that started earlier
+    while True:
+        start = handle.tell()
+        raw = handle.readline()
+        if not raw:
+            return start, None
+        step = _step_of(raw)
+        if step is not None:
+            return start, step
+
+
+def seek_step(path: Path, step: int) -> int:
+    """Byte offset of the first line of `path` whose step is `step` or later (the file size
+    when there is none), by bisection: the file is ordered by step."""
+    with open(path, "rb") as handle:
+        low, high = 0, path.stat().st_size
+        while high - low > _TAIL:
+            middle = (low + high) // 2
+            start, found = _first_step_from(handle, middle)
+            if found is None or found >= step:
+                if start >= high:
+                    break
+                high = start
+            else:
+                low = middle
+        handle.seek(low)
+        if low:
+            handle.readline()  # the rest of a line that started before `low`
+        while True:
+            start = handle.tell()
+            raw = handle.readline()
+            found = _step_of(raw) if raw else None
+            if not raw or (found is not None and found >= step):
+                return start
+
+
+def last_step_of(path: Path) -> int | None:
+    """The step of the last readable record of `path` (None when it has none)."""
+    size = path.stat().st_size
+    with open(path, "rb") as handle:
+        span = _TAIL
+        while True:
+            handle.seek(max(0, size - span))
+            lines = handle.read().splitlines()
+            for raw in reversed(lines[1:] if size > span else lines):
+                step = _step_of(raw)
+                if step is not None:
+                    return step
+            if span >= size:
+                return None
+            span *= 4
+
+
+def newlines_before(path: Path, offset: int) -> int:
+    count = 0
+    with open(path, "rb") as handle:
+        while offset > 0:
+            chunk = handle.read(min(offset, 1 << 20))
+            if not chunk:
+                break
+            count += chunk.count(b"\n")
+            offset -= len(chunk)
+    return count
+
+
+def split_steps(infos: list[RankInfo], parts: int) -> list[int]:
+    """Step ids that cut the largest file into `parts` about equal byte ranges."""
+    biggest = max(infos, key=lambda info: info.path.stat().st_size)
+    size = biggest.path.stat().st_size
+    bounds: list[int] = []
+    with open(biggest.path, "rb") as handle:
+        for part in range(1, parts):
+            _, step = _first_step_from(handle, size * part // parts)
+            if step is not None and step > max(bounds, default=0):
+                bounds.append(step)
+    return bounds
+
+
+# ---------------------------------------------------------------- processes
+
+
+def _judge_in_child(infos, lo, hi, conn) -> None:
+    try:
+        conn.send(("ok", judge_range(infos, lo, hi)))
+    except ReplayInputError as err:
+        conn.send(("input_error", str(err)))
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises it
+        conn.send(("crash", traceback.format_exc()))
+    finally:
+        conn.close()
+
+
+def judge_in_ranges(infos: list[RankInfo], jobs: int) -> RangeResult:
+    """`judge_range` over `jobs` ranges of steps: the first in this process, the others in
+    child processes started at once, so that all run side by side."""
+    bounds = split_steps(infos, jobs)
+    ranges = list(zip([None, *bounds], [*bounds, None]))
+    methods = multiprocessing.get_all_start_methods()
+    # fork starts at once and imports nothing; children touch only files and Python objects.
+    context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
+    children = []
+    for lo, hi in ranges[1:]:
+        receive, send = context.Pipe(duplex=False)
+        process = context.Process(target=_judge_in_child, args=(infos, lo, hi, send), daemon=True,
+                                  name=f"replay-steps-{lo}")
+        process.start()
+        send.close()
+        children.append((process, receive))
+    try:
+        results = [judge_range(infos, *ranges[0])]
+        results += [_result_of(process, receive) for process, receive in children]
+    finally:
+        for process, _ in children:
+            if process.is_alive():
+                process.terminate()
+            process.join()
+    return _combined(results)
+
+
+def _result_of(process, receive) -> RangeResult:
+    try:
+        status, payload = receive.recv()
+    except EOFError:
+        raise RuntimeError(f"replay process {process.name} died (exit code {process.exitcode})") from None
+    if status == "input_error":
+        raise ReplayInputError(payload)
+    if status == "crash":
+        raise RuntimeError(f"replay process {process.name} failed:\n{payload}")
+    return payload
+
+
+def _combined(results: list[RangeResult]) -> RangeResult:
+    firsts = [r.first_step for r in results if r.first_step is not None]
+    lasts = [r.last_step for r in results if r.last_step is not None]
+    return RangeResult([v for r in results for v in r.verdicts], [m for r in results for m in r.missed],
+                       sum(r.records for r in results), min(firsts, default=None), max(lasts, default=None))
+
+
+def cpu_count() -> int:
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)

@@ -1,0 +1,342 @@
+"""One pass over one rank's log: the checks that need no peer, and a summary per step.
+
+Checked here: `seq` runs gapless from 0 (`gap`); every transition follows from the table and
+chains onto the previous one (`illegal_transition`); every graph replay reads buffers that
+were written since the previous step and still have their capture storage
+(`stale_buffer_replay`); faults and logs that just stop (`fault`, `unfinished`).
+What peers must agree on (collectives, agreements) goes into a `RankStep` per step, which
+`crossrank` merges across ranks. Only the current step is held, so memory does not grow
+with the log.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import orjson
+
+from runner_fsm.audit.agreed import check_own_agreement
+from runner_fsm.audit.collective_labels import label
+from runner_fsm.audit.reader import RankInfo
+from runner_fsm.audit.stale import BufferTracker
+from runner_fsm.audit.stepsummary import RankStep, StepBuilder
+from runner_fsm.audit.transitions import TransitionChecker
+from runner_fsm.audit.verdicts import ReplayInputError, Verdict
+
+TERMINAL_STATES = ("stopped", "faulted")
+STEP_TRIGGERS = frozenset({"prefill", "decode", "idle"})
+TIMEOUT_ERRORS = frozenset({"CollectiveTimeout", "TimeoutError"})
+# Groups whose members must pass equal shapes (an all_reduce, an all_gather of equal parts).
+# Elsewhere shapes are each rank's own rows (the expert group's forward), so only op and
+# phase must match there.
+SHAPE_MATCHED_GROUPS = frozenset({"dp", "pcp"})
+
+
+def _freeze(value):
+    """Lists to tuples, recursively: shapes become hashable sequence keys."""
+    return tuple(map(_freeze, value)) if isinstance(value, list) else value
+
+
+class RankScanner:
+    """Feeds on one rank's records in file order; appends local verdicts to `verdicts`."""
+
+    def __init__(self, info: RankInfo, verdicts: list[Verdict]):
+        self.info = info
+        self.verdicts = verdicts
+        self.records = 0
+        self.transitions = TransitionChecker(self._verdict)
+        self.current: StepBuilder | None = None
+        self._signatures: dict = {}  # equal signatures become one object
+        self._next_seq = 0
+        self._last_pg: dict[str, int] = {}  # group -> pg_seq of its last enqueue
+        self._dangling: tuple | None = None  # the collective of the last record, if an enqueue
+        self._truncated = False
+        self._line = 0
+        self._raw_shapes = self._frozen_shapes = None
+        # stale-buffer bookkeeping: snapshots are the raw `buffers` dicts of the records
+        self.buffers = BufferTracker()
+        self.stopped = False  # the scan ended at `stop_step`, not at the end of the file
+        self.count_from: int | None = None  # count only records of steps from here on
+        self._uncounted: int | None = None  # records read before the first such step
+
+    # -- verdicts ------------------------------------------------------------------
+
+    def _verdict(self, kind: str, detail: str, *, step=None, line=None, error=None) -> None:
+        step = step if step is not None else (self.current.step if self.current else None)
+        self.verdicts.append(Verdict(kind, self.info.dp_rank, step, detail, (self.info.global_rank,),
+                                     self.info.file, line or self._line, error))
+
+    # -- the per-line entry points -------------------------------------------------
+
+    def scan(self, lines, stop_step: int | None = None) -> Iterator[RankStep]:
+        """Every step of `lines` (a binary file), sealed when the next one starts; the last
+        one comes from `finish()`, unless a record of `stop_step` or later ends the scan
+        first (`self.stopped`): the steps from there on belong to another range."""
+        # The hot path of the whole checker, about ten lines per step and rank: the loop and
+        # the header checks are inlined here; each event goes to one handler, rare cases to helpers.
+        loads, decode_error = orjson.loads, orjson.JSONDecodeError
+        handlers = {"collective": self._collective, "transition": self._transition,
+                    "buffers": self._buffers, "graph": self._graph, "fault": self._fault}
+        for line_no, raw in enumerate(lines, 1):
+            self._line = line_no
+            try:
+                record = loads(raw)
+                seq, event, step = record["seq"], record["event"], record["step_id"]
+            except decode_error as err:
+                self._unparsable(raw, err)
+                continue
+            except (KeyError, TypeError) as err:
+                self._malformed(f"record lacks header field {err}" if isinstance(err, KeyError)
+                                else "line is not a JSON object")
+                continue
+            self.records += 1
+            if seq == self._next_seq:
+                self._next_seq = seq + 1
+            else:
+                self._seq_gap(seq)
+            current = self.current
+            if current is None or (step != current.step and step is not None):
+                if stop_step is not None and isinstance(step, int) and step >= stop_step:
+                    self.records -= 1  # that record is the next range's
+                    self.stopped = True
+                    if current is not None:
+                        yield current.seal(self.info.global_rank, self._signatures)
+                    return
+                finished = self._enter_step(step)
+                if finished is not None:
+                    yield finished
+            self._dangling = None
+            try:
+                handler = handlers.get(event)
+                if handler is not None:
+                    handler(record)
+            except (LookupError, TypeError, AttributeError, ValueError) as err:
+                self._malformed(f"{event!r} record is malformed ({type(err).__name__}: {err})")
+
+    @property
+    def records_counted(self) -> int:
+        if self.count_from is None:
+            return self.records
+        return 0 if self._uncounted is None else self.records - self._uncounted
+
+    def resume_mid_file(self) -> None:
+        """The next line is read after a jump ahead in the file: trust its seq, state and
+        counters instead of checking them against records that were skipped. The captures
+        (read from the head of the file) are kept."""
+        self._next_seq = None
+        self.transitions.state = None
+        self._last_pg.clear()
+        self.buffers.forget_steps()
+        self.current = self._dangling = None
+
+    def finish(self) -> RankStep | None:
+        """The last step's summary, marked as the end of this rank's log."""
+        last = self.current
+        if last is None:
+            if not self._truncated and self.records == 0:
+                self._verdict("gap", "the file holds no record: the process wrote nothing", step=None,
+                              line=0)
+            return None
+        hang, timed_out = self._dangling, False
+        if hang is None and last.fault is not None and last.fault[0] in TIMEOUT_ERRORS:
+            hang = self._open_collective(last)
+            timed_out = hang is not None
+        state = self.transitions.state
+        if hang is None and not self._truncated and state not in TERMINAL_STATES:
+            self._verdict("unfinished", f"the log ends in state {state!r} at step {last.step} without"
+                          " shutdown, fault or a collective in flight (process killed or still running?)")
+        return last.seal(self.info.global_rank, self._signatures, ended=True, hang=hang, timed_out=timed_out)
+
+    # -- gaps ----------------------------------------------------------------------
+
+    def _unparsable(self, raw: bytes, err: Exception) -> None:
+        if self._next_seq is not None:
+            self._next_seq += 1  # the damaged line most likely held one record
+        if not raw.endswith(b"\n"):
+            self._truncated = True
+            self._verdict("gap", f"truncated last line ({len(raw)} bytes, no newline): the process"
+                          " died while writing it; the record is lost")
+        else:
+            self._verdict("gap", f"unparsable line: {err}")
+
+    def _malformed(self, what: str) -> None:
+        self._verdict("gap", f"{what}; the record cannot be checked")
+
+    def _seq_gap(self, seq) -> None:
+        expected = self._next_seq
+        valid = isinstance(seq, int) and not isinstance(seq, bool)
+        self._next_seq = seq + 1 if valid else (expected + 1 if expected is not None else None)
+        if expected is None:  # the first record read after resume_mid_file
+            return
+        if isinstance(seq, int) and seq > expected:
+            missing = f"seq {expected}" if seq == expected + 1 else f"seq {expected}..{seq - 1}"
+            self._verdict("gap", f"{missing} missing: seq jumps from {expected - 1} to {seq}")
+        elif isinstance(seq, int):
+            self._verdict("gap", f"seq {seq} repeated or out of order (expected {expected})")
+        else:
+            self._verdict("gap", f"seq is {seq!r}, expected {expected}")
+
+    def _enter_step(self, step) -> RankStep | None:
+        if self._uncounted is None and self.count_from is not None and isinstance(step, int) \
+                and step >= self.count_from:
+            self._uncounted = self.records - 1  # this record is the first one counted
+        current = self.current
+        if current is None:
+            self.current = StepBuilder(step if isinstance(step, int) else -1, self._line)
+            return None
+        if step == current.step or step is None:
+            return None
+        if not isinstance(step, int) or step < current.step:
+            self._verdict("gap", f"step_id goes back from {current.step} to {step!r}: records out of order")
+            return None
+        self.current = StepBuilder(step, self._line)
+        self.buffers.new_step()
+        return current.seal(self.info.global_rank, self._signatures)
+
+    # -- events --------------------------------------------------------------------
+
+    def _transition(self, record) -> None:
+        trigger, outcome = record["trigger"], record["outcome"]
+        self.transitions.check(trigger, record["src"], record["dst"], outcome, self._line)
+        if outcome == "ok":
+            if trigger in STEP_TRIGGERS:
+                self.current.kind = trigger
+            elif trigger == "draft":
+                self.current.drafted = True
+
+    def _collective(self, record) -> None:
+        group, stage, pg_seq = record["group"], record["stage"], record["pg_seq"]
+        if stage == "done":
+            pending = self.current.open.get(group)
+            last = pending[-1] if pending else None
+            # `done` almost always closes the group's last enqueue; search only otherwise.
+            if last is not None and last[4] == pg_seq and last[3] == record["phase"] and last[2] == record["op"]:
+                pending.pop()
+                if "agreed" in record:
+                    self._agreed(last, record["agreed"])
+            else:
+                self._done_elsewhere(group, record, pg_seq)
+        elif stage == "enqueue":
+            self._enqueue(group, record, pg_seq)
+        else:
+            self._malformed(f"collective stage {stage!r} is neither 'enqueue' nor 'done'")
+
+    def _enqueue(self, group: str, record, pg_seq) -> None:
+        last = self._last_pg.get(group)
+        if last is None or pg_seq != last + 1:
+            pg_seq = self._pg_seq_break(group, last, pg_seq)
+        if pg_seq is not None:
+            self._last_pg[group] = pg_seq
+        shapes = None
+        if group in SHAPE_MATCHED_GROUPS:
+            shapes = record["shapes"]
+            if shapes != self._raw_shapes:  # shapes repeat: freeze each distinct value once
+                self._raw_shapes, self._frozen_shapes = shapes, _freeze(shapes)
+            shapes = self._frozen_shapes
+        op, phase = record["op"], record["phase"]
+        step = self.current
+        keys = step.keys.get(group)
+        if keys is None:
+            keys = step.keys[group] = []
+            step.first_pg[group] = pg_seq
+            step.open[group] = []
+        # the layout of StepBuilder.open
+        sent = record.get("sent")
+        pending = (group, len(keys), op, phase, pg_seq, self._line, sent if isinstance(sent, dict) else None)
+        keys.append((op, phase, shapes))
+        step.open[group].append(pending)
+        self._dangling = pending
+
+    def _pg_seq_break(self, group: str, last, pg_seq):
+        """The first collective of a group, or a break in its count: pg_seq as an int (or None)."""
+        if pg_seq is None:
+            return None
+        if not isinstance(pg_seq, int) or isinstance(pg_seq, bool):
+            self._malformed(f"pg_seq of group '{group}' is {pg_seq!r}, not an integer")
+            return None
+        if last is not None:
+            self._verdict("gap", f"pg_seq of group '{group}' jumps from {last} to {pg_seq}: a collective"
+                          " on this group ran without an audit record, or its record is lost")
+        return pg_seq
+
+    def _agreed(self, pending: tuple, agreed) -> None:
+        if not isinstance(agreed, dict):
+            if agreed is not None:
+                self._malformed(f"`agreed` is a {type(agreed).__name__}, expected an object")
+            return
+        step, phase, sent = self.current.step, pending[3], pending[6]
+        self.current.agreed.append((phase, agreed))
+        try:  # the common case, without a call: this step and phase, and what it sent
+            fine = agreed["step_id"] == step and agreed["phase"] == phase and (
+                sent is None or agreed["num_tokens_across_dp"][self.info.dp_rank] == sent["num_tokens"])
+        except (KeyError, IndexError, TypeError):
+            fine = False
+        if not fine:
+            for detail in check_own_agreement(pending, agreed, step, self.info.dp_rank):
+                self._verdict("agreed_mismatch", detail)
+
+    def _done_elsewhere(self, group: str, record, pg_seq) -> None:
+        phase, op = record["phase"], record["op"]
+        pending = self.current.open.get(group, [])
+        for position in range(len(pending) - 1, -1, -1):
+            found = pending[position]
+            if found[4] == pg_seq and found[3] == phase and found[2] == op:
+                del pending[position]
+                self._agreed(found, record.get("agreed"))
+                return
+        self._verdict("gap", f"`done` of {label(group, op, phase)} (pg_seq {pg_seq}) has no `enqueue`"
+                      " in its step: the enqueue record is lost")
+
+    def _fault(self, record) -> None:
+        error, message = str(record["error"]), str(record["message"])
+        if self.current.fault is None:
+            self.current.fault = (error, message)
+        self._verdict("fault", f"{error}: {message}", error=error)
+
+    def _buffers(self, record) -> None:
+        self.buffers.buffers(record)
+
+    def _graph(self, record) -> None:
+        for detail in self.buffers.graph(record, self.current.step):
+            self._verdict("stale_buffer_replay", detail)
+
+    # -- helpers -------------------------------------------------------------------
+
+    @staticmethod
+    def _open_collective(step: StepBuilder) -> tuple | None:
+        """The last collective of the step still awaiting its `done`."""
+        return max((p for pending in step.open.values() for p in pending), key=lambda p: p[5], default=None)
+
+
+def scan_rank(info: RankInfo, verdicts: list[Verdict], counter: dict[int, int], cut: set[int] | None = None,
+              *, offset: int = 0, count_from: int | None = None, stop_step: int | None = None
+              ) -> Iterator[RankStep]:
+    """The steps of one rank's log, in order; `counter[rank]` ends as its record count.
+
+    A range of steps (see `ranges`): from byte `offset` (a line start past the head) up to
+    `stop_step`; a rank stopped there goes into `cut` (its log goes on, in another range).
+    The captures at the head of the file are read first, since every replay is checked
+    against them. Line numbers in verdicts count from `offset`; `counter` counts the records
+    of steps from `count_from` on (earlier ones, read to warm up, are another range's)."""
+    scanner = RankScanner(info, verdicts)
+    scanner.count_from = count_from
+    try:
+        with open(info.path, "rb") as lines:
+            if offset > 0:
+                for _ in scanner.scan(lines, stop_step=0):  # the head: captures at step -1
+                    pass
+                scanner.resume_mid_file()
+                lines.seek(offset)
+            scanner.stopped = False
+            yield from scanner.scan(lines, stop_step=stop_step)
+    except OSError as err:
+        raise ReplayInputError(f"cannot read {info.path}: {err}") from err
+    if scanner.stopped:
+        if cut is not None:
+            cut.add(info.global_rank)
+        counter[info.global_rank] = scanner.records_counted
+        return
+    last = scanner.finish()
+    counter[info.global_rank] = scanner.records_counted
+    if last is not None:
+        yield last

@@ -1,0 +1,42 @@
+"""`runner-fsm replay` on the logs of real multi-process runs (2 replicas x 2 PCP ranks on gloo)."""
+
+import json
+
+import pytest
+
+from runner_fsm.cli import main
+from runner_fsm.config import ParallelLayout
+from runner_fsm.engine.launch import spawn
+from runner_fsm.testing.scenarios import run_script
+
+pytestmark = pytest.mark.multiproc
+
+LAYOUT = ParallelLayout(dp_size=2, pcp_size=2)
+# replica 0 prefills, then decodes, while replica 1 idles; then both idle; then the reverse
+SCRIPT = [
+    (("prefill", [9, 4]), None),
+    (("decode", [9, 4]), None),
+    (None, None),
+    (None, ("prefill", [5])),
+]
+CONFIG = {"num_speculative_tokens": 1, "max_num_tokens": 64}
+
+
+def test_scripted_run_is_sound(tmp_path, capsys):
+    results = spawn(run_script, LAYOUT, str(tmp_path), CONFIG, SCRIPT, timeout_s=60)
+    assert all(r["error"] is None for r in results), results
+    assert main(["replay", str(tmp_path)]) == 0, capsys.readouterr().out
+    assert "SOUND" in capsys.readouterr().out
+
+
+def test_skipped_draft_sync_is_named_with_replica_1_at_step_1(tmp_path, capsys):
+    spawn(run_script, LAYOUT, str(tmp_path), CONFIG, SCRIPT, ("skip-draft-sync@replica=1,step=1",),
+          timeout_s=60)
+    assert main(["replay", str(tmp_path), "--json"]) == 1
+    verdicts = json.loads(capsys.readouterr().out)["verdicts"]
+    first = verdicts[0]
+    assert (first["kind"], first["replica"], first["step"]) == ("collective_mismatch", 1, 1), verdicts
+    assert first["ranks"] == [2, 3]
+    assert "skipped all_reduce DRAFT_PREFILL" in first["detail"]
+    # the desync the runner caught online is listed too, after its cause
+    assert {(v["kind"], v["replica"], v["step"]) for v in verdicts[1:]} == {("fault", 0, 1), ("fault", 1, 2)}

@@ -1,0 +1,157 @@
+"""`runner-fsm replay` on synthetic logs: each injected defect is named with its replica and step."""
+
+import pytest
+
+from runner_fsm.audit.replay import replay
+from runner_fsm.audit.synth import Defect, SynthSpec, write_run
+
+SPEC = SynthSpec(dp_size=3, pcp_size=2, steps=10, spec_tokens=2)
+
+# defect -> the kinds of verdict it must produce, no more and no fewer
+EXPECTED_KINDS = {
+    "gap": {"gap"},
+    "missing_replica": {"missing_replica"},
+    "agreed_mismatch": {"agreed_mismatch"},
+    "pg_seq": {"gap", "agreed_mismatch"},  # the unlogged collective is seen locally and across ranks
+    "collective_mismatch": {"collective_mismatch"},
+    "skip_dummy_forward": {"collective_mismatch"},
+    "illegal_transition": {"illegal_transition"},
+    "stale_buffer_replay": {"stale_buffer_replay"},
+    "moved_buffer": {"stale_buffer_replay"},
+    "hang": {"hang"},
+    "deadlock": {"hang"},  # each side waits for the other: one finding, naming the one that skipped
+    "truncated": {"gap", "hang"},
+    "fault": {"fault"},
+}
+# the verdict kind that must name the defect's replica and step
+NAMING_KIND = {"pg_seq": "agreed_mismatch", "moved_buffer": "stale_buffer_replay", "truncated": "gap",
+               "skip_dummy_forward": "collective_mismatch", "deadlock": "hang"}
+
+
+def _judge(tmp_path, spec=SPEC, defects=()):
+    return replay(write_run(tmp_path / "run", spec, defects))
+
+
+def test_sound_synthetic_run_has_no_findings(tmp_path):
+    report = _judge(tmp_path)
+    assert report.sound and report.exit_code == 0, report.format()
+    assert report.summary.ranks == 6 and report.summary.last_step == SPEC.steps - 1
+    assert report.summary.records > 6 * SPEC.steps * 8
+
+
+@pytest.mark.parametrize("spec", [
+    SynthSpec(spec_tokens=0, graphs=False),
+    SynthSpec(spec_tokens=1, log_agreed=False, log_sent=False, expert_collectives=False),
+    SynthSpec(dp_size=2, pcp_size=4, model_collectives=True),
+    SynthSpec(dp_size=1, pcp_size=1),
+], ids=["eager-no-draft", "no-agreed-field", "pcp-collectives", "single-rank"])
+def test_sound_variants_have_no_findings(tmp_path, spec):
+    report = _judge(tmp_path, spec)
+    assert report.sound, report.format()
+
+
+@pytest.mark.parametrize("replica,step", [(2, 5), (0, 3)])
+@pytest.mark.parametrize("kind", sorted(EXPECTED_KINDS))
+def test_each_defect_is_named_with_replica_and_step(tmp_path, kind, replica, step):
+    report = _judge(tmp_path, defects=[Defect(kind, replica, step)])
+    assert report.exit_code == 1
+    assert set(report.counts()) == EXPECTED_KINDS[kind], report.format()
+    naming = NAMING_KIND.get(kind, kind)
+    named = [v for v in report.verdicts if v.kind == naming]
+    assert named, report.format()
+    if kind == "truncated":  # the record lost is the first of `step`: the gap sits at its end
+        assert (named[0].replica, named[0].step) == (replica, step - 1), report.format()
+    else:
+        assert (named[0].replica, named[0].step) == (replica, step), report.format()
+    assert report.verdicts[0].replica == replica, report.format()
+
+
+def test_a_skipped_collective_is_one_verdict_not_one_per_later_step(tmp_path):
+    report = _judge(tmp_path, SynthSpec(dp_size=2, steps=40), [Defect("collective_mismatch", 1, 4)])
+    (verdict,) = report.verdicts
+    assert (verdict.kind, verdict.replica, verdict.step, verdict.ranks) == ("collective_mismatch", 1, 4, (2, 3))
+    assert verdict.detail == (
+        "replica 1 skipped all_reduce DRAFT_PREFILL [[7, 2]] that its peers issued in group 'dp';"
+        " and skipped draft_prefill DRAFT_PREFILL that its peers issued in group 'expert' at step 4")
+
+
+def test_tie_between_two_replicas_names_the_one_that_skipped(tmp_path):
+    # dp_size 2: one sequence each; the run's template (every other step) breaks the tie
+    for culprit in (0, 1):
+        report = _judge(tmp_path / str(culprit), SynthSpec(dp_size=2, pcp_size=1),
+                        [Defect("collective_mismatch", culprit, 3)])
+        assert [(v.kind, v.replica, v.step) for v in report.verdicts] == [("collective_mismatch", culprit, 3)]
+
+
+def test_hang_names_the_replica_that_never_arrived_and_the_collective(tmp_path):
+    report = _judge(tmp_path, defects=[Defect("hang", 1, 6)])
+    (verdict,) = report.verdicts
+    assert (verdict.kind, verdict.replica, verdict.step, verdict.ranks) == ("hang", 1, 6, (2, 3))
+    assert "dp all_reduce TARGET" in verdict.detail and "pg_seq 18" in verdict.detail
+    assert "to blame: replica 1 (its log ends at step 5)" in verdict.detail
+    assert verdict.detail.startswith("replica(s) 0, 2 stopped waiting")
+
+
+def test_deadlock_names_the_replica_that_skipped_ahead(tmp_path):
+    report = _judge(tmp_path, defects=[Defect("deadlock", 2, 4)])
+    (verdict,) = report.verdicts
+    assert (verdict.kind, verdict.replica, verdict.step, verdict.ranks) == ("hang", 2, 4, (4, 5))
+    assert "replica 2 (it skipped ahead to dp all_reduce DRAFT_PREFILL" in verdict.detail
+    assert "replica 2 (it skipped expert forward TARGET" in verdict.detail
+
+
+def test_gap_says_which_file_and_line(tmp_path):
+    report = _judge(tmp_path, defects=[Defect("gap", 1, 2)])
+    files = {(v.file, v.line) for v in report.verdicts}
+    assert files == {("rank-2.jsonl", 45), ("rank-3.jsonl", 45)}, report.format()
+    assert "seq 44 missing: seq jumps from 43 to 45" in report.verdicts[0].detail
+
+
+def test_fault_of_the_replica_that_failed_comes_before_relayed_ones(tmp_path):
+    report = _judge(tmp_path, defects=[Defect("fault", 2, 4)])
+    assert [(v.replica, v.error) for v in report.verdicts] == [(2, "BatchError"), (0, "ReplicaFault"),
+                                                               (1, "ReplicaFault")]
+
+
+RUN_ON_DEFECTS = [Defect(kind, replica, step) for kind, replica, step in (
+    ("gap", 0, 3), ("missing_replica", 1, 6), ("agreed_mismatch", 2, 8), ("pg_seq", 0, 11),
+    ("collective_mismatch", 1, 13), ("skip_dummy_forward", 2, 16), ("illegal_transition", 0, 18),
+    ("stale_buffer_replay", 1, 21), ("moved_buffer", 2, 24))]
+
+
+@pytest.mark.parametrize("defects", [
+    RUN_ON_DEFECTS,
+    RUN_ON_DEFECTS[:4] + [Defect("hang", 1, 26)],
+    RUN_ON_DEFECTS[:4] + [Defect("deadlock", 0, 14)],
+    RUN_ON_DEFECTS[:4] + [Defect("truncated", 2, 20)],
+    RUN_ON_DEFECTS[:4] + [Defect("fault", 0, 23)],
+], ids=["runs-on", "hang", "deadlock", "truncated", "fault"])
+def test_ranges_of_steps_judged_side_by_side_give_the_same_report(tmp_path, defects):
+    # 3 and 4 processes cut this 30-step run at different steps, between and around defects
+    run = write_run(tmp_path / "run", SynthSpec(dp_size=3, pcp_size=2, steps=30, spec_tokens=2), defects)
+    single = replay(run, jobs=1)
+    assert {(v.replica, v.step) for v in single.verdicts} >= {(d.replica, d.step) for d in defects[:4]}
+    for jobs in (3, 4):
+        assert replay(run, jobs=jobs) == single
+
+
+def test_seek_step_finds_the_first_line_of_a_step_by_bisection(tmp_path):
+    import json as _json
+
+    from runner_fsm.audit.ranges import last_step_of, newlines_before, seek_step
+
+    run = write_run(tmp_path / "run", SynthSpec(dp_size=2, pcp_size=1, steps=400))
+    path = run / "rank-1.jsonl"
+    data = path.read_bytes()
+    starts, steps, offset = [], [], 0
+    for line in data.splitlines(keepends=True):
+        starts.append(offset)
+        steps.append(_json.loads(line)["step_id"])
+        offset += len(line)
+    assert len(data) > 4 * (1 << 16)  # large enough for the bisection to take several rounds
+    for target in (-3, -1, 0, 1, 137, 398, 399, 400):
+        line = next((i for i, step in enumerate(steps) if step >= target), len(starts))
+        want = starts[line] if line < len(starts) else len(data)
+        assert seek_step(path, target) == want, target
+        assert newlines_before(path, want) == line  # the line numbers a range reports
+    assert last_step_of(path) == 399
