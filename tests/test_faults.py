@@ -1,5 +1,6 @@
-"""Fault injection, online: every process of a faulty run ends within a bounded time with a
-typed error naming the culprit replica and step; the run exits non-zero.
+"""Fault injection. Online: every process of a faulty run ends within a bounded time with a
+typed error naming the culprit replica and step; the run exits non-zero. Offline: replay of
+the run's logs names the same replica, step and kind of fault.
 
 Each test is a real DP=2 x PCP=2 run (4 processes on gloo) of the embedded engine with the
 tiny model and a 3 s collective timeout. Replica 1 owns one short request and idles from
@@ -11,6 +12,7 @@ import time
 
 import pytest
 
+from runner_fsm.audit.replay import replay
 from runner_fsm.config import ParallelLayout
 from runner_fsm.engine.api import run_engine
 from runner_fsm.engine.config import EngineConfig
@@ -61,9 +63,14 @@ CASES = {
 
 
 @pytest.mark.parametrize("kind", list(CASES))
-def test_fault_stops_every_rank_naming_the_culprit(models, tmp_path, kind):
+def test_fault_detected_online_and_offline(models, tmp_path, kind):
     injection, types, culprit_text = CASES[kind]
     result, elapsed = run_with_fault(models, tmp_path, injection)
+    _check_online(kind, injection, types, culprit_text, result, elapsed)
+    _check_offline(kind, injection, tmp_path)
+
+
+def _check_online(kind, injection, types, culprit_text, result, elapsed):
     assert not result.ok
     assert elapsed < 60, f"{kind}: took {elapsed:.0f} s"
     errors = {r.global_rank: r.error for r in result.ranks}
@@ -76,3 +83,26 @@ def test_fault_stops_every_rank_naming_the_culprit(models, tmp_path, kind):
     for error in peers:  # the peers learn who it was and where
         assert culprit_text in error["message"], (kind, error)
         assert f"step {step}" in error["message"] or error["step"] == step, (kind, error)
+
+
+# kind -> verdict kinds that may name the culprit, and a word its detail must carry
+OFFLINE = {
+    "skip-draft-sync": ({"collective_mismatch"}, "DRAFT_PREFILL"),
+    "skip-dummy-forward": ({"collective_mismatch", "hang"}, "forward"),
+    "skip-buffer-refresh": ({"stale_buffer_replay", "fault"}, "StaleBufferError"),
+    "stale-pcp-context": ({"fault"}, "StaleContextError"),
+    "wrong-dispatch-count": ({"agreed_mismatch", "fault"}, "DispatchCountError"),
+    "crash": ({"hang", "missing_replica", "unfinished"}, "to blame: replica 1"),
+    "hang": ({"hang", "missing_replica"}, "to blame: replica 1"),
+}
+
+
+def _check_offline(kind, injection, run_dir):
+    step = int(injection.rsplit("step=", 1)[1])
+    culprit = int(injection.split("replica=")[1].split(",")[0])
+    report = replay(run_dir)
+    assert report.exit_code == 1
+    kinds, word = OFFLINE[kind]
+    named = [v for v in report.verdicts if v.replica == culprit and v.step == step and v.kind in kinds
+             and (word in v.detail or word in (v.error or "") or word == v.kind)]
+    assert named, f"{kind}: no verdict names replica {culprit} at step {step}:\n{report.format()}"
