@@ -10,6 +10,7 @@ import itertools
 
 import pytest
 
+from runner_fsm.audit.replay import replay
 from runner_fsm.config import GraphMode, ParallelLayout
 from runner_fsm.engine.api import run_engine
 from runner_fsm.engine.config import EngineConfig
@@ -47,6 +48,8 @@ def _run(models, tmp_path, dp, pcp, k, mode, dtype="float64"):
                         None if r.replica is None else r.replica % dp) for r in _workload()]
     result = run_engine(cfg, requests, timeout_s=240)
     assert result.ok, [r.error for r in result.errors]
+    report = replay(cfg.run_dir)  # every run of the matrix is sound offline too
+    assert report.sound, report.format()
     return result
 
 
