@@ -5,20 +5,12 @@ import json
 import pytest
 
 from runner_fsm.cli import main
-from runner_fsm.config import ParallelLayout
 from runner_fsm.engine.launch import spawn
-from runner_fsm.testing.scenarios import run_script
+from runner_fsm.testing.scenarios import HANDOFF_LAYOUT, HANDOFF_SCRIPT, run_script
 
 pytestmark = pytest.mark.multiproc
 
-LAYOUT = ParallelLayout(dp_size=2, pcp_size=2)
-# replica 0 prefills, then decodes, while replica 1 idles; then both idle; then the reverse
-SCRIPT = [
-    (("prefill", [9, 4]), None),
-    (("decode", [9, 4]), None),
-    (None, None),
-    (None, ("prefill", [5])),
-]
+LAYOUT, SCRIPT = HANDOFF_LAYOUT, HANDOFF_SCRIPT
 CONFIG = {"num_speculative_tokens": 1, "max_num_tokens": 64}
 
 
