@@ -15,17 +15,8 @@ from runner_fsm.config import GraphMode, ParallelLayout
 from runner_fsm.engine.api import run_engine
 from runner_fsm.engine.config import EngineConfig
 from runner_fsm.engine.requests import Request, outputs_equal
-from runner_fsm.model import DRAFT_SPEC, TARGET_SPEC, make_random_model
 
 pytestmark = pytest.mark.multiproc
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    make_random_model(root / "target", TARGET_SPEC, seed=11)
-    make_random_model(root / "draft", DRAFT_SPEC, seed=12)
-    return str(root / "target"), str(root / "draft")
 
 
 def _workload(vocab: int = 512) -> list[Request]:

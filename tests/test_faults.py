@@ -17,7 +17,6 @@ from runner_fsm.config import ParallelLayout
 from runner_fsm.engine.api import run_engine
 from runner_fsm.engine.config import EngineConfig
 from runner_fsm.engine.requests import Request
-from runner_fsm.model import DRAFT_SPEC, TARGET_SPEC, make_random_model
 
 pytestmark = pytest.mark.multiproc
 
@@ -27,14 +26,6 @@ WORKLOAD = [
     Request("mid", tuple(range(50, 62)), 10, 1, replica=0),
     Request("short", tuple(range(70, 75)), 2, 0, replica=1),
 ]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("fault-models")
-    make_random_model(root / "target", TARGET_SPEC, seed=3)
-    make_random_model(root / "draft", DRAFT_SPEC, seed=4)
-    return str(root / "target"), str(root / "draft")
 
 
 def run_with_fault(models, run_dir, injection, **overrides):

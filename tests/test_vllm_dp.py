@@ -14,7 +14,6 @@ from pathlib import Path
 import pytest
 
 from runner_fsm.engine.requests import Request, outputs_equal
-from runner_fsm.model import DRAFT_SPEC, TARGET_SPEC, make_random_model
 
 pytestmark = pytest.mark.vllm
 
@@ -31,14 +30,6 @@ PER_RANK = [
     [Request("long", prompt(90, 1), 12), Request("mid", prompt(23, 2), 10)],
     [Request("short", prompt(5, 4), 2)],
 ]
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    make_random_model(root / "target", TARGET_SPEC, seed=11)
-    make_random_model(root / "draft", DRAFT_SPEC, seed=12)
-    return str(root / "target"), str(root / "draft")
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,6 @@ import numpy as np
 import pytest
 
 from runner_fsm.engine.requests import Request, outputs_equal
-from runner_fsm.model import DRAFT_SPEC, TARGET_SPEC, make_random_model
 
 pytestmark = pytest.mark.vllm
 
@@ -23,14 +22,6 @@ vllm = pytest.importorskip("vllm")
 from runner_fsm.integrations.vllm import harness as h  # noqa: E402
 
 BUDGET = 64  # tokens per step: the 90-token prompt is prefilled in chunks
-
-
-@pytest.fixture(scope="module")
-def models(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    make_random_model(root / "target", TARGET_SPEC, seed=11)
-    make_random_model(root / "draft", DRAFT_SPEC, seed=12)
-    return str(root / "target"), str(root / "draft")
 
 
 @pytest.fixture(scope="module")
