@@ -31,7 +31,8 @@ from runner_fsm.events import Capture, RealStep
 from runner_fsm.machine import Handler, ReplicaMachine
 from runner_fsm.pcp.buffers import PersistentBuffers
 from runner_fsm.states import Trigger
-from runner_fsm.testing.fakes import LocalAgreement, expected_tokens
+from runner_fsm.dp import SingleReplicaAgreement
+from runner_fsm.testing.fakes import expected_tokens
 from runner_fsm.testing.harness import decode_batch, make_runner, prefill_batch
 
 STEP_BUDGET_US = 10_000.0
@@ -88,7 +89,7 @@ async def _bookkeeping_us(steps: int, run_dir: str, *, machine: bool = True,
 
 async def _whole_step_us(steps: int, run_dir: str) -> _Clock:
     cfg = RunnerConfig(max_num_tokens=1024)  # room for the 800-token prefill
-    runner = make_runner(cfg, LocalAgreement(), run_dir=run_dir)
+    runner = make_runner(cfg, SingleReplicaAgreement(), run_dir=run_dir)
     await runner.handle(Capture())
     # The replica refuses decodes of requests it never prefilled: prefill them first.
     await runner.handle(RealStep(prefill_batch([100] * 8)))

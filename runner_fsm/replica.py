@@ -29,7 +29,7 @@ from runner_fsm.config import GraphMode, RunnerConfig
 from runner_fsm.events import RealStep
 from runner_fsm.faults import NO_FAULTS, Injector
 from runner_fsm.errors import StaleBufferError, StaleContextError
-from runner_fsm.graphs import GraphRunner, backend_for, check_refreshed
+from runner_fsm.graphs import Fingerprints, GraphRunner, backend_for, check_refreshed
 from runner_fsm.machine import Handler, ReplicaMachine
 from runner_fsm.pcp.buffers import PersistentBuffers
 from runner_fsm.pcp.context import PCPAttentionContext, PCPContextState
@@ -174,8 +174,8 @@ class Replica:
         ctx = self.contexts.for_real(plan, batch.block_tables, cfg.block_size)
         self.buffers.write_real(plan, self.pcp_rank, batch.token_ids, batch.block_tables,
                                 ctx.gathered_slot_mapping)
-        self._log_buffers("real")
-        local = await self._forward(ForwardStep(self.step_id, padded, agreed, n))
+        written = self._log_buffers("real")
+        local = await self._forward(ForwardStep(self.step_id, padded, agreed, n), written)
         restored = self.model.restore(local, ctx)
         sampled = tokens_per_request(np.asarray(self.model.sample(restored)), batch)
         self.requests.record(batch)
@@ -190,12 +190,13 @@ class Replica:
             # Eager peers keep their own counts (ours is 0): a one-row dummy joins them.
             rows = max(1, agreed.num_tokens_for(self.dp_rank))
             ctx = self._dummy_context(rows)
+            written = None
             if not self.fault_due("skip-buffer-refresh"):
                 self.buffers.write_dummy(1, rows)
-                self._log_buffers("dummy")
+                written = self._log_buffers("dummy")
             if not self.fault_due("skip-dummy-forward"):
                 step = ForwardStep(self.step_id, rows, agreed, 0, is_dummy=True)
-                self.model.restore(await self._forward(step), ctx)
+                self.model.restore(await self._forward(step, written), ctx)
         self.output = StepOutput(self.step_id, Trigger.IDLE, agreed, rows, agreed.use_graph)
 
     def _dummy_context(self, rows: int) -> PCPAttentionContext:
@@ -211,26 +212,25 @@ class Replica:
                 f" ({ctx.num_tokens_padded} rows, expected a dummy of {rows})")
         return ctx
 
-    async def _forward(self, step: ForwardStep):
+    async def _forward(self, step: ForwardStep, written: Fingerprints | None = None):
         """The target forward (graph replay or eager), watched and logged as the expert
         group's collective: every replica must run it whenever any replica has work."""
         if step.agreed.use_graph:
             fn = functools.partial(self.graphs.replay, step.num_rows, step_id=self.step_id,
                                    since=self._step_start_fingerprint)
         else:
-            self._check_refreshed()
+            self._check_refreshed(written or self.buffers.fingerprint())
             fn = functools.partial(self.model.forward, self.buffers, step)
         return await self.collectives.run(
             "expert", "forward", fn, step_id=self.step_id, phase=dp.TARGET, shapes=[(step.num_rows,)],
             enqueue_extra={"rows": step.num_rows, "dispatch_count": step.dispatch_count,
                            "graph": step.agreed.use_graph})
 
-    def _check_refreshed(self) -> None:
-        now = self.buffers.fingerprint()
+    def _check_refreshed(self, now: Fingerprints) -> None:
         try:
             check_refreshed(self._step_start_fingerprint, now, step_id=self.step_id)
         except StaleBufferError:
-            self._log_buffers("refused")  # on record: the versions that did not move
+            self._log_buffers("refused", now)  # on record: the versions that did not move
             raise
 
     async def _run_draft(self, _event) -> None:
@@ -255,9 +255,12 @@ class Replica:
         if batch is not None:
             self.output = dataclasses.replace(self.output, drafts=drafter.proposals())
 
-    def _log_buffers(self, reason: str) -> None:
+    def _log_buffers(self, reason: str, fingerprint: Fingerprints | None = None) -> Fingerprints:
+        """Log the buffers' fingerprint; returned so the forward's check need not take it again."""
+        fingerprint = fingerprint or self.buffers.fingerprint()
         if self.audit is not None:
-            self.audit.buffers(self.step_id, reason, self.buffers.fingerprint())
+            self.audit.buffers(self.step_id, reason, fingerprint)
+        return fingerprint
 
     # -- abort ------------------------------------------------------------------------
 

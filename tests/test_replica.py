@@ -12,7 +12,8 @@ from runner_fsm.config import GraphMode, ParallelLayout, RunnerConfig
 from runner_fsm.errors import BatchError, CollectiveTimeout, StaleBufferError
 from runner_fsm.events import Capture, DummyStep, RealStep, Shutdown
 from runner_fsm.states import State
-from runner_fsm.testing.fakes import LocalAgreement, ScriptedPeers, busy_peer, expected_tokens
+from runner_fsm.dp import SingleReplicaAgreement
+from runner_fsm.testing.fakes import ScriptedPeers, busy_peer, expected_tokens
 from runner_fsm.testing.harness import decode_batch, make_runner, prefill_batch
 
 pytestmark = pytest.mark.asyncio
@@ -159,7 +160,7 @@ async def test_exception_in_forward_faults_with_cause_logged(tmp_path):
         def forward(self, *a):
             raise RuntimeError("expert weights missing")
 
-    runner = make_runner(_config(layout=ParallelLayout()), LocalAgreement(), run_dir=tmp_path, model=Broken())
+    runner = make_runner(_config(layout=ParallelLayout()), SingleReplicaAgreement(), run_dir=tmp_path, model=Broken())
     await runner.handle(Capture())
     with pytest.raises(RuntimeError, match="expert weights missing"):
         await runner.handle(RealStep(prefill_batch([3])))
@@ -188,7 +189,7 @@ async def test_collective_timeout_faults_and_leaves_dangling_enqueue(tmp_path):
 
 async def test_shutdown_refuses_later_events_and_closes_log(tmp_path):
     closed = []
-    runner = make_runner(_config(layout=ParallelLayout()), LocalAgreement(), run_dir=tmp_path,
+    runner = make_runner(_config(layout=ParallelLayout()), SingleReplicaAgreement(), run_dir=tmp_path,
                          on_close=lambda: closed.append(True))
     await runner.handle(Capture())
     await runner.handle(Shutdown("test over"))
@@ -207,7 +208,7 @@ async def test_serve_answers_every_event_in_order_and_refuses_after_a_fault():
         def forward(self, *a):
             raise RuntimeError("boom")
 
-    runner = make_runner(_config(layout=ParallelLayout()), LocalAgreement(), model=Broken())
+    runner = make_runner(_config(layout=ParallelLayout()), SingleReplicaAgreement(), model=Broken())
     send_events, events = anyio.create_memory_object_stream(8)
     send_outcomes, outcomes = anyio.create_memory_object_stream(8)
     script = [Capture(), RealStep(prefill_batch([3])), DummyStep(), Shutdown("late")]

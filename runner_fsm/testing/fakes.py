@@ -1,5 +1,5 @@
 """Fakes behind the replica's interfaces: a model and a drafter whose outputs are a pure
-function of the persistent buffers, and agreements over one process or a real gloo group."""
+function of the persistent buffers, and scripted peers for the agreement."""
 
 from __future__ import annotations
 
@@ -78,18 +78,6 @@ class FakeDrafter:
 
     def proposals(self) -> dict[str, list[int]]:
         return {rid: [tok] * self.k for rid, tok in self._last.items()}
-
-
-class LocalAgreement:
-    """The agreement of a single replica (dp_size == 1): the real rule over one column."""
-
-    def __init__(self, capture_sizes: Sequence[int] = ()):
-        self.capture_sizes = tuple(capture_sizes)
-        self.sent: list[dp.LocalDispatch] = []
-
-    def sync(self, local: dp.LocalDispatch) -> dp.DPSyncState:
-        self.sent.append(local)
-        return dp.agree([local], capture_sizes=self.capture_sizes)
 
 
 class ScriptedPeers:
