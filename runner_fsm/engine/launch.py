@@ -35,6 +35,8 @@ _EXIT_GRACE_S = 0.5
 _POLL_S = 0.05
 # How long children that all reported may take to leave their final barrier.
 _JOIN_GRACE_S = 3.0
+# How long a rank of a failed run keeps its groups (and rank 0 the store) after reporting.
+_STORE_GRACE_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,7 +205,9 @@ def _leave(groups: ProcessGroups) -> None:
     try:
         dist.barrier(group=groups.world)
     except BaseException:  # the result is already reported; leaving is best effort
-        pass
+        # A failed run: rank 0 hosts the store where every rank's position lies, and peers
+        # still timing out read it to name the culprit. Keep it up a moment before leaving.
+        time.sleep(_STORE_GRACE_S)
     finally:
         dist.destroy_process_group()
 
