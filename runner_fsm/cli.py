@@ -140,9 +140,16 @@ def _cmd_replay(args) -> int:
     return report.exit_code
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr (exit status 2), like every user error."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="runner-fsm", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
+    parser = _Parser(prog="runner-fsm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _add_plan(sub)
     add_demo(sub)
     add_run(sub)
@@ -156,9 +163,16 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return args.func(args)
-    except RunnerError as exc:
-        print(f"runner-fsm {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    except RunnerError as exc:  # a user error: one line, exit status 2
+        print(f"runner-fsm {args.command}: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a path the user named that cannot be read or written
+        print(f"runner-fsm {args.command}: {type(exc).__name__}: {_one_line(exc)}", file=sys.stderr)
+        return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    return " / ".join(line.strip() for line in str(exc).splitlines() if line.strip())
 
 
 if __name__ == "__main__":

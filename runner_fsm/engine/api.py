@@ -9,6 +9,7 @@ import os
 from runner_fsm.engine.config import EngineConfig
 import torch.distributed as dist
 
+from runner_fsm.engine.preflight import prepare
 from runner_fsm.engine.launch import RankFailure, init_process_groups_from_env, spawn, under_torchrun
 from runner_fsm.engine.requests import Request
 from runner_fsm.engine.worker import RankResult, run_rank
@@ -47,7 +48,7 @@ class EngineResult:
 def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float = 600.0,
                in_process: bool | None = None) -> EngineResult:
     """Serve `requests` to completion; a 1x1 layout runs in this process unless told not to."""
-    cfg.validate()
+    cfg = prepare(cfg, requests)  # a user error stops here, before any process or step
     os.makedirs(cfg.run_dir, exist_ok=True)
     if in_process is None:
         in_process = cfg.layout.world_size == 1

@@ -9,7 +9,8 @@ from pathlib import Path
 
 from runner_fsm.config import GraphMode, ParallelLayout
 from runner_fsm.engine.api import EngineResult, run_engine
-from runner_fsm.engine.config import EngineConfig
+from runner_fsm.engine.config import DTYPES, EngineConfig
+from runner_fsm.engine.preflight import check_model_dir
 from runner_fsm.engine.requests import load_trace, outputs_equal, synthetic_requests
 
 
@@ -18,7 +19,7 @@ def add_run(sub) -> None:
     p.add_argument("--model", help="model directory (config.json + *.safetensors); default: a tiny"
                                    " random model made in OUT/model")
     p.add_argument("--draft", help="draft model directory; default with --spec-tokens: a tiny one")
-    p.add_argument("--dtype", choices=("float32", "float64", "bfloat16"), default="float32")
+    p.add_argument("--dtype", choices=DTYPES, default="float32")
     p.add_argument("--dp", type=int, default=1)
     p.add_argument("--pcp", type=int, default=1)
     p.add_argument("--spec-tokens", type=int, default=0, help="draft tokens per step K")
@@ -29,7 +30,10 @@ def add_run(sub) -> None:
     p.add_argument("--max-new-tokens", type=int, default=8)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--budget", type=int, default=256, help="token budget per replica and step")
-    p.add_argument("--kv-blocks", type=int, default=512)
+    p.add_argument("--kv-blocks", type=int, default=512, help="KV blocks per replica (16 tokens each);"
+                   " a request that cannot fit in them is refused before the run starts")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest prompt + new tokens accepted (default: the model's max_position_embeddings)")
     p.add_argument("--out", required=True, help="run directory: outputs.jsonl and the audit logs")
     p.add_argument("--inject", action="append", default=[], metavar="KIND@replica=R,step=S")
     p.add_argument("--collective-timeout", type=float, default=60.0, help="watchdog, seconds")
@@ -43,13 +47,13 @@ def _cmd_run(args) -> int:
         model_dir=model, draft_dir=draft, run_dir=str(out), dtype=args.dtype,
         layout=ParallelLayout(args.dp, args.pcp), num_speculative_tokens=args.spec_tokens,
         graph_mode=GraphMode(args.graph_mode), chunking=args.chunking, token_budget=args.budget,
-        num_kv_blocks=args.kv_blocks, collective_timeout_s=args.collective_timeout,
+        num_kv_blocks=args.kv_blocks, max_model_len=args.max_model_len, collective_timeout_s=args.collective_timeout,
         injections=tuple(args.inject), progress_every=1,
     ).validate()
+    vocab = check_model_dir(model).vocab_size  # a bad model directory is a one-line error
     if args.trace:
         requests = load_trace(args.trace, dp_size=args.dp)
     else:
-        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
         requests = synthetic_requests(args.requests, vocab_size=vocab, seed=args.seed,
                                       max_new_tokens=args.max_new_tokens, arrival_every=1)
     result = run_engine(cfg, requests, timeout_s=max(300.0, 4 * args.collective_timeout))

@@ -8,6 +8,9 @@ from runner_fsm.config import GraphMode, ParallelLayout, RunnerConfig
 from runner_fsm.engine.scheduler import SchedulerConfig
 from runner_fsm.errors import ConfigError
 
+# The dtypes the reference model loads weights in (model/loader.py).
+DTYPES = ("float32", "float64", "float16", "bfloat16")
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
@@ -26,6 +29,7 @@ class EngineConfig:
     num_kv_blocks: int = 512
     block_size: int = 16
     max_blocks_per_req: int = 64
+    max_model_len: int | None = None  # None: the model's max_position_embeddings (preflight)
     collective_timeout_s: float = 60.0
     device: str = "cpu"
     dtype: str = "float32"
@@ -48,7 +52,8 @@ class EngineConfig:
         return SchedulerConfig(
             num_kv_blocks=self.num_kv_blocks, block_size=self.block_size,
             max_blocks_per_req=self.max_blocks_per_req, token_budget=self.token_budget,
-            max_num_reqs=self.max_num_reqs, num_speculative_tokens=self.num_speculative_tokens)
+            max_num_reqs=self.max_num_reqs, num_speculative_tokens=self.num_speculative_tokens,
+            max_model_len=self.max_model_len)
 
     def validate(self) -> "EngineConfig":
         self.runner_config()
@@ -57,4 +62,10 @@ class EngineConfig:
         if self.token_budget < 1 + self.num_speculative_tokens:
             raise ConfigError(f"token_budget={self.token_budget} cannot hold one verify row of"
                               f" 1 + {self.num_speculative_tokens} tokens")
+        if self.dtype not in DTYPES:
+            raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        from runner_fsm.faults import Injection  # parsing raises on an unknown kind
+
+        for text in self.injections:
+            Injection.parse(text)
         return self

@@ -62,7 +62,11 @@ def load_trace(path: str | Path, *, dp_size: int = 1) -> list[Request]:
     """A JSON Lines trace, one request a line: {"id": str, "prompt_token_ids": [int],
     "max_new_tokens": int, "arrival_step": int, "replica": int (optional, modulo dp_size)}."""
     requests, seen = [], set()
-    for line_no, line in enumerate(Path(path).read_text().splitlines(), 1):
+    try:
+        text = Path(path).read_text()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"cannot read the trace {path}: {getattr(exc, 'strerror', None) or exc}") from None
+    for line_no, line in enumerate(text.splitlines(), 1):
         if not line.strip():
             continue
         try:

@@ -16,7 +16,15 @@ import dataclasses
 from runner_fsm.batch import ScheduledBatch
 from runner_fsm.engine.kv_blocks import BlockAllocator
 from runner_fsm.engine.requests import Request
-from runner_fsm.errors import ConfigError
+from runner_fsm.errors import ConfigError, RunnerError
+
+
+class RequestRefused(ConfigError):
+    """A request that can never be served by this configuration, refused before any step."""
+
+
+class SchedulerStalled(RunnerError):
+    """Nothing can run and nothing will change: requests wait for blocks they can never get."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,6 +37,7 @@ class SchedulerConfig:
     token_budget: int = 256  # global tokens per step
     max_num_reqs: int = 16
     num_speculative_tokens: int = 0
+    max_model_len: int | None = None  # positions the model supports (None: no limit)
 
 
 @dataclasses.dataclass
@@ -58,13 +67,10 @@ class Scheduler:
     def __init__(self, requests: list[Request], config: SchedulerConfig):
         self.config = config
         self.allocator = BlockAllocator(config.num_kv_blocks)
-        capacity = config.max_blocks_per_req * config.block_size
         for req in requests:
-            if len(req.prompt) + req.max_new_tokens + config.num_speculative_tokens > capacity:
-                raise ConfigError(
-                    f"request {req.req_id!r} needs up to {len(req.prompt) + req.max_new_tokens}"
-                    f" positions (+{config.num_speculative_tokens} drafts), more than a block table"
-                    f" holds ({config.max_blocks_per_req} blocks x {config.block_size})")
+            refusal = admission_error(req, config)
+            if refusal is not None:
+                raise RequestRefused(refusal)
         self._future = sorted(requests, key=lambda r: r.arrival_step)
         self.waiting: list[_Live] = []
         self.running: list[_Live] = []
@@ -103,7 +109,22 @@ class Scheduler:
             slots.append(slot)
             budget -= slot.num_scheduled
         self._slots = slots
+        if not slots and self.waiting and not self.running:
+            # Every block is free yet the head of the queue does not fit: no step will ever
+            # change that, and idling here would spin for ever.
+            head = self.waiting[0]
+            raise SchedulerStalled(
+                f"step {step}: request {head.req.req_id!r} needs"
+                f" {self._blocks_for(head)} KV blocks to run its next"
+                f" {len(head.tokens) - head.num_computed} token(s), but only"
+                f" {self.allocator.num_free} of {self.allocator.num_blocks} are free with nothing"
+                f" running; {len(self.waiting)} request(s) wait for blocks they can never get")
         return self._batch(slots) if slots else None
+
+    def _blocks_for(self, live: _Live) -> int:
+        count = min(len(live.tokens) - live.num_computed, self.config.token_budget)
+        reach = live.num_computed + count + self.config.num_speculative_tokens
+        return -(-reach // self.config.block_size) - len(live.blocks)
 
     def _fit(self, live: _Live, budget: int, *, may_preempt: bool) -> _Slot | None:
         remaining = len(live.tokens) - live.num_computed
@@ -188,3 +209,31 @@ class Scheduler:
         live.blocks = []
         self.finished[live.req.req_id] = live.tokens[len(live.req.prompt):][: live.req.max_new_tokens]
         self._newly_finished.append(live.req.req_id)
+
+
+def max_positions(prompt_len: int, max_new_tokens: int, num_speculative_tokens: int) -> int:
+    """KV positions a request may occupy at its peak. Its last decode starts with
+    prompt + max_new - 2 tokens computed and runs 1 + K rows (a verify row), and the draft
+    writes K positions past those: prompt + max_new - 1 + 2K."""
+    return prompt_len + max_new_tokens - 1 + 2 * num_speculative_tokens
+
+
+def admission_error(req: Request, config: SchedulerConfig) -> str | None:
+    """Why `req` can never run under `config` (None when it can): checked at submission,
+    so a request that could only wait for ever is refused before any step runs."""
+    need = max_positions(len(req.prompt), req.max_new_tokens, config.num_speculative_tokens)
+    what = (f"request {req.req_id!r} ({len(req.prompt)} prompt + {req.max_new_tokens} new tokens"
+            + (f", {config.num_speculative_tokens} draft tokens" if config.num_speculative_tokens else "")
+            + f") needs up to {need} KV positions")
+    if config.max_model_len is not None and len(req.prompt) + req.max_new_tokens > config.max_model_len:
+        return (f"request {req.req_id!r} needs {len(req.prompt) + req.max_new_tokens} positions"
+                f" ({len(req.prompt)} prompt + {req.max_new_tokens} new tokens), more than"
+                f" max_model_len={config.max_model_len}")
+    blocks = -(-need // config.block_size)
+    if blocks > config.num_kv_blocks:
+        return (f"{what}, {blocks} blocks of {config.block_size}, but the replica has only"
+                f" {config.num_kv_blocks} KV blocks (--kv-blocks)")
+    if blocks > config.max_blocks_per_req:
+        return (f"{what}, {blocks} blocks of {config.block_size}, more than a block table holds"
+                f" ({config.max_blocks_per_req} blocks)")
+    return None
