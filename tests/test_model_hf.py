@@ -2,15 +2,16 @@
 
 An outside implementation nobody here wrote: float32, tight tolerance, prefill through the
 paged PCP path (P = 1, several requests in one batch) and greedy decode steps after it.
+`transformers` is a test dependency (`pip install -e .[test]`): without it this file fails to
+import, never skips.
 """
 
 import numpy as np
 import pytest
 import torch
+import transformers
 
-transformers = pytest.importorskip("transformers")
-
-from test_model_support import (  # noqa: E402
+from test_model_support import (
     Sequences, TargetDriver, make_model_dirs, open_target, prompt, runner_config,
 )
 

@@ -1,9 +1,12 @@
 """The embedded scheduler against a simulated paged model.
 
-The simulated model keeps a per-request KV 'cache' of tokens by position: each scheduled row
-writes its token at its position and predicts f(cache[0..p]). So it reads exactly what a
-real paged model would, stale entries included: a scheduler that mis-tracks num_computed,
-blocks or drafts produces outputs that differ from plain greedy generation.
+The simulated model keeps one paged KV cache for the replica, `num_kv_blocks x block_size`
+slots, and reaches it only through the batch's block tables: each scheduled row writes its
+token into the slot of its position (`block_tables[i][p // bs] * bs + p % bs`) and predicts
+f(the tokens read back from the slots of positions 0..p). So it reads exactly what a real
+paged model would, stale entries included: a scheduler that mis-tracks num_computed, drafts
+or blocks (two requests sharing a block, a block handed out while still in use) produces
+outputs that differ from plain greedy generation.
 """
 
 import zlib
@@ -16,7 +19,7 @@ from hypothesis import strategies as st
 from runner_fsm.batch import validate_batch
 from runner_fsm.config import RunnerConfig
 from runner_fsm.engine.requests import Request, assign, synthetic_requests
-from runner_fsm.engine.scheduler import Scheduler, SchedulerConfig
+from runner_fsm.engine.scheduler import Scheduler, SchedulerConfig, max_positions
 from runner_fsm.spec import tokens_per_request
 
 VOCAB = 50
@@ -34,26 +37,35 @@ def greedy(prompt, n):
 
 
 class SimulatedModel:
-    def __init__(self, draft_quality: float, k: int, seed: int = 0):
-        self.cache: dict[str, dict[int, int]] = {}
-        self.k, self.quality = k, draft_quality
+    def __init__(self, cfg: SchedulerConfig, draft_quality: float, seed: int = 0):
+        self.kv = np.full(cfg.num_kv_blocks * cfg.block_size, -1, dtype=np.int64)  # token per slot
+        self.block_size = cfg.block_size
+        self.k, self.quality = cfg.num_speculative_tokens, draft_quality
         self.rng = np.random.default_rng(seed)
+
+    def _slot(self, table, pos: int) -> int:
+        block = int(table[pos // self.block_size])
+        assert block >= 0, f"position {pos} falls on a padding column of the block table"
+        return block * self.block_size + pos % self.block_size
+
+    def _read(self, table, length: int) -> list[int]:
+        return [int(self.kv[self._slot(table, p)]) for p in range(length)]
 
     def step(self, batch):
         rows, start = [], 0
         for i, rid in enumerate(batch.req_ids):
-            cache = self.cache.setdefault(rid, {})
+            table = batch.block_tables[i]
             for j in range(int(batch.num_scheduled[i])):
                 pos = int(batch.num_computed[i]) + j
-                cache[pos] = int(batch.token_ids[start + j])
-                rows.append(next_token([cache[p] for p in range(pos + 1)]))
+                self.kv[self._slot(table, pos)] = int(batch.token_ids[start + j])
+                rows.append(next_token(self._read(table, pos + 1)))
             start += int(batch.num_scheduled[i])
         sampled = tokens_per_request(np.array(rows), batch)
         drafts = {}
         for i, rid in enumerate(batch.req_ids):
             k = 0 if batch.num_draft_tokens is None else int(batch.num_draft_tokens[i])
             valid = len(sampled[rid]) if k else int(batch.num_scheduled[i])  # rows now in the cache
-            ctx = [self.cache[rid][p] for p in range(int(batch.num_computed[i]) + valid)] + [sampled[rid][-1]]
+            ctx = self._read(batch.block_tables[i], int(batch.num_computed[i]) + valid) + [sampled[rid][-1]]
             proposal = []
             for _ in range(self.k):  # a perfect drafter, made wrong with probability 1 - quality
                 tok = next_token(ctx) if self.rng.random() < self.quality else int(self.rng.integers(VOCAB))
@@ -65,7 +77,8 @@ class SimulatedModel:
 
 def run(requests, cfg: SchedulerConfig, draft_quality=1.0, max_steps=2000):
     sched = Scheduler(requests, cfg)
-    model = SimulatedModel(draft_quality, cfg.num_speculative_tokens)
+    model = SimulatedModel(cfg, draft_quality)
+    by_id = {r.req_id: r for r in requests}
     runner_cfg = RunnerConfig(max_num_tokens=cfg.token_budget, max_num_reqs=cfg.max_num_reqs,
                               block_size=cfg.block_size, max_blocks_per_req=cfg.max_blocks_per_req,
                               num_speculative_tokens=cfg.num_speculative_tokens)
@@ -76,6 +89,10 @@ def run(requests, cfg: SchedulerConfig, draft_quality=1.0, max_steps=2000):
         if batch is None:
             continue
         validate_batch(batch, runner_cfg, num_kv_blocks=cfg.num_kv_blocks)
+        for i, rid in enumerate(batch.req_ids):  # admission's bound on a request's KV holds
+            req = by_id[rid]
+            peak = max_positions(len(req.prompt), req.max_new_tokens, cfg.num_speculative_tokens)
+            assert int((batch.block_tables[i] >= 0).sum()) <= -(-peak // cfg.block_size), (step, rid)
         sampled, drafts = model.step(batch)
         sched.update(sampled, drafts if cfg.num_speculative_tokens else {})
     raise AssertionError("scheduler did not finish")
@@ -110,9 +127,12 @@ def test_speculative_decoding_never_changes_outputs(quality):
     cfg = SchedulerConfig(token_budget=64, num_speculative_tokens=3)
     sched, steps = run(REQS, cfg, draft_quality=quality)
     assert sched.results() == expected(REQS)
-    if quality == 1.0:
-        plain_steps = run(REQS, SchedulerConfig(token_budget=64))[1]
-        assert steps < plain_steps  # accepted drafts save steps
+
+
+def test_accepted_drafts_save_steps():
+    steps = run(REQS, SchedulerConfig(token_budget=64, num_speculative_tokens=3), draft_quality=1.0)[1]
+    plain_steps = run(REQS, SchedulerConfig(token_budget=64))[1]
+    assert steps < plain_steps
 
 
 @settings(max_examples=30, deadline=None)

@@ -24,8 +24,8 @@ from runner_fsm.collectives import CollectiveRunner
 from runner_fsm.dp import GlooAgreement
 from runner_fsm.engine.config import EngineConfig
 from runner_fsm.engine.requests import Request, assign
-from runner_fsm.engine.scheduler import Scheduler
-from runner_fsm.events import Capture, DummyStep, Event, RealStep, Shutdown
+from runner_fsm.engine.scheduler import Scheduler, SchedulerStalled
+from runner_fsm.events import Capture, DummyStep, Event, Fault, RealStep, Shutdown
 from runner_fsm.faults import Injection, Injector
 from runner_fsm.heartbeat import Heartbeat
 from runner_fsm.replica import Replica
@@ -123,7 +123,11 @@ async def _serve(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, cou
 async def _step_loop(submit, runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, counts: dict) -> None:
     step = 0
     while True:
-        batch = sched.schedule(step)
+        try:
+            batch = sched.schedule(step)
+        except SchedulerStalled as exc:  # logged as this replica's fault, so the log ends cleanly
+            await submit(Fault(exc))
+            raise
         out = await submit(RealStep(batch) if batch is not None else DummyStep(pending=sched.num_unfinished))
         counts["steps"] += 1
         state = out.trigger.value if batch is not None else "idle_dummy"
