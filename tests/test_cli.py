@@ -1,8 +1,12 @@
 """`runner-fsm` command line."""
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+
+import pytest
 
 from runner_fsm.cli import main
 
@@ -29,3 +33,74 @@ def test_plan_bad_input_exits_2_with_message():
     )
     assert proc.returncode == 2
     assert "BatchError" in proc.stderr and "got lengths 2, 1, 2" in proc.stderr
+
+
+# -- `runner-fsm run`: every user error is one line on stderr and exit status 2 -------------
+
+def _bad_model_dirs(root, target):
+    """Model directories that are wrong in one way each, copied from a good one."""
+    root, target = Path(root), Path(target)
+    dirs = {name: root / name for name in ("empty", "bad-json", "truncated", "wrong-shapes")}
+    dirs["empty"].mkdir(parents=True)
+    dirs["bad-json"].mkdir()
+    (dirs["bad-json"] / "config.json").write_text("{nope")
+    for name in ("truncated", "wrong-shapes"):
+        shutil.copytree(target, dirs[name])
+    shard = dirs["truncated"] / "model.safetensors"
+    shard.write_bytes(shard.read_bytes()[:100])
+    cfg = json.loads((dirs["wrong-shapes"] / "config.json").read_text())
+    cfg["hidden_size"] *= 2
+    (dirs["wrong-shapes"] / "config.json").write_text(json.dumps(cfg))
+    return {name: str(path) for name, path in dirs.items()}
+
+
+# flags (with {model}, {dirs[...]}, {trace}, {tmp} filled in) -> what the one line must say
+BAD_RUNS = {
+    "missing model dir": (["--model", "{tmp}/nope"], "ConfigError: model directory {tmp}/nope does not exist"),
+    "model dir without config.json": (["--model", "{dirs[empty]}"], "UnsupportedModelError: {dirs[empty]}: no config.json"),
+    "config.json not JSON": (["--model", "{dirs[bad-json]}"], "config.json: not valid JSON"),
+    "truncated weights": (["--model", "{dirs[truncated]}"], "model.safetensors: header of"),
+    "weights disagree with config": (["--model", "{dirs[wrong-shapes]}"],
+                                     "WeightsError: {dirs[wrong-shapes]}: model.embed_tokens.weight has shape"),
+    "missing trace": (["--model", "{model}", "--trace", "{tmp}/missing.jsonl"],
+                      "ConfigError: cannot read the trace {tmp}/missing.jsonl: No such file or directory"),
+    "malformed trace line": (["--model", "{model}", "--trace", "{trace}"], "ConfigError: {trace}:2: bad trace line"),
+    "unknown fault kind": (["--model", "{model}", "--inject", "bogus@replica=0,step=1"],
+                           "ConfigError: unknown fault kind 'bogus'"),
+    "malformed injection": (["--model", "{model}", "--inject", "garbage"],
+                            "ConfigError: --inject expects KIND@replica=R,step=S, got 'garbage'"),
+    "dp 0": (["--model", "{model}", "--dp", "0"], "ConfigError: dp_size must be an integer >= 1, got 0"),
+    "pcp -1": (["--model", "{model}", "--pcp", "-1"], "ConfigError: pcp_size must be an integer >= 1, got -1"),
+    "no kv blocks": (["--model", "{model}", "--kv-blocks", "0"], "ConfigError: num_kv_blocks and block_size must be >= 1"),
+    "bad dtype": (["--model", "{model}", "--dtype", "float8"], "error: argument --dtype: invalid choice: 'float8'"),
+    "dp not a number": (["--model", "{model}", "--dp", "two"], "error: argument --dp: invalid int value: 'two'"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_RUNS))
+def test_run_user_error_is_one_line_and_exit_2(models, tmp_path, capsys, case):
+    target, _ = models
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"id": "a", "prompt_token_ids": [1, 2, 3], "max_new_tokens": 2}\n{"id": "b", "prompt_\n')
+    names = dict(model=target, trace=str(trace), tmp=str(tmp_path), dirs=_bad_model_dirs(tmp_path / "bad", target))
+    flags, expected = BAD_RUNS[case]
+    out = tmp_path / "run"
+    try:
+        code = main(["run", "--out", str(out), *[f.format(**names) for f in flags]])
+    except SystemExit as exc:  # argparse leaves through SystemExit
+        code = exc.code
+    err = capsys.readouterr().err
+    assert code == 2
+    assert err.count("\n") == 1, err
+    assert err.startswith("runner-fsm run: ")
+    assert expected.format(**names) in err
+    assert not (out / "outputs.jsonl").exists()
+    assert not list(out.glob("rank-*.jsonl"))
+
+
+def test_run_float16(models, tmp_path):
+    target, _ = models
+    assert main(["run", "--model", target, "--dtype", "float16", "--requests", "3", "--max-new-tokens", "3",
+                 "--out", str(tmp_path / "run")]) == 0
+    lines = (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()
+    assert [len(json.loads(line)["token_ids"]) for line in lines] == [3, 3, 3]

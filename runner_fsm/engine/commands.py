@@ -37,6 +37,10 @@ def add_run(sub) -> None:
     p.add_argument("--out", required=True, help="run directory: outputs.jsonl and the audit logs")
     p.add_argument("--inject", action="append", default=[], metavar="KIND@replica=R,step=S")
     p.add_argument("--collective-timeout", type=float, default=60.0, help="watchdog, seconds")
+    p.add_argument("--listen-address", default="127.0.0.1",
+                   help="address rank 0's rendezvous store listens on (default 127.0.0.1: nothing a"
+                        " run opens listens beyond loopback); gloo uses the interface in"
+                        " GLOO_SOCKET_IFNAME, 'lo' unless set")
     p.set_defaults(func=_cmd_run)
 
 
@@ -48,7 +52,7 @@ def _cmd_run(args) -> int:
         layout=ParallelLayout(args.dp, args.pcp), num_speculative_tokens=args.spec_tokens,
         graph_mode=GraphMode(args.graph_mode), chunking=args.chunking, token_budget=args.budget,
         num_kv_blocks=args.kv_blocks, max_model_len=args.max_model_len, collective_timeout_s=args.collective_timeout,
-        injections=tuple(args.inject), progress_every=1,
+        injections=tuple(args.inject), progress_every=1, listen_address=args.listen_address,
     ).validate()
     vocab = check_model_dir(model).vocab_size  # a bad model directory is a one-line error
     if args.trace:

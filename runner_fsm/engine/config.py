@@ -31,6 +31,7 @@ class EngineConfig:
     max_blocks_per_req: int = 64
     max_model_len: int | None = None  # None: the model's max_position_embeddings (preflight)
     collective_timeout_s: float = 60.0
+    listen_address: str = "127.0.0.1"  # where rank 0's rendezvous store listens
     device: str = "cpu"
     dtype: str = "float32"
     run_id: str = "run"
@@ -62,6 +63,9 @@ class EngineConfig:
         if self.token_budget < 1 + self.num_speculative_tokens:
             raise ConfigError(f"token_budget={self.token_budget} cannot hold one verify row of"
                               f" 1 + {self.num_speculative_tokens} tokens")
+        if self.num_kv_blocks < 1 or self.block_size < 1:
+            raise ConfigError(f"num_kv_blocks and block_size must be >= 1, got {self.num_kv_blocks}"
+                              f" and {self.block_size}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         from runner_fsm.faults import Injection  # parsing raises on an unknown kind

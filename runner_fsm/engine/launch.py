@@ -1,5 +1,10 @@
 """Start a DP x PCP job as local processes joined by gloo process groups on 127.0.0.1.
 
+Nothing a job opens listens beyond the loopback interface unless asked: rank 0's rendezvous
+store (a c10d `TCPStore`) listens on a socket bound to `host` (default 127.0.0.1; c10d's own
+`tcp://` and `env://` paths bind every interface), and gloo uses the interface named by
+`GLOO_SOCKET_IFNAME`, `lo` unless the user set it.
+
 `spawn(fn, layout, *args)` runs `fn(groups, *args)` in one process per global rank and returns
 the per-rank results. It never hangs: past its deadline it kills every child and raises, and
 when a child raises it kills the others at once (they may be blocked in a collective with it).
@@ -28,6 +33,7 @@ import torch
 import torch.distributed as dist
 
 from runner_fsm.config import ParallelLayout
+from runner_fsm.engine.rendezvous import LOOPBACK, free_port, is_loopback, rendezvous_store
 from runner_fsm.errors import ConfigError
 
 # How long a child that exited without a result may still have one in flight in the queue.
@@ -72,18 +78,16 @@ class SpawnTimeout(TimeoutError):
 
 
 def init_process_groups(
-    layout: ParallelLayout, global_rank: int, port: int, *, timeout_s: float = 60.0
+    layout: ParallelLayout, global_rank: int, port: int, *, timeout_s: float = 60.0, host: str = LOOPBACK
 ) -> ProcessGroups:
-    """Join the gloo job at 127.0.0.1:`port` and create every DP, PCP and expert group."""
+    """Join the gloo job whose store is at `host`:`port` and create every DP, PCP and expert group."""
     timeout = datetime.timedelta(seconds=timeout_s)
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=global_rank,
-        world_size=layout.world_size,
-        timeout=timeout,
-    )
+    store = rendezvous_store(host, port, global_rank == 0, layout.world_size, timeout)
+    dist.init_process_group("gloo", store=store, rank=global_rank, world_size=layout.world_size,
+                            timeout=timeout)
     return _create_groups(layout, global_rank, timeout)
+
+
 
 
 def under_torchrun() -> bool:
@@ -99,7 +103,15 @@ def init_process_groups_from_env(layout: ParallelLayout, *, timeout_s: float = 6
                           f" dp={layout.dp_size} x pcp={layout.pcp_size} needs {layout.world_size}")
     timeout = datetime.timedelta(seconds=timeout_s)
     rank = int(os.environ["RANK"])
-    dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+    host = os.environ["MASTER_ADDR"]
+    if is_loopback(host):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # read when the gloo group is made
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
+        # torchrun's agent hosts the store (it binds it, not us): join it as env:// does.
+        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
+    else:
+        store = rendezvous_store(host, int(os.environ["MASTER_PORT"]), rank == 0, world_size, timeout)
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
     return _create_groups(layout, rank, timeout)
 
 
@@ -139,6 +151,7 @@ def spawn(
     timeout_s: float = 120.0,
     pg_timeout_s: float | None = None,
     collect_failures: bool = False,
+    host: str = LOOPBACK,
 ) -> list[Any]:
     """Run `fn(groups, *args)` on every global rank; return the results in rank order.
 
@@ -147,14 +160,14 @@ def spawn(
     bounds each collective inside it. By default the first failing rank raises and the
     others are killed; with `collect_failures` each failure becomes a `RankFailure` in the
     results and the other ranks are waited for (until the deadline), so every rank's own
-    error is seen.
+    error is seen. `host` is the address rank 0's store listens on (loopback by default).
     """
     layout.validate()
     context = mp.get_context("spawn")
     results_queue = context.Queue()
-    port = _free_port()
+    port = free_port(host)
     deadline = time.monotonic() + timeout_s
-    child_args = (fn, layout, port, args, pg_timeout_s or timeout_s, results_queue)
+    child_args = (fn, layout, host, port, args, pg_timeout_s or timeout_s, results_queue)
     processes: list[mp.process.BaseProcess] = []
     try:
         with _single_threaded_children():
@@ -172,9 +185,9 @@ def spawn(
         results_queue.close()
 
 
-def _child_main(rank, fn, layout, port, args, pg_timeout_s, results_queue) -> None:
+def _child_main(rank, fn, layout, host, port, args, pg_timeout_s, results_queue) -> None:
     torch.set_num_threads(1)  # children share a few cores; intra-op threads only contend
-    ok = _run_and_report(rank, fn, layout, port, args, pg_timeout_s, results_queue)
+    ok = _run_and_report(rank, fn, layout, host, port, args, pg_timeout_s, results_queue)
     results_queue.close()
     results_queue.join_thread()  # the report is in the pipe before the process goes
     logging.shutdown()
@@ -184,10 +197,10 @@ def _child_main(rank, fn, layout, port, args, pg_timeout_s, results_queue) -> No
     os._exit(0 if ok else 1)
 
 
-def _run_and_report(rank, fn, layout, port, args, pg_timeout_s, results_queue) -> bool:
+def _run_and_report(rank, fn, layout, host, port, args, pg_timeout_s, results_queue) -> bool:
     groups = None
     try:
-        groups = init_process_groups(layout, rank, port, timeout_s=pg_timeout_s)
+        groups = init_process_groups(layout, rank, port, timeout_s=pg_timeout_s, host=host)
         # Pickle here, so that an unpicklable result is reported as this rank's error.
         results_queue.put((rank, True, pickle.dumps(fn(groups, *args))))
     except BaseException as error:  # report everything, KeyboardInterrupt included
@@ -279,13 +292,6 @@ def _kill_all(processes) -> None:
             process.kill()
     for process in processes:
         process.join(timeout=5.0)
-
-
-def _free_port() -> int:
-    # The port is free now; rank 0 binds it a moment later (a small, accepted race).
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 # Children inherit the environment at start: OMP must see 1 thread before torch loads, and
