@@ -15,7 +15,7 @@ import anyio
 from anyio.abc import ObjectReceiveStream, ObjectSendStream
 
 from runner_fsm import dp
-from runner_fsm.errors import BatchError, DesyncError, ReplicaFault, RunnerError
+from runner_fsm.errors import BatchError, CollectiveTimeout, DesyncError, ReplicaFault, RunnerError
 from runner_fsm.events import Capture, DummyStep, Event, Fault, RealStep, Shutdown
 from runner_fsm.replica import Replica, StepOutput
 from runner_fsm.states import State, Trigger
@@ -88,8 +88,10 @@ class ReplicaRunner:
 
     async def _tell_peers(self, error: BaseException) -> None:
         # A peer's abort or a desync already reached everyone through the agreement;
-        # an error of our own before this step's agreement must be announced in it.
-        if isinstance(error, (ReplicaFault, DesyncError)) or self.replica.agreed_this_step:
+        # an error of our own before this step's agreement must be announced in it. After a
+        # timeout the peers are stuck or gone and time out by themselves at about the same
+        # moment: announcing it would only keep this process another full timeout.
+        if isinstance(error, (ReplicaFault, DesyncError, CollectiveTimeout)) or self.replica.agreed_this_step:
             return
         if self.replica.config.layout.dp_size > 1:
             with anyio.CancelScope(shield=True):

@@ -59,7 +59,8 @@ def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float =
     else:
         ranks = [_as_result(r, cfg) for r in spawn(
             run_rank, cfg.layout, cfg, requests, timeout_s=timeout_s,
-            pg_timeout_s=cfg.collective_timeout_s + 30, collect_failures=True, host=cfg.listen_address)]
+            pg_timeout_s=cfg.collective_timeout_s + 30, collect_failures=True, host=cfg.listen_address,
+            failed=lambda rank: rank.error is not None)]
     outputs: dict[str, list[int]] = {}
     for rank in ranks:
         if rank.pcp_rank == 0:

@@ -152,6 +152,7 @@ def spawn(
     pg_timeout_s: float | None = None,
     collect_failures: bool = False,
     host: str = LOOPBACK,
+    failed: Callable[[Any], bool] | None = None,
 ) -> list[Any]:
     """Run `fn(groups, *args)` on every global rank; return the results in rank order.
 
@@ -161,6 +162,8 @@ def spawn(
     others are killed; with `collect_failures` each failure becomes a `RankFailure` in the
     results and the other ranks are waited for (until the deadline), so every rank's own
     error is seen. `host` is the address rank 0's store listens on (loopback by default).
+    When `failed(result)` holds for a result, the children are ended as soon as every rank
+    has reported, instead of being given time to leave their groups.
     """
     layout.validate()
     context = mp.get_context("spawn")
@@ -178,7 +181,11 @@ def spawn(
                 process.start()
                 processes.append(process)
         results = _collect(processes, results_queue, deadline, collect_failures)
-        _join_all(processes, min(deadline, time.monotonic() + _JOIN_GRACE_S))
+        if not any(isinstance(r, RankFailure) or (failed is not None and failed(r)) for r in results.values()):
+            _join_all(processes, min(deadline, time.monotonic() + _JOIN_GRACE_S))
+        # else a failed run: every rank has reported (and read from the store what named the
+        # culprit), so nothing needs the children; their groups may be stuck behind abandoned
+        # collectives until the gloo timeout, so they are ended now (`finally`), not waited for.
         return [results[rank] for rank in range(layout.world_size)]
     finally:
         _kill_all(processes)
