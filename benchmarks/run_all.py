@@ -4,7 +4,8 @@ Each benchmark module exposes `rows(quick: bool) -> list[common.Row]`; it checks
 output before it times anything and raises when that output is wrong. The suite prints one
 table (figure, the baseline measured in the same run, ratio, target, pass/miss) and, with
 `--readme`, writes it with the machine and the command into benchmarks/README.md between
-the markers there.
+the markers there; with `--main-readme`, the same rows also become README.md's generated
+block (readme.py). README numbers are never typed.
 
 Exit status: 0 whatever the speed (a missed target is reported, never failed); 1 when a
 benchmark crashed or its output was wrong, because then its figures mean nothing.
@@ -18,7 +19,8 @@ Benchmarks owned elsewhere join through hooks, when their files exist:
 Whatever cannot be read that way is shown as it is under the table.
 A `SUITE_ROW` line holds one JSON object with the fields of `common.Row`.
 
-    .venv/bin/python benchmarks/run_all.py [--quick] [--only plan,dp,...] [--readme PATH]
+    .venv/bin/python benchmarks/run_all.py [--quick] [--only plan,dp,...] [--readme PATH] [--main-readme PATH]
+    .venv/bin/python benchmarks/run_all.py --from-table benchmarks/README.md --main-readme README.md
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ import traceback
 from pathlib import Path
 
 from common import Row, format_table
+from readme import between_markers, main_readme_block, parse_block, write_between_markers
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
-BEGIN, END = "<!-- bench:begin -->", "<!-- bench:end -->"
 
 # name -> module; in the order of the issue's table.
 SUITE = {
@@ -188,13 +190,12 @@ def run(names: list[str], quick: bool) -> tuple[list[Row], list[str], bool]:
     return rows, extra, ok
 
 
-def _write_readme(path: Path, text: str) -> None:
-    old = path.read_text() if path.exists() else f"# Benchmarks\n\n{BEGIN}\n{END}\n"
-    if BEGIN not in old or END not in old:
-        old = old.rstrip() + f"\n\n{BEGIN}\n{END}\n"
-    head, rest = old.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
-    path.write_text(f"{head}{BEGIN}\n{text}\n{END}{tail}")
+def _regenerate_main_readme(table_path: Path, main_readme: Path) -> int:
+    """README.md's block from the table already in `table_path`, without measuring."""
+    summary, rows = parse_block(between_markers(table_path.read_text()))
+    write_between_markers(main_readme, main_readme_block(summary, rows), create=False)
+    print(f"[bench] {main_readme} regenerated from the table in {table_path}", file=sys.stderr)
+    return 0
 
 
 def main() -> int:
@@ -202,7 +203,15 @@ def main() -> int:
     parser.add_argument("--quick", action="store_true", help="fewer repeats (a smoke run, not for the README)")
     parser.add_argument("--only", default="", help=f"comma-separated subset of {','.join(SUITE)}")
     parser.add_argument("--readme", type=Path, help="write the table into this Markdown file, between markers")
+    parser.add_argument("--main-readme", type=Path,
+                        help="also write the table's generated block into this file (README.md), between markers")
+    parser.add_argument("--from-table", type=Path, metavar="BENCH_README",
+                        help="measure nothing: regenerate --main-readme's block from the table in BENCH_README")
     args = parser.parse_args()
+    if args.from_table:
+        if not args.main_readme:
+            parser.error("--from-table needs --main-readme")
+        return _regenerate_main_readme(args.from_table, args.main_readme)
     names = [n for n in args.only.split(",") if n] or list(SUITE)
     unknown = [n for n in names if n not in SUITE]
     if unknown:
@@ -222,8 +231,11 @@ def main() -> int:
     text = "\n\n".join([summary, table, *extra])
     print("\n" + text)
     if args.readme:
-        _write_readme(args.readme, text)
+        write_between_markers(args.readme, text)
         print(f"\n[bench] table written to {args.readme}", file=sys.stderr)
+    if args.main_readme:
+        write_between_markers(args.main_readme, main_readme_block(summary, rows), create=False)
+        print(f"[bench] generated block written to {args.main_readme}", file=sys.stderr)
     return 0 if ok else 1
 
 

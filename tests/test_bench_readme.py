@@ -1,0 +1,55 @@
+"""README numbers come from one table: `make bench` writes benchmarks/README.md and README.md's
+generated block from the same rows (benchmarks/readme.py); nothing is typed by hand."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from common import Row, format_table  # noqa: E402
+from readme import BEGIN, END, between_markers, main_readme_block, parse_block, write_between_markers  # noqa: E402
+
+ROWS = [
+    Row("PCP plan, 512 reqs, P=2", "18.3 ms [12.3-20.5]", "per-request Python 368 ms [321-434]", "22.9x faster",
+        ">= 10x", "pass", note="579,906 tokens"),
+    Row("bookkeeping per step (CPU)", "135 us [129-145]", "10 ms step (100 us = 1%)", "1.35%", "<= 1%", "miss"),
+]
+SUMMARY = "Measured 2026-11-30 02:50 UTC with `make bench` in 136 s on 2 CPUs."
+
+
+def test_the_main_readme_block_is_made_from_the_table(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Numbers\n\nprose before\n\n{BEGIN}\n| typed | by hand |\n{END}\n\nprose after\n")
+    write_between_markers(readme, main_readme_block(SUMMARY, ROWS), create=False)
+    text = readme.read_text()
+    assert text.startswith("# x\n\n## Numbers\n\nprose before\n\n" + BEGIN + "\n")
+    assert text.endswith(END + "\n\nprose after\n")
+    block = between_markers(text)
+    assert "typed" not in block
+    assert SUMMARY in block
+    assert format_table([Row(*[getattr(r, f) for f in ("name", "figure", "baseline", "ratio", "target", "status")])
+                         for r in ROWS]) in block  # the same rows, without their notes
+    assert "579,906 tokens" not in block
+
+
+def test_a_table_run_all_wrote_parses_back_to_its_rows():
+    summary, rows = parse_block(f"{SUMMARY}\n\n{format_table(ROWS)}\n")
+    assert summary == SUMMARY
+    assert rows == ROWS
+
+
+def test_a_readme_without_markers_is_refused(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text("# x\n\n| typed | by hand |\n")
+    with pytest.raises(ValueError, match="no <!-- bench:begin --> ... <!-- bench:end --> block"):
+        write_between_markers(readme, "generated", create=False)
+    assert readme.read_text() == "# x\n\n| typed | by hand |\n"
+
+
+def test_readme_numbers_are_the_benchmark_table():
+    summary, rows = parse_block(between_markers((REPO / "benchmarks" / "README.md").read_text()))
+    assert len(rows) >= 10
+    assert between_markers((REPO / "README.md").read_text()) == main_readme_block(summary, rows)
