@@ -22,7 +22,6 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
-import socket
 import sys
 import time
 import traceback
