@@ -1,0 +1,116 @@
+"""MRV2's DP sync carries the agreement: vLLM's real `sync_cudagraph_and_dp_padding` in two
+gloo processes, through the interception, against the same call without it.
+
+MRV2 cannot run a model on this CPU (no Triton CPU backend), so the function is called at
+function level: vLLM's DP group is the gloo world group of the two processes.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import traceback
+from pathlib import Path
+
+import pytest
+import torch.multiprocessing as mp
+
+pytestmark = pytest.mark.vllm
+
+
+def _case(sync, desc_cls, mode_none, dp_rank, tokens, reqs):
+    desc = desc_cls(cg_mode=mode_none, num_tokens=tokens, num_reqs=reqs)
+    synced, state = sync(None, desc, tokens, reqs, None, 2, dp_rank)
+    return {"desc_tokens": synced.num_tokens, "desc_mode": synced.cg_mode.value,
+            "state": None if state is None else {"across": state.num_tokens_across_dp.tolist(),
+                                                 "eager": state.eager, "num_reqs": state.num_reqs}}
+
+
+def _child(rank: int, init: str, out_dir: str) -> None:
+    result = {}
+    try:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+        from types import SimpleNamespace
+
+        from vllm.config.compilation import CUDAGraphMode
+        from vllm.distributed import parallel_state
+        from vllm.v1.worker.gpu import dp_utils
+        from vllm.v1.worker.gpu.cudagraph_utils import BatchExecutionDescriptor
+
+        from runner_fsm import dp
+        from runner_fsm.audit import AuditLog
+        from runner_fsm.integrations.vllm import dp_schema, mrv2_sync
+        from runner_fsm.integrations.vllm.dp_agreement import AgreementTap
+
+        dp_schema.check_dp_hooks(mrv2=True)
+        # vLLM's DP group: a stand-in that hands vLLM's function the gloo world group.
+        parallel_state._DP = SimpleNamespace(cpu_group=dist.group.WORLD)
+        sync = dp_utils.sync_cudagraph_and_dp_padding
+        tokens = [5, 3][rank]
+        args = (sync, BatchExecutionDescriptor, CUDAGraphMode.NONE, rank)
+        result["plain"] = _case(*args, tokens, 1)
+        result["plain_idle"] = _case(*args, 0, 0)
+        audit = AuditLog(out_dir, "mrv2", rank, rank, 0)
+        desync_step = 2
+        tap = AgreementTap(rank, 2, audit=audit, rows_hook=lambda rows: (
+            rows.__class__(rows.step_id + 1, *rows.column()[1:]) if rank == 1 and rows.step_id == desync_step
+            else rows))
+        undo = mrv2_sync.install(tap)
+        tap.begin_step(0, dummy=False)
+        result["carried"] = _case(*args, tokens, 1)
+        with tap.tagged(dp.DRAFT_PREFILL):
+            result["carried_draft"] = _case(*args, tokens, 1)
+        tap.begin_step(1, dummy=True)
+        result["carried_idle"] = _case(*args, 0, 0)
+        tap.begin_step(desync_step, dummy=False)
+        try:
+            _case(*args, tokens, 1)
+            result["desync"] = None
+        except Exception as exc:
+            result["desync"] = {"type": type(exc).__name__, "message": str(exc),
+                                "culprit": [list(exc.culprit_replicas), exc.culprit_step]}
+        undo()
+        result["restored"] = dp_utils.dist is dist
+        audit.close()
+        dist.destroy_process_group()
+    except BaseException:
+        result["error"] = traceback.format_exc()
+    Path(out_dir, f"result-{rank}.json").write_text(json.dumps(result))
+
+
+def test_mrv2_sync_carries_agreement_and_detects_desync(tmp_path):
+    from runner_fsm.audit.log import read_records
+
+    init = f"file://{tmp_path / 'rendezvous'}"
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_child, args=(rank, init, str(tmp_path))) for rank in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(timeout=300)
+    assert [p.exitcode for p in procs] == [0, 0]
+    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
+    for rank, res in enumerate(results):
+        assert "error" not in res, res["error"]
+        # vLLM's results through the interception are the results without it.
+        assert res["carried"] == res["plain"] == res["carried_draft"]
+        assert res["plain"]["state"] == {"across": [5, 3], "eager": True, "num_reqs": 1}
+        assert res["plain"]["desc_tokens"] == [5, 3][rank]
+        assert res["carried_idle"] == res["plain_idle"] == {"desc_tokens": 0, "desc_mode": 0, "state": None}
+        # Replica 1 reported step 3 at step 2: both ranks stop in that collective, naming it.
+        assert res["desync"]["type"] == "DesyncError"
+        assert res["desync"]["culprit"] == [[1], 2]
+        assert "culprit: replica 1 at step 2" in res["desync"]["message"]
+        assert res["restored"] is True
+    logs = [list(read_records(tmp_path / f"rank-{r}.jsonl")) for r in range(2)]
+    done = [r for r in logs[0] if r["event"] == "collective" and r["stage"] == "done"]
+    assert [(r["step_id"], r["phase"], r["group"], r["op"]) for r in done] == [
+        (0, 1, "dp", "all_reduce"), (0, 2, "dp", "all_reduce"), (1, 1, "dp", "all_reduce")]
+    assert done[0]["agreed"]["num_tokens_across_dp"] == [5, 3]
+    assert done[0]["vllm"]["num_tokens"] == [5, 3]
+    assert done[2]["kind"] == "dummy" and done[2]["agreed"]["all_idle"] is True
+    # The desync leaves each rank's enqueue open; the culprit's carries the step it reported.
+    assert logs[0][-1]["stage"] == "enqueue" and logs[0][-1]["step_id"] == 2
+    assert logs[1][-1]["stage"] == "enqueue" and logs[1][-1]["step_id"] == 3
