@@ -106,9 +106,11 @@ class AgreementTap:
 
     def __init__(self, dp_rank: int, dp_size: int, *, audit=None,
                  beat: Callable[[int, int, str], None] | None = None,
-                 rows_hook: Callable[[AgreementRows], AgreementRows] | None = None):
+                 rows_hook: Callable[[AgreementRows], AgreementRows] | None = None,
+                 position: Callable[[], tuple[int, bool]] | None = None):
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.audit, self._beat, self._rows_hook = audit, beat, rows_hook
+        self._position = position  # () -> (step id or NO_STEP, dummy?): the worker's step
         self.step_id, self.kind = NO_STEP, KIND_REAL
         self.phase = 0  # set by the tagged `_determine_batch_execution_and_padding`
         self.seq = 0
@@ -119,6 +121,14 @@ class AgreementTap:
     def begin_step(self, step_id: int, *, dummy: bool) -> None:
         self.step_id, self.kind, self.draft_syncs = step_id, KIND_DUMMY if dummy else KIND_REAL, 0
 
+    def follow(self) -> None:
+        """Take the step from the worker's `position`, when one was given."""
+        if self._position is not None:
+            step_id, dummy = self._position()
+            if step_id != self.step_id:
+                self.begin_step(step_id, dummy=dummy)
+            self.kind = KIND_DUMMY if dummy else KIND_REAL
+
     @contextlib.contextmanager
     def tagged(self, phase: int):
         previous, self.phase = self.phase, phase
@@ -128,6 +138,7 @@ class AgreementTap:
             self.phase = previous
 
     def draft_phase(self) -> int:
+        self.follow()
         self.draft_syncs += 1
         return dp.DRAFT_PREFILL if self.draft_syncs == 1 else dp.DRAFT_DECODE
 
@@ -149,6 +160,7 @@ class AgreementTap:
                  decision: Callable[[list[list[int]]], dict] | None = None) -> torch.Tensor:
         """All-reduce vLLM's `tensor` (this rank's column filled) with the agreement rows below
         it, check them, and return vLLM's rows summed (a new tensor on `device`)."""
+        self.follow()
         rows = AgreementRows(self.step_id, self.phase or dp.TARGET, self.seq, self.kind)
         if self._rows_hook is not None:
             rows = self._rows_hook(rows)

@@ -1,8 +1,8 @@
 """Data parallelism and drafting through vLLM: what `FSMWorker` installs when `dp_size > 1`.
 
-The worker calls three things (see worker.py): `DPSupport.install(...)` once the model is
-loaded, `begin_step(step_id, dummy=...)` at the start of each `execute_model` /
-`execute_dummy_batch`, and `close()` at shutdown. Installed here:
+The worker calls three things (see worker.py): `DPSupport.for_worker(worker)` once vLLM's
+groups exist, `attach(model_runner)` once the model is loaded, and `close()` at shutdown.
+Step ids and kinds are read from the worker's `ReplicaRecorder`. Installed here:
 - the MoE exchange collectives vLLM's CPU communicator lacks (`cpu_collectives`);
 - the agreement rows in vLLM's own DP all-reduce, with phase tags (`dp_agreement`);
 - the expert exchange of every target forward as a `collective` record (group "expert", op
@@ -20,7 +20,7 @@ import torch.distributed as dist
 from runner_fsm import dp
 from runner_fsm.config import ParallelLayout
 from runner_fsm.heartbeat import Heartbeat
-from runner_fsm.integrations.vllm import cpu_collectives, dp_agreement
+from runner_fsm.integrations.vllm import cpu_collectives, dp_agreement, dp_schema, inject
 from runner_fsm.integrations.vllm.inject import VLLMInjector
 from runner_fsm.integrations.vllm.watchdog import Watchdog
 
@@ -30,33 +30,45 @@ class _SkipDummyForward(Exception):
 
 
 class DPSupport:
-    def __init__(self, runner, *, dp_rank: int, dp_size: int, audit, timeout_s: float, injection=None):
-        self.runner, self.dp_rank, self.audit = runner, dp_rank, audit
+    def __init__(self, recorder, *, dp_rank: int, dp_size: int, timeout_s: float, injection=None,
+                 device_type: str = "cpu"):
+        self.recorder, self.dp_rank, self.audit = recorder, dp_rank, recorder.audit
         self.injector = VLLMInjector(injection, dp_rank)
-        self.added_collectives = cpu_collectives.install() if runner.device.type == "cpu" else []
+        self.added_collectives = cpu_collectives.install() if device_type == "cpu" else []
         store = dist.distributed_c10d._get_default_store()  # the job's store, as the embedded engine uses
         heartbeat = Heartbeat(store, ParallelLayout(dp_size=dp_size, pcp_size=1).validate(), dp_rank)
         self.watchdog = Watchdog(heartbeat, timeout_s, dp_rank=dp_rank, on_fault=self._log_fault).start()
-        self.tap = dp_agreement.AgreementTap(dp_rank, dp_size, audit=audit, beat=self.watchdog.beat,
-                                             rows_hook=self._rows_hook)
-        self._undo = dp_agreement.install(self.tap, runner)
+        self.tap = dp_agreement.AgreementTap(dp_rank, dp_size, audit=self.audit, beat=self.watchdog.beat,
+                                             rows_hook=self._rows_hook, position=self._position)
+        self.runner = None
+        self._undo = lambda: None
+        self._hooks: list = []
         self._forward_seq = itertools.count()
         self._forward_open: tuple[int, int] | None = None
+
+    @classmethod
+    def for_worker(cls, worker) -> "DPSupport | None":
+        """For a vLLM worker whose groups exist (`install_extensions`); None for one replica."""
+        par = worker.parallel_config
+        if int(par.data_parallel_size) <= 1:
+            return None
+        dp_schema.check_dp_hooks()
+        opts = worker.fsm_options
+        return cls(worker.recorder, dp_rank=int(par.data_parallel_rank), dp_size=int(par.data_parallel_size),
+                   timeout_s=opts.collective_timeout_s, injection=inject.parse(opts.inject) if opts.inject else None,
+                   device_type=str(worker.device_config.device_type))
+
+    def attach(self, runner) -> None:
+        """Once vLLM's model runner (and drafter) are loaded: agreement, phase tags, forwards, faults."""
+        self.runner = runner
+        self._undo = dp_agreement.install(self.tap, runner)
         self._hooks = [runner.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                        runner.model.register_forward_hook(self._after_forward)]
         self._wrap_faults()
 
-    @classmethod
-    def install(cls, worker, audit, *, timeout_s: float, injection=None) -> "DPSupport | None":
-        """For a vLLM worker (its `model_runner` loaded); None when it runs one replica."""
-        par = worker.parallel_config
-        if int(par.data_parallel_size) <= 1:
-            return None
-        return cls(worker.model_runner, dp_rank=int(par.data_parallel_rank),
-                   dp_size=int(par.data_parallel_size), audit=audit, timeout_s=timeout_s, injection=injection)
-
-    def begin_step(self, step_id: int, *, dummy: bool) -> None:
-        self.tap.begin_step(step_id, dummy=dummy)
+    def _position(self) -> tuple[int, bool]:
+        rec = self.recorder
+        return (rec.step_id if rec.in_step else dp_agreement.NO_STEP), rec.kind == "idle"
 
     def draft_agreements(self, step_id: int) -> int:
         return self.tap.draft_agreements.get(step_id, 0)
@@ -70,6 +82,7 @@ class DPSupport:
     # -- the target forward: an expert exchange every replica must join
 
     def _before_forward(self, _module, args, kwargs):
+        self.tap.follow()
         step = self.tap.step_id
         if step == dp_agreement.NO_STEP:
             return None
@@ -126,6 +139,7 @@ class DPSupport:
 
             @functools.wraps(draft_dummy)
             def draft_dummy_unless_skipped(*args, **kwargs):
+                tap.follow()
                 if tap.kind == dp_agreement.KIND_DUMMY and due("skip-draft-sync", tap.step_id):
                     return None
                 return draft_dummy(*args, **kwargs)

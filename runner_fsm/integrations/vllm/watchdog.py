@@ -13,12 +13,14 @@ interrupted. Peers that see the published abort exit with the same message.
 from __future__ import annotations
 
 import os
+import re
 import sys
 import threading
 import time
 from typing import Callable
 
 from runner_fsm.errors import CollectiveTimeout
+from runner_fsm.heartbeat import describe_positions
 
 ABORT_KEY = "runner_fsm/abort"
 EXIT_CODE = 70  # EX_SOFTWARE: the run was stopped by its own check
@@ -65,12 +67,29 @@ class Watchdog:
             if inside is not None and time.monotonic() - inside[3] > self.timeout_s:
                 step, phase, what, _ = inside
                 message = (f"replica {self.dp_rank}: {what} at step {step} did not finish within"
-                           f" {self.timeout_s:g} s; {self.heartbeat.describe()}")
+                           f" {self.timeout_s:g} s; {self.describe()}")
                 self._publish(message)
                 self.fire(step, message)
             published = self._published()
             if published is not None:
                 self.fire(self._last_step, f"replica {self.dp_rank} stops: a peer timed out: {published}")
+
+    def describe(self) -> str:
+        """The heartbeat's sentence, led by `culprit: replica R at step S` (R's last position)."""
+        try:
+            positions = self.heartbeat.positions()
+        except Exception:  # noqa: BLE001 - the heartbeat says why in its own words
+            return self.heartbeat.describe()
+        sentence = describe_positions(positions, self.heartbeat.layout)
+        named = re.match(r"culprit: replica ([\d, ]+)", sentence)
+        if named is None:
+            return sentence
+        replicas = [int(r) for r in named.group(1).replace(" ", "").split(",") if r]
+        steps = {r: p.step for p in positions.values() for r in [self.heartbeat.layout.coords(p.rank)[0]]
+                 if r in replicas}
+        lead = "; ".join(f"culprit: replica {r} at step {steps[r]}" if r in steps
+                         else f"culprit: replica {r} (no position)" for r in replicas)
+        return f"{lead} ({sentence})"
 
     def _publish(self, message: str) -> None:
         try:

@@ -34,6 +34,7 @@ import torch
 
 from runner_fsm.audit import AuditLog
 from runner_fsm.integrations.vllm import schema
+from runner_fsm.integrations.vllm.dp_support import DPSupport
 from runner_fsm.integrations.vllm.journal import Journal
 from runner_fsm.integrations.vllm.options import WorkerOptions
 from runner_fsm.integrations.vllm.probe import InputProbe
@@ -45,6 +46,7 @@ class FSMWorkerMixin:
     """Put before the platform worker in the bases; see the module docstring."""
 
     recorder: ReplicaRecorder | None = None
+    dp_support: DPSupport | None = None
 
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
                  is_driver_worker: bool = False, **kwargs: Any):
@@ -74,6 +76,7 @@ class FSMWorkerMixin:
     def install_extensions(self) -> None:
         """Where extra collectives and interceptions are installed (vLLM's groups exist now,
         the model does not yet). Nothing in a single replica."""
+        self.dp_support = DPSupport.for_worker(self)  # DP: agreement rows, watchdog, faults
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -81,6 +84,8 @@ class FSMWorkerMixin:
         schema.check_runner(runner)
         self.probe = InputProbe(runner)
         _hook_forward(runner, self._before_forward)
+        if self.dp_support is not None:
+            self.dp_support.attach(runner)
 
     def determine_available_memory(self) -> int:
         self.recorder.start_capture()  # warm-up and profiling forwards run from here
@@ -200,6 +205,8 @@ class FSMWorkerMixin:
 
     def shutdown(self) -> None:
         rec = self.recorder
+        if self.dp_support is not None:
+            self.dp_support.close()
         try:
             if rec is not None:
                 rec.shutdown()
