@@ -78,4 +78,6 @@ def test_replay_names_same_replica_and_step(runs, kind):
     assert code == 1
     named = [(v["replica"], v["step"]) for v in verdicts if v["kind"] in ("hang", "collective_mismatch",
                                                                            "missing_replica", "agreed_mismatch")]
+    print(f"\n{kind}: replay verdicts " + "; ".join(f"{v['kind']} replica {v['replica']} step {v['step']}"
+                                                 for v in verdicts))
     assert named and named[0] == (REPLICA, STEP), verdicts

@@ -68,6 +68,12 @@ def _child(rank: int, init: str, out_dir: str) -> None:
         from runner_fsm.integrations.vllm.dp_agreement import AgreementTap
 
         dp_schema.check_dp_hooks(mrv2=True)
+        from vllm.v1.worker import dp_utils as v1_dp_utils
+
+        real_run_ar = v1_dp_utils._run_ar
+        v1_dp_utils._run_ar = lambda tensor, group: tensor  # as if vLLM had changed it
+        result["schema_problems"] = dp_schema.find_problems()
+        v1_dp_utils._run_ar = real_run_ar
         # vLLM's DP group: a stand-in that hands vLLM's function the gloo world group.
         parallel_state._DP = SimpleNamespace(cpu_group=dist.group.WORLD)
         sync = dp_utils.sync_cudagraph_and_dp_padding
@@ -137,6 +143,9 @@ def test_mrv2_sync_carries_agreement_and_detects_desync(gloo_run):
         assert res["desync"]["culprit"] == [[1], 2]
         assert "culprit: replica 1 at step 2" in res["desync"]["message"]
         assert res["restored"] is True
+        assert res["schema_problems"] == ["dp_utils._run_ar takes ['tensor', 'group'], the replacement"
+                                          " ['should_ubatch', 'orig_num_tokens_per_ubatch',"
+                                          " 'padded_num_tokens_per_ubatch', 'cudagraph_mode', 'parallel_config']"]
     logs = [list(read_records(tmp_path / f"rank-{r}.jsonl")) for r in range(2)]
     done = [r for r in logs[0] if r["event"] == "collective" and r["stage"] == "done"]
     assert [(r["step_id"], r["phase"], r["group"], r["op"]) for r in done] == [

@@ -1,4 +1,5 @@
-"""Faults for the vLLM worker: `KIND@replica=R,step=S`, from the options or RUNNER_FSM_INJECT.
+"""Faults for the vLLM worker: `KIND@replica=R,step=S`, the worker option `inject`
+(`additional_config={"runner_fsm": {"inject": ...}}`, else `RUNNER_FSM_INJECT`).
 
 Each kind reproduces a DP hand-off bug seen in vLLM and vLLM-Ascend; the online checks must
 stop every rank naming R and S, and `runner-fsm replay` must name them too. Step ids count
@@ -9,8 +10,6 @@ kinds differ, since they act on vLLM's own calls.
 from __future__ import annotations
 
 import dataclasses
-import os
-from typing import Any, Mapping
 
 from runner_fsm.errors import ConfigError
 from runner_fsm.faults import Injection
@@ -20,7 +19,6 @@ KINDS = (
     "skip-draft-sync",  # the idle replica skips the drafter's dummy run (vLLM issue #35294)
     "desync",  # the replica reports the next step id in its agreement rows
 )
-ENV = "RUNNER_FSM_INJECT"
 
 
 def parse(text: str) -> Injection:
@@ -31,12 +29,6 @@ def parse(text: str) -> Injection:
         raise ConfigError(f"inject expects KIND@replica=R,step=S with KIND one of {', '.join(KINDS)};"
                           f" got {text!r}")
     return dataclasses.replace(Injection.parse(f"crash@{rest}"), kind=kind)
-
-
-def from_options(section: Mapping[str, Any] | None, environ: Mapping[str, str] = os.environ) -> Injection | None:
-    """The fault asked for in additional_config["runner_fsm"]["inject"], else in RUNNER_FSM_INJECT."""
-    text = (section or {}).get("inject") or environ.get(ENV)
-    return parse(text) if text else None
 
 
 class VLLMInjector:
