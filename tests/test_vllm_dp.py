@@ -93,3 +93,11 @@ def test_draft_agreements_counted_per_step_and_rank(suite):
     steps = sorted({s for s, _ in per_rank[0]})
     # K=2: the drafter syncs twice per step (first pass, then the rest), on the idle replica too.
     assert all(per_rank[1][(s, 2)] == 1 and per_rank[1][(s, 3)] == 1 for s in steps)
+
+
+def test_scheduled_drafts_checked_against_proposals(suite):
+    _, run_dirs = suite
+    run_dir = run_dirs[IDS.index("mixtral-draft_model-k2")]
+    journal = c.records(run_dir / "vllm-steps-0.jsonl")
+    # Every verify step of the busy replica compared its scheduled drafts (none differed).
+    assert sum(entry.get("drafts_checked", 0) for entry in journal) >= 8

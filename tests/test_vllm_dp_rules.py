@@ -47,3 +47,17 @@ def test_inject_syntax():
     injector = inject.VLLMInjector(inject.parse("desync@replica=1,step=5"), dp_rank=1)
     assert injector.due("desync", 5) and not injector.due("desync", 4)
     assert not inject.VLLMInjector(inject.parse("desync@replica=1,step=5"), dp_rank=0).due("desync", 5)
+
+
+def test_scheduled_drafts_must_be_prefixes_of_the_latest_proposals():
+    from runner_fsm.integrations.vllm.drafts import DraftLedger, DraftMismatchError
+
+    ledger = DraftLedger(dp_rank=0)
+    ledger.proposed(3, ["a", "b"], [[7, 8], [9, 10]])
+    ledger.check_scheduled(4, {"a": [7, 8], "b": [9], "c": [-1, -1]})  # shortened; placeholders
+    assert ledger.checked == 2
+    with pytest.raises(DraftMismatchError, match=r"replica 0 step 5: .*'a': \[8\] scheduled, \[7, 8\] proposed at step 3"):
+        ledger.check_scheduled(5, {"a": [8]})
+    ledger.forget(["b"])
+    with pytest.raises(DraftMismatchError, match="'b': \\[9\\] scheduled, nothing proposed"):
+        ledger.check_scheduled(5, {"b": [9]})

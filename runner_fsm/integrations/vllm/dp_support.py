@@ -7,7 +7,9 @@ Step ids and kinds are read from the worker's `ReplicaRecorder`. Installed here:
 - the agreement rows in vLLM's own DP all-reduce, with phase tags (`dp_agreement`);
 - the expert exchange of every target forward as a `collective` record (group "expert", op
   "forward"), so `runner-fsm replay` sees which replica did not join a forward;
-- the watchdog for `collective_timeout_s` (`watchdog`) and the faults of `inject`.
+- the watchdog for `collective_timeout_s` (`watchdog`) and the faults of `inject`;
+- the check of scheduled drafts against the drafter's proposals (`drafts`), through
+  `before_step(scheduler_output)` and `proposed(draft_token_ids)`.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from runner_fsm import dp
 from runner_fsm.config import ParallelLayout
 from runner_fsm.heartbeat import Heartbeat
 from runner_fsm.integrations.vllm import cpu_collectives, dp_agreement, dp_schema, inject
+from runner_fsm.integrations.vllm.drafts import DraftLedger
 from runner_fsm.integrations.vllm.inject import VLLMInjector
 from runner_fsm.integrations.vllm.watchdog import Watchdog
 
@@ -40,6 +43,7 @@ class DPSupport:
         self.watchdog = Watchdog(heartbeat, timeout_s, dp_rank=dp_rank, on_fault=self._log_fault).start()
         self.tap = dp_agreement.AgreementTap(dp_rank, dp_size, audit=self.audit, beat=self.watchdog.beat,
                                              rows_hook=self._rows_hook, position=self._position)
+        self.drafts = DraftLedger(dp_rank)
         self.runner = None
         self._undo = lambda: None
         self._hooks: list = []
@@ -69,6 +73,19 @@ class DPSupport:
     def _position(self) -> tuple[int, bool]:
         rec = self.recorder
         return (rec.step_id if rec.in_step else dp_agreement.NO_STEP), rec.kind == "idle"
+
+    def before_step(self, scheduler_output) -> None:
+        """At a real step's start: its scheduled drafts against the drafter's proposals."""
+        so = scheduler_output
+        self.drafts.forget(so.finished_req_ids)
+        if so.scheduled_spec_decode_tokens:
+            before = self.drafts.checked
+            self.drafts.check_scheduled(self.recorder.step_id, so.scheduled_spec_decode_tokens)
+            self.recorder.note(drafts_checked=self.drafts.checked - before)
+
+    def proposed(self, drafts) -> None:
+        """What `take_draft_token_ids` hands vLLM (of the step that just ended)."""
+        self.drafts.proposed(self.recorder.step_id - 1, drafts.req_ids, drafts.draft_token_ids)
 
     def draft_agreements(self, step_id: int) -> int:
         return self.tap.draft_agreements.get(step_id, 0)

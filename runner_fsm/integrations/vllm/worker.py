@@ -107,6 +107,8 @@ class FSMWorkerMixin:
         rec = self.recorder
         rec.begin_step(self._classify(so), _decision(so))
         try:
+            if self.dp_support is not None:
+                self.dp_support.before_step(so)  # scheduled drafts vs. proposals
             out = super().execute_model(so)
             if out is not None:  # no sample_tokens follows (e.g. pipeline stages, pooling)
                 rec.end_step()
@@ -149,6 +151,8 @@ class FSMWorkerMixin:
 
     def take_draft_token_ids(self):
         drafts = super().take_draft_token_ids()
+        if drafts is not None and self.dp_support is not None:
+            self.dp_support.proposed(drafts)
         if drafts is not None:
             self.recorder.note(drafts=drafts.draft_token_ids)
         return drafts
