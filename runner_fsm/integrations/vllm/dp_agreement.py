@@ -115,8 +115,6 @@ class AgreementTap:
         self.phase = 0  # set by the tagged `_determine_batch_execution_and_padding`
         self.seq = 0
         self.draft_syncs = 0  # drafter syncs in this step: the first is DRAFT_PREFILL
-        self.draft_agreements: dict[int, int] = {}  # step -> drafter agreements (counted per rank)
-        self.last: dict[str, Any] | None = None  # the latest agreement and vLLM's decision
 
     def begin_step(self, step_id: int, *, dummy: bool) -> None:
         self.step_id, self.kind, self.draft_syncs = step_id, KIND_DUMMY if dummy else KIND_REAL, 0
@@ -177,12 +175,9 @@ class AgreementTap:
         gathered = carried.cpu().tolist()
         vllm_rows = gathered[:n]
         agreed = check_columns(gathered[n:], vllm_rows[num_tokens_row], vllm_rows[graph_row])  # raises alike everywhere
-        if rows.phase != dp.TARGET:
-            self.draft_agreements[rows.step_id] = self.draft_agreements.get(rows.step_id, 0) + 1
         extra = {"agreed": dataclasses.asdict(agreed), "columns": [list(c) for c in zip(*gathered)]}
         if decision is not None:
             extra["vllm"] = decision(vllm_rows)
-        self.last = extra
         self._record(logged, rows, "done", [[n + len(AGREEMENT_ROWS), self.dp_size]], **extra)
         return carried[:n].clone()
 

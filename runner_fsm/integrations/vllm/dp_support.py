@@ -87,9 +87,6 @@ class DPSupport:
         """What `take_draft_token_ids` hands vLLM (of the step that just ended)."""
         self.drafts.proposed(self.recorder.step_id - 1, drafts.req_ids, drafts.draft_token_ids)
 
-    def draft_agreements(self, step_id: int) -> int:
-        return self.tap.draft_agreements.get(step_id, 0)
-
     def close(self) -> None:
         self.watchdog.stop()
         for hook in self._hooks:
