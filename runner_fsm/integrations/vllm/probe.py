@@ -21,9 +21,16 @@ from typing import Any
 
 import torch
 
-# name -> where it lives on the model runner; request-indexed buffers read one row per request
+# Token-indexed buffers read one row per token, the others one row per request.
 TOKEN_BUFFERS = ("input_ids", "positions", "slot_mapping")
 REQUEST_BUFFERS = ("query_start_loc", "seq_lens", "block_table")
+# The attention metadata a forward must find freshly written, real or dummy: two real steps
+# never share them (sequence lengths grow, KV slots differ), vLLM's dummy run writes its own
+# (-1 slots, its own lengths). A graph replay that finds them unchanged replays the previous
+# batch's attention (the idle-dummy bug). The other buffers may legitimately repeat between
+# steps (the same requests' block rows and query offsets, the same token twice), so they are
+# logged for diagnosis, not judged.
+JUDGED = ("seq_lens", "slot_mapping")
 
 
 def _tensor(buf: Any) -> torch.Tensor:
@@ -74,10 +81,14 @@ class InputProbe:
         return (flat * self._weights[:flat.numel()]).sum()  # stays on the device until resolve()
 
 
-def resolve(taken: dict) -> dict[str, dict]:
-    """Audit-record values {name: {ptr, shape, version=content hash}}; device hashes are copied
-    to the host here, once per forward (after the step, never before a replay)."""
+def resolve(taken: dict) -> tuple[dict[str, dict], dict[str, dict]]:
+    """Audit-record values {name: {ptr, shape, version=content hash}}: (inputs, judged
+    attention metadata). Device hashes are copied to the host here, once per forward (after
+    the step, never before a replay)."""
     pending = [(name, h) for name, (_, _, h) in taken.items() if isinstance(h, torch.Tensor)]
     host = dict(zip((n for n, _ in pending), torch.stack([h for _, h in pending]).tolist())) if pending else {}
-    return {name: {"ptr": ptr, "shape": [rows], "version": int(host.get(name, h) if name in host else h)}
-            for name, (ptr, rows, h) in taken.items()}
+    inputs, judged = {}, {}
+    for name, (ptr, rows, h) in taken.items():
+        (judged if name in JUDGED else inputs)[name] = {"ptr": ptr, "shape": [rows],
+                                                        "version": int(host[name] if name in host else h)}
+    return inputs, judged
