@@ -5,10 +5,10 @@ the integration (the DP agreement, the watchdog) read `step_id`, `kind` and `aud
 Step ids count the worker's steps from 0 (a real step or an idle dummy); start-up and graph
 capture are step -1. Per step the audit log gets the transitions, the `buffers` records of each
 target forward (see `probe`), and a `graph` record per FULL-graph capture or replay; the
-journal gets what vLLM decided (see `journal`). A forward's buffers are two records: the
-token inputs (reason `inputs`), then the attention metadata a replay is judged on (reason
-`real`, `dummy` or `capture`; `:copied=...` when the forward was handed copies, not vLLM's
-persistent buffers). Records of a step's forwards are written
+journal gets what vLLM decided (see `journal`). A forward's `buffers` record holds the
+attention metadata a replay is judged on (reason `real`, `dummy` or `capture`; `:copied=...`
+when the forward was handed copies, not vLLM's persistent buffers); the content hashes of
+its other inputs go into the journal (`inputs`). Records of a step's forwards are written
 when the step ends, so that on an accelerator the content hashes are read back after the
 step, never before a graph replay.
 """
@@ -101,8 +101,9 @@ class ReplicaRecorder:
                 if copied:
                     reason += ":copied=" + ",".join(copied)
                 inputs, judged = resolve(taken)
-                self.audit.buffers(step, "inputs", inputs)  # for diagnosis
-                self.audit.buffers(step, reason, judged)  # last: what a graph replay is judged on
+                self.audit.buffers(step, reason, judged)
+                if self._entry is not None:
+                    self._entry.setdefault("inputs", []).append(inputs)
             if graph and not capturing:
                 self.audit.graph(step, "replay", num_tokens=desc[0] if desc else None, dummy=dummy)
 
