@@ -17,15 +17,16 @@ COMMON = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidde
 ARCHITECTURES = ("llama", "mixtral", "qwen3_moe")
 
 
-def _config(arch: str):
+def _config(arch: str, **overrides):
     import transformers as tf
 
+    common = {**COMMON, **overrides}
     if arch == "llama":
-        return tf.LlamaConfig(**COMMON)
+        return tf.LlamaConfig(**common)
     if arch == "mixtral":
-        return tf.MixtralConfig(**COMMON, num_local_experts=4, num_experts_per_tok=2)
+        return tf.MixtralConfig(**common, num_local_experts=4, num_experts_per_tok=2)
     if arch == "qwen3_moe":
-        return tf.Qwen3MoeConfig(**COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+        return tf.Qwen3MoeConfig(**common, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
                                  decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
     raise ValueError(f"unknown architecture {arch!r}; known: {ARCHITECTURES}")
 
@@ -43,14 +44,15 @@ def write_tokenizer(path: Path) -> None:
     fast.save_pretrained(str(path))
 
 
-def make_model(path: str | Path, arch: str, seed: int = 0) -> str:
-    """Write a random `arch` checkpoint (safetensors, float32) and tokenizer into `path`."""
+def make_model(path: str | Path, arch: str, seed: int = 0, **overrides) -> str:
+    """Write a random `arch` checkpoint (safetensors, float32) and tokenizer into `path`;
+    `overrides`: config fields other than the tiny defaults (e.g. hidden_size)."""
     import torch
     import transformers as tf
 
     path = Path(path)
     torch.manual_seed(seed)
-    model = tf.AutoModelForCausalLM.from_config(_config(arch), torch_dtype=torch.float32)
+    model = tf.AutoModelForCausalLM.from_config(_config(arch, **overrides), torch_dtype=torch.float32)
     with torch.no_grad():  # larger weights than the init's: outputs that depend on the input
         for p in model.parameters():
             if p.dim() > 1:

@@ -3,7 +3,9 @@
 A forward (or a graph replay) reads vLLM's persistent buffers: `input_ids`, `positions`,
 `query_start_loc`, `seq_lens`, and the block table and slot mapping of KV group 0. What a
 dummy forward or a replay reads there is whatever the last writer left, so the log keeps,
-per forward, each buffer's address, the length read and a content hash of those bytes.
+per forward, each buffer's content hash of the bytes read; the attention metadata that must be
+fresh (`JUDGED`) goes into the audit log's `buffers` record with its address and length, the
+other hashes into the journal.
 
 vLLM writes most of these buffers through numpy views, which never move torch's in-place
 counter, so `version` would say nothing here: the `version` field of the audit record carries
@@ -21,9 +23,16 @@ from typing import Any
 
 import torch
 
-# name -> where it lives on the model runner; request-indexed buffers read one row per request
+# Token-indexed buffers read one row per token, the others one row per request.
 TOKEN_BUFFERS = ("input_ids", "positions", "slot_mapping")
 REQUEST_BUFFERS = ("query_start_loc", "seq_lens", "block_table")
+# The attention metadata a forward must find freshly written, real or dummy: two real steps
+# never share them (sequence lengths grow, KV slots differ), vLLM's dummy run writes its own
+# (-1 slots, its own lengths). A graph replay that finds them unchanged replays the previous
+# batch's attention (the idle-dummy bug). The other buffers may legitimately repeat between
+# steps (the same requests' block rows and query offsets, the same token twice), so they are
+# logged for diagnosis, not judged.
+JUDGED = ("seq_lens", "slot_mapping")
 
 
 def _tensor(buf: Any) -> torch.Tensor:
@@ -32,8 +41,7 @@ def _tensor(buf: Any) -> torch.Tensor:
 
 
 def persistent_buffers(runner: Any) -> dict[str, torch.Tensor]:
-    """The runner's persistent forward inputs, looked up each time (vLLM may rebuild its
-    input batch when it sizes the KV cache)."""
+    """The runner's persistent forward inputs."""
     table = runner.input_batch.block_table[0]
     return {
         "input_ids": _tensor(runner.input_ids), "positions": _tensor(runner.positions),
@@ -48,24 +56,38 @@ class InputProbe:
 
     def __init__(self, runner: Any):
         self.runner = runner
+        self._batch = None  # the input batch the cached views belong to (vLLM may rebuild it)
+        self._views: list[tuple[str, bool, int, Any]] = []  # (name, per token, ptr, array or tensor)
         self._weights: torch.Tensor | None = None  # device hash weights, made on first use
 
+    def _refresh(self) -> None:
+        self._batch = self.runner.input_batch
+        views = []
+        for name, buf in persistent_buffers(self.runner).items():
+            # On the CPU a numpy view of the whole buffer, made once: slicing it costs far less
+            # than slicing the tensor on every forward.
+            view = buf.numpy() if buf.device.type == "cpu" else buf
+            views.append((name, name in TOKEN_BUFFERS, buf.data_ptr(), view))
+        self._views = views
+
     def take(self, num_tokens: int, num_reqs: int, args: dict) -> tuple[dict, list[str]]:
-        """({name: (ptr, shape, hash or device scalar)}, names of forward inputs that are not
+        """({name: (ptr, rows, hash or device scalar)}, names of forward inputs that are not
         the persistent buffers, i.e. copies a graph replay would never see)."""
-        bufs = persistent_buffers(self.runner)
+        if self.runner.input_batch is not self._batch:
+            self._refresh()
         out = {}
-        for name, buf in bufs.items():
-            rows = num_tokens if name in TOKEN_BUFFERS else num_reqs + (name == "query_start_loc")
-            view = buf[:rows]
-            out[name] = (buf.data_ptr(), rows, self._hash(view))
-        copied = [name for name in ("input_ids", "positions")
-                  if isinstance(args.get(name), torch.Tensor) and args[name].data_ptr() != bufs[name].data_ptr()]
+        for name, per_token, ptr, view in self._views:
+            rows = num_tokens if per_token else num_reqs + (name == "query_start_loc")
+            part = view[:rows]
+            out[name] = (ptr, rows, zlib.crc32(part) if not isinstance(part, torch.Tensor) else self._hash(part))
+        copied = []
+        for name, index in (("input_ids", 0), ("positions", 1)):
+            arg = args.get(name)
+            if isinstance(arg, torch.Tensor) and arg.data_ptr() != self._views[index][2]:
+                copied.append(name)
         return out, copied
 
     def _hash(self, view: torch.Tensor):
-        if view.device.type == "cpu":
-            return zlib.crc32(view.numpy())
         flat = view.reshape(-1).to(torch.int64)
         if self._weights is None or self._weights.numel() < flat.numel() or self._weights.device != flat.device:
             gen = torch.Generator(device="cpu").manual_seed(0x5EED)
@@ -74,10 +96,17 @@ class InputProbe:
         return (flat * self._weights[:flat.numel()]).sum()  # stays on the device until resolve()
 
 
-def resolve(taken: dict) -> dict[str, dict]:
-    """Audit-record values {name: {ptr, shape, version=content hash}}; device hashes are copied
-    to the host here, once per forward (after the step, never before a replay)."""
+def resolve(taken: dict) -> tuple[dict[str, int], dict[str, dict]]:
+    """({name: content hash} of the inputs, audit-record values {name: {ptr, shape,
+    version=content hash}} of the judged attention metadata). Device hashes are copied to
+    the host here, once per forward (after the step, never before a replay)."""
     pending = [(name, h) for name, (_, _, h) in taken.items() if isinstance(h, torch.Tensor)]
     host = dict(zip((n for n, _ in pending), torch.stack([h for _, h in pending]).tolist())) if pending else {}
-    return {name: {"ptr": ptr, "shape": [rows], "version": int(host.get(name, h) if name in host else h)}
-            for name, (ptr, rows, h) in taken.items()}
+    inputs, judged = {}, {}
+    for name, (ptr, rows, h) in taken.items():
+        value = int(host[name]) if name in host else h
+        if name in JUDGED:
+            judged[name] = {"ptr": ptr, "shape": [rows], "version": value}
+        else:
+            inputs[name] = value
+    return inputs, judged

@@ -3,9 +3,12 @@
 `ReplicaRecorder` is the one object the worker calls around each vLLM call; other parts of
 the integration (the DP agreement, the watchdog) read `step_id`, `kind` and `audit` from it.
 Step ids count the worker's steps from 0 (a real step or an idle dummy); start-up and graph
-capture are step -1. Per step the audit log gets the transitions, one `buffers` record per
+capture are step -1. Per step the audit log gets the transitions, the `buffers` records of each
 target forward (see `probe`), and a `graph` record per FULL-graph capture or replay; the
-journal gets what vLLM decided (see `journal`). Records of a step's forwards are written
+journal gets what vLLM decided (see `journal`). A forward's `buffers` record holds the
+attention metadata a replay is judged on (reason `real`, `dummy` or `capture`; `:copied=...`
+when the forward was handed copies, not vLLM's persistent buffers); the content hashes of
+its other inputs go into the journal (`inputs`). Records of a step's forwards are written
 when the step ends, so that on an accelerator the content hashes are read back after the
 step, never before a graph replay.
 """
@@ -58,9 +61,9 @@ class ReplicaRecorder:
     def begin_step(self, kind: str, decision: dict | None = None) -> int:
         """Enter a step of `kind`; returns its id."""
         self._flush_entry()
+        self.machine.fire(STEP_TRIGGERS[kind], self.step_id)  # raises StepRefused: nothing changed
         self.kind = kind
         self._entry = {"step": self.step_id, "kind": kind, **(decision or {})}
-        self.machine.fire(STEP_TRIGGERS[kind], self.step_id)
         return self.step_id
 
     def on_forward(self, taken: dict | None, copied: list[str], dummy: bool, mode: str, desc: Any,
@@ -97,7 +100,10 @@ class ReplicaRecorder:
                 reason = "capture" if capturing else ("dummy" if dummy else "real")
                 if copied:
                     reason += ":copied=" + ",".join(copied)
-                self.audit.buffers(step, reason, resolve(taken))
+                inputs, judged = resolve(taken)
+                self.audit.buffers(step, reason, judged)
+                if self._entry is not None:
+                    self._entry.setdefault("inputs", []).append(inputs)
             if graph and not capturing:
                 self.audit.graph(step, "replay", num_tokens=desc[0] if desc else None, dummy=dummy)
 

@@ -229,11 +229,11 @@ def _decision(so: Any) -> dict:
 
 def _forward_context() -> tuple[str, Any, Any]:
     """(graph mode name, batch descriptor as (tokens, reqs, uniform), DP token counts)."""
-    from vllm.forward_context import get_forward_context, is_forward_context_available
+    from vllm import forward_context
 
-    if not is_forward_context_available():
+    if not forward_context.is_forward_context_available():
         return "NONE", None, None
-    ctx = get_forward_context()
+    ctx = forward_context.get_forward_context()
     desc = ctx.batch_descriptor
     dp = ctx.dp_metadata
     return (ctx.cudagraph_runtime_mode.name,
