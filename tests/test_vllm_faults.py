@@ -53,10 +53,6 @@ def _injected_step_start_ns(run_dir) -> int:
                if r["step_id"] == STEP)
 
 
-def _end_ns(run_dir) -> int:
-    return max(r["t_ns"] for rank in range(2) for r in c.records(run_dir / f"rank-{rank}.jsonl"))
-
-
 @pytest.mark.parametrize("kind", KINDS)
 def test_fault_stops_every_rank_naming_culprit(runs, kind):
     result, run_dir = runs[kind]
@@ -65,10 +61,14 @@ def test_fault_stops_every_rank_naming_culprit(runs, kind):
         assert re.search(rf"culprit: replica {REPLICA} at step {STEP}\b", log), log[-3000:]
     faults = [r for rank in range(2) for r in c.records(run_dir / f"rank-{rank}.jsonl") if r["event"] == "fault"]
     assert {r["dp_rank"] for r in faults} == {0, 1}
-    detected_s = (min(r["t_ns"] for r in faults) - _injected_step_start_ns(run_dir)) / 1e9
+    began_ns = _injected_step_start_ns(run_dir)
+    detected_s = (min(r["t_ns"] for r in faults) - began_ns) / 1e9
+    ended_s = [at - began_ns / 1e9 for at in result.ended_at]
     expected = TIMEOUT_S if kind != "desync" else 0.0
     assert expected <= detected_s + 0.5 <= expected + BOUND_S, detected_s
-    print(f"\n{kind}: detected {detected_s:.2f} s after step {STEP} began; codes {result.codes}")
+    assert all(expected < s <= expected + BOUND_S for s in ended_s), ended_s
+    print(f"\n{kind}: detected {detected_s:.2f} s after step {STEP} began; processes ended after"
+          f" {', '.join(f'{s:.1f}' for s in ended_s)} s; codes {result.codes}")
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -100,6 +100,17 @@ def _child(rank: int, init: str, out_dir: str) -> None:
         except Exception as exc:
             result["desync"] = {"type": type(exc).__name__, "message": str(exc),
                                 "culprit": [list(exc.culprit_replicas), exc.culprit_step]}
+        # Replica 1 fails before step 3's agreement: it sends an abort status in that agreement.
+        tap.begin_step(3, dummy=False)
+        if rank == 1:
+            result["abort"] = [tap.abort(dp.STATUS_FAULT, dist.group.WORLD, vllm_rows=6),
+                               tap.abort(dp.STATUS_FAULT, dist.group.WORLD, vllm_rows=6)]  # once per step
+        else:
+            try:
+                _case(*args, tokens, 1)
+                result["abort"] = None
+            except Exception as exc:
+                result["abort"] = [type(exc).__name__, exc.replica, str(exc)]
         undo()
         result["restored"] = dp_utils.dist is dist
         audit.close()
@@ -143,6 +154,9 @@ def test_mrv2_sync_carries_agreement_and_detects_desync(gloo_run):
         assert res["desync"]["culprit"] == [[1], 2]
         assert "culprit: replica 1 at step 2" in res["desync"]["message"]
         assert res["restored"] is True
+    assert results[1]["abort"] == [True, False]
+    assert results[0]["abort"][:2] == ["ReplicaFault", 1]
+    assert results[0]["abort"][2].startswith("replica 1 aborted step 3 with status 2 (fault)")
         assert res["schema_problems"] == ["dp_utils._run_ar takes ['tensor', 'group'], the replacement"
                                           " ['should_ubatch', 'orig_num_tokens_per_ubatch',"
                                           " 'padded_num_tokens_per_ubatch', 'cudagraph_mode', 'parallel_config']"]

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from runner_fsm import dp
-from runner_fsm.errors import DesyncError
+from runner_fsm.errors import DesyncError, ReplicaFault
 
 VLLM_ROWS = ("orig_num_tokens", "padded_num_tokens", "should_ubatch", "cudagraph_mode")
 AGREEMENT_ROWS = ("step_id", "phase", "seq", "kind", "status")
@@ -115,6 +115,8 @@ class AgreementTap:
         self.phase = 0  # set by the tagged `_determine_batch_execution_and_padding`
         self.seq = 0
         self.draft_syncs = 0  # drafter syncs in this step: the first is DRAFT_PREFILL
+        self.joined_target = NO_STEP  # the last step whose TARGET agreement this replica entered
+        self._status = dp.STATUS_OK
 
     def begin_step(self, step_id: int, *, dummy: bool) -> None:
         self.step_id, self.kind, self.draft_syncs = step_id, KIND_DUMMY if dummy else KIND_REAL, 0
@@ -159,7 +161,9 @@ class AgreementTap:
         """All-reduce vLLM's `tensor` (this rank's column filled) with the agreement rows below
         it, check them, and return vLLM's rows summed (a new tensor on `device`)."""
         self.follow()
-        rows = AgreementRows(self.step_id, self.phase or dp.TARGET, self.seq, self.kind)
+        rows = AgreementRows(self.step_id, self.phase or dp.TARGET, self.seq, self.kind, self._status)
+        if rows.phase == dp.TARGET:
+            self.joined_target = self.step_id
         if self._rows_hook is not None:
             rows = self._rows_hook(rows)
         self.seq += 1
@@ -180,6 +184,24 @@ class AgreementTap:
             extra["vllm"] = decision(vllm_rows)
         self._record(logged, rows, "done", [[n + len(AGREEMENT_ROWS), self.dp_size]], **extra)
         return carried[:n].clone()
+
+    def abort(self, status: int, group, *, device="cpu", vllm_rows: int = len(VLLM_ROWS)) -> bool:
+        """Join this step's TARGET agreement with `status`, so that peers waiting in it stop with
+        `ReplicaFault` naming this replica; False (nothing sent) when this replica already
+        entered it or runs no step (peers are past it: the watchdog stops them instead)."""
+        self.follow()
+        if self.step_id == NO_STEP or self.joined_target == self.step_id:
+            return False
+        self._status = status
+        try:
+            with self.tagged(dp.TARGET):
+                self.exchange(torch.zeros(vllm_rows, self.dp_size, dtype=torch.int32), group, device=device,
+                              num_tokens_row=0, graph_row=0)
+        except ReplicaFault:
+            pass  # our own abort, as every peer sees it
+        finally:
+            self._status = dp.STATUS_OK
+        return True
 
     def _record(self, step_id, rows: AgreementRows, stage: str, shapes, **extra) -> None:
         if self._beat is not None and step_id is not None:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from runner_fsm import dp
 from runner_fsm.config import ParallelLayout
+from runner_fsm.errors import BatchError
 from runner_fsm.heartbeat import Heartbeat
 from runner_fsm.integrations.vllm import cpu_collectives, dp_agreement, dp_schema, inject
 from runner_fsm.integrations.vllm.drafts import DraftLedger
@@ -73,6 +74,19 @@ class DPSupport:
     def _position(self) -> tuple[int, bool]:
         rec = self.recorder
         return (rec.step_id if rec.in_step else dp_agreement.NO_STEP), rec.kind == "idle"
+
+    def abort(self, error: BaseException) -> bool:
+        """A step failed on this replica before its DP agreement: send the abort status in it."""
+        from vllm.v1.worker import dp_utils
+
+        if self.runner is None:
+            return False
+        status = dp.STATUS_BATCH_ERROR if isinstance(error, BatchError) else dp.STATUS_FAULT
+        try:
+            device, group = dp_utils._get_device_and_group(self.runner.parallel_config)
+            return self.tap.abort(status, group, device=device)
+        except Exception:  # noqa: BLE001 - the step's own error is the one to report
+            return False
 
     def before_step(self, scheduler_output) -> None:
         """At a real step's start: its scheduled drafts against the drafter's proposals."""

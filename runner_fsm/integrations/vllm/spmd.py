@@ -44,6 +44,8 @@ class Job:
 class DPRun:
     codes: list[int | None]  # None: killed at the timeout
     ended_s: list[float]  # seconds from launch until each process ended
+    ended_at: list[float]  # time.monotonic() when each process was seen ended (CLOCK_MONOTONIC,
+    # the clock of the audit log's t_ns)
     logs: list[str]
     outputs: list[list[dict | None]]  # [job][rank] -> {req_id: tokens}, None when not reached
     job_s: list[list[float | None]]  # [job][rank] -> seconds that job's generate took
@@ -66,12 +68,14 @@ def launch_dp(jobs: Sequence[Job], *, dp_size: int, cwd: str | None = None, time
                                        env=child_env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT), log))
     codes: list[int | None] = [None] * dp_size
     ended = [float("nan")] * dp_size
+    ended_at = [float("nan")] * dp_size
     deadline = start + timeout_s
     try:
         while any(c is None for c in codes) and time.monotonic() < deadline:
             for rank, (proc, _log) in enumerate(procs):
                 if codes[rank] is None and proc.poll() is not None:
-                    codes[rank], ended[rank] = proc.returncode, time.monotonic() - start
+                    codes[rank], ended_at[rank] = proc.returncode, time.monotonic()
+                    ended[rank] = ended_at[rank] - start
             time.sleep(0.1)
     finally:
         for proc, log in procs:
@@ -86,7 +90,7 @@ def launch_dp(jobs: Sequence[Job], *, dp_size: int, cwd: str | None = None, time
         outputs.append([g["outputs"] if g else None for g in got])
         job_s.append([g["seconds"] if g else None for g in got])
     logs = [(work / f"rank-{rank}.log").read_text() for rank in range(dp_size)]
-    return DPRun(codes, ended, logs, outputs, job_s)
+    return DPRun(codes, ended, ended_at, logs, outputs, job_s)
 
 
 def _child(spec_path: str, rank: int) -> None:

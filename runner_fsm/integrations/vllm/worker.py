@@ -114,6 +114,8 @@ class FSMWorkerMixin:
                 rec.end_step()
             return out
         except BaseException as error:
+            if self.dp_support is not None:  # first, while the step is open: peers waiting in
+                self.dp_support.abort(error)  # its DP agreement stop too, naming this replica
             rec.fault(error)
             raise
 
