@@ -154,12 +154,13 @@ def test_mrv2_sync_carries_agreement_and_detects_desync(gloo_run):
         assert res["desync"]["culprit"] == [[1], 2]
         assert "culprit: replica 1 at step 2" in res["desync"]["message"]
         assert res["restored"] is True
-    assert results[1]["abort"] == [True, False]
-    assert results[0]["abort"][:2] == ["ReplicaFault", 1]
-    assert results[0]["abort"][2].startswith("replica 1 aborted step 3 with status 2 (fault)")
         assert res["schema_problems"] == ["dp_utils._run_ar takes ['tensor', 'group'], the replacement"
                                           " ['should_ubatch', 'orig_num_tokens_per_ubatch',"
                                           " 'padded_num_tokens_per_ubatch', 'cudagraph_mode', 'parallel_config']"]
+    # Replica 1 failed before step 3's agreement: its abort status stops replica 0 in it.
+    assert results[1]["abort"] == [True, False]
+    assert results[0]["abort"][:2] == ["ReplicaFault", 1]
+    assert results[0]["abort"][2].startswith("replica 1 aborted step 3 with status 2 (fault)")
     logs = [list(read_records(tmp_path / f"rank-{r}.jsonl")) for r in range(2)]
     done = [r for r in logs[0] if r["event"] == "collective" and r["stage"] == "done"]
     assert [(r["step_id"], r["phase"], r["group"], r["op"]) for r in done] == [
@@ -167,9 +168,13 @@ def test_mrv2_sync_carries_agreement_and_detects_desync(gloo_run):
     assert done[0]["agreed"]["num_tokens_across_dp"] == [5, 3]
     assert done[0]["vllm"]["num_tokens"] == [5, 3]
     assert done[2]["kind"] == "dummy" and done[2]["agreed"]["all_idle"] is True
-    # The desync leaves each rank's enqueue open; the culprit's carries the step it reported.
-    assert logs[0][-1]["stage"] == "enqueue" and logs[0][-1]["step_id"] == 2
-    assert logs[1][-1]["stage"] == "enqueue" and logs[1][-1]["step_id"] == 3
+    # The desync and the abort leave their enqueues open (step logged, status sent); the
+    # desync's culprit logs the step it reported.
+    for rank, expected in enumerate([[(2, 0), (3, 0)], [(3, 0), (3, 2)]]):
+        finished = {r["pg_seq"] for r in logs[rank] if r["event"] == "collective" and r["stage"] == "done"}
+        open_ = [(r["step_id"], r["sent"]["rows"][4]) for r in logs[rank]
+                 if r["event"] == "collective" and r["stage"] == "enqueue" and r["pg_seq"] not in finished]
+        assert open_ == expected
 
 
 def test_cpu_moe_collectives_installed_where_vllm_lacks_them(gloo_run):
