@@ -108,3 +108,30 @@ def test_a_fault_inside_a_step_moves_to_faulted_and_replays_as_a_fault(tmp_path)
     assert rec.fault_cause is not None
     kinds = [(v.kind, v.replica, v.step) for v in replay(run_dir).verdicts]
     assert kinds == [("fault", 0, 0)]
+
+
+def test_forward_hook_on_a_graph_wrapper_runs_before_its_call():
+    """On CUDA `runner.model` may be vLLM's CUDAGraphWrapper (not a module); the hook must run
+    right before its `__call__` (where a graph replays), and the object keeps its type."""
+    from runner_fsm.integrations.vllm.worker import _hook_forward
+
+    order = []
+
+    class GraphWrapper:  # stands in for vllm.compilation.cuda_graph.CUDAGraphWrapper
+        def __call__(self, *, input_ids, positions):
+            order.append(("replay", int(input_ids.sum())))
+            return positions
+
+    wrapper, other = GraphWrapper(), GraphWrapper()
+    runner = SimpleNamespace(model=wrapper)
+    _hook_forward(runner, lambda kwargs: order.append(("hook", sorted(kwargs))))
+    ids = torch.ones(3)
+    assert wrapper(input_ids=ids, positions=ids) is ids
+    assert order == [("hook", ["input_ids", "positions"]), ("replay", 3)]
+    assert isinstance(wrapper, GraphWrapper) and type(other) is GraphWrapper  # only that object changed
+    order.clear()
+    module = torch.nn.Identity()
+    runner.model = module
+    _hook_forward(runner, lambda kwargs: order.append(("hook", sorted(kwargs))))
+    module(ids)
+    assert order == [("hook", [])]

@@ -61,6 +61,7 @@ class InputProbe:
         self._batch = None  # the input batch the cached views belong to (vLLM may rebuild it)
         self._views: list[tuple[str, bool, int, Any]] = []  # (name, per token, ptr, array or tensor)
         self._weights: torch.Tensor | None = None  # device hash weights, made on first use
+        self._on_device = False
 
     def _refresh(self) -> None:
         self._batch = self.runner.input_batch
@@ -71,12 +72,15 @@ class InputProbe:
             view = buf.numpy() if buf.device.type == "cpu" else buf
             views.append((name, name in TOKEN_BUFFERS, buf.data_ptr(), view))
         self._views = views
+        self._on_device = any(isinstance(view, torch.Tensor) for _, _, _, view in views)
 
     def take(self, num_tokens: int, num_reqs: int, args: dict) -> tuple[dict, list[str]]:
         """({name: (ptr, rows, hash or device scalar)}, names of forward inputs that are not
         the persistent buffers, i.e. copies a graph replay would never see)."""
         if self.runner.input_batch is not self._batch:
             self._refresh()
+        if self._on_device and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+            return None, []  # a kernel launched now would become part of the captured graph
         out = {}
         for name, per_token, ptr, view in self._views:
             rows = num_tokens if per_token else num_reqs + (name == "query_start_loc")
