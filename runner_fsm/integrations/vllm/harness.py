@@ -1,9 +1,8 @@
-"""Run one greedy workload through vLLM (FSMWorker or vLLM's own worker) or the embedded engine.
+"""Run one workload through vLLM (FSMWorker or vLLM's own worker), in this process.
 
 Shared by the `vllm` test tier and `benchmarks/bench_vllm_worker.py`, so both compare the
-same requests under the same engine settings. Requests are the embedded engine's `Request`;
-through vLLM each becomes a token-id prompt with `temperature=0, ignore_eos=True,
-max_tokens=max_new_tokens`, which is exactly what the embedded engine computes.
+same requests under the same engine settings. A request is (id, prompt token ids, max new
+tokens, seed or None): greedy when the seed is None, else temperature 0.8 with that seed.
 """
 
 from __future__ import annotations
@@ -12,16 +11,23 @@ import contextlib
 import gc
 import os
 import time
-from typing import Any, Iterator, Sequence
-
-from runner_fsm.engine.requests import Request
+from typing import Any, Iterator, NamedTuple, Sequence
 
 FSM_WORKER = "runner_fsm.integrations.vllm.FSMWorker"
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
 
 
-def mixed_workload(vocab: int = 512, *, num: int = 12, seed: int = 0, long_prompt: int = 90) -> list[Request]:
-    """Short and long prompts (one longer than a step's token budget) finishing at different steps."""
+class Req(NamedTuple):
+    req_id: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    seed: int | None = None
+
+
+def mixed_workload(vocab: int = 512, *, num: int = 12, seed: int = 0, long_prompt: int = 90,
+                   seeded: bool = False) -> list[Req]:
+    """Short prompts and one long one (chunked when it exceeds a step's budget), finishing at
+    different steps; `seeded`: every request samples with its own seed."""
     import numpy as np
 
     rng = np.random.default_rng(seed)
@@ -29,7 +35,7 @@ def mixed_workload(vocab: int = 512, *, num: int = 12, seed: int = 0, long_promp
     for i in range(num):
         length = long_prompt if i == 0 else int(rng.integers(3, 40))
         prompt = tuple(int(t) for t in rng.integers(3, vocab, length))
-        out.append(Request(f"r{i}", prompt, int(rng.integers(2, 14))))
+        out.append(Req(f"r{i}", prompt, int(rng.integers(2, 14)), 1000 + i if seeded else None))
     return out
 
 
@@ -38,7 +44,7 @@ def llm_kwargs(model_dir: str, *, worker: str | None = FSM_WORKER, run_dir: str 
                max_model_len: int = 512, num_gpu_blocks: int | None = None,
                kv_cache_memory_bytes: int = 64 << 20, draft_dir: str | None = None, k: int = 0,
                runner_fsm: dict | None = None, **extra: Any) -> dict:
-    """`LLM(...)` arguments: float32, eager, greedy-friendly, small limits for a 2-core machine."""
+    """`LLM(...)` arguments: float32, eager, small limits for a 2-core machine."""
     kw: dict[str, Any] = dict(
         model=model_dir, dtype="float32", enforce_eager=True, seed=0, block_size=block_size,
         max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
@@ -60,7 +66,7 @@ def llm_kwargs(model_dir: str, *, worker: str | None = FSM_WORKER, run_dir: str 
 
 @contextlib.contextmanager
 def open_llm(**kwargs: Any) -> Iterator[Any]:
-    """An in-process `vllm.LLM`, shut down (worker log flushed, groups destroyed) on exit."""
+    """An in-process `vllm.LLM`, shut down (worker logs closed, groups destroyed) on exit."""
     from vllm import LLM
 
     llm = LLM(**kwargs)
@@ -78,14 +84,17 @@ def close_llm(llm: Any) -> None:
     cleanup_dist_env_and_memory()
 
 
-def sampling(req: Request):
+def sampling(req: Any):
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=req.max_new_tokens, ignore_eos=True)
+    seed = getattr(req, "seed", None)
+    if seed is None:
+        return SamplingParams(temperature=0.0, max_tokens=req.max_new_tokens, ignore_eos=True)
+    return SamplingParams(temperature=0.8, top_p=0.95, seed=seed, max_tokens=req.max_new_tokens, ignore_eos=True)
 
 
-def generate(llm: Any, requests: Sequence[Request]) -> tuple[dict[str, list[int]], float]:
-    """Greedy outputs per request id, and the seconds `generate` took."""
+def generate(llm: Any, requests: Sequence[Any]) -> tuple[dict[str, list[int]], float]:
+    """Outputs per request id, and the seconds `generate` took."""
     prompts = [{"prompt_token_ids": list(r.prompt)} for r in requests]
     start = time.perf_counter()
     outs = llm.generate(prompts, [sampling(r) for r in requests], use_tqdm=False)
@@ -96,15 +105,3 @@ def generate(llm: Any, requests: Sequence[Request]) -> tuple[dict[str, list[int]
 def worker_call(llm: Any, fn) -> list:
     """`fn(worker)` on every worker of `llm` (vLLM's collective_rpc with a callable)."""
     return llm.collective_rpc(fn)
-
-
-def embedded_outputs(model_dir: str, requests: Sequence[Request], run_dir: str, **config: Any) -> dict[str, list[int]]:
-    """The embedded engine's greedy outputs (one replica, in this process, float32)."""
-    from runner_fsm.engine.api import run_engine
-    from runner_fsm.engine.config import EngineConfig
-
-    cfg = EngineConfig(model_dir=model_dir, run_dir=run_dir, dtype="float32", **config)
-    result = run_engine(cfg, list(requests), in_process=True)
-    if not result.ok:
-        raise RuntimeError(f"embedded engine failed: {[r.error for r in result.errors]}")
-    return result.outputs

@@ -1,10 +1,13 @@
-"""Start-up check that the installed vLLM still has what the worker relies on.
+"""Start-up check that the installed vLLM still has every name the worker relies on.
 
-The worker reads vLLM's dataclasses by field name and is called by method name (the
-executor's `collective_rpc("execute_dummy_batch")`, ...). A vLLM release that renames either
-would otherwise fail mid-step, or worse, never call a method (an idle DP replica that is never
+The worker reads vLLM's dataclasses by field name, overrides its platform worker's methods,
+is called by method name (the executor's `collective_rpc("execute_dummy_batch")`, ...) and
+reads the model runner's persistent buffers by attribute. A vLLM release that renames any of
+them would otherwise fail mid-step, or worse, silently skip a call (an idle DP replica never
 told to run its dummy batch hangs its peers). `check_schema()` runs in the worker's
-constructor and raises `VLLMSchemaError` naming the installed vLLM version and every problem.
+constructor, `check_runner()` once the runner exists; both raise `VLLMSchemaError` naming the
+installed vLLM version and every missing name. Other modules of this package that rely on
+more names add them to these tables.
 """
 
 from __future__ import annotations
@@ -22,45 +25,34 @@ WRITTEN_AGAINST = "0.32.0"
 FIELDS: dict[str, tuple[str, ...]] = {
     "vllm.v1.core.sched.output.SchedulerOutput": (
         "scheduled_new_reqs", "scheduled_cached_reqs", "num_scheduled_tokens",
-        "total_num_scheduled_tokens", "scheduled_spec_decode_tokens", "finished_req_ids",
-        "kv_cache_block_copies"),
+        "total_num_scheduled_tokens", "scheduled_spec_decode_tokens", "finished_req_ids"),
     "vllm.v1.core.sched.output.NewRequestData": (
-        "req_id", "prompt_token_ids", "sampling_params", "block_ids", "num_computed_tokens"),
-    "vllm.v1.core.sched.output.CachedRequestData": (
-        "req_ids", "resumed_req_ids", "new_block_ids", "num_computed_tokens", "num_output_tokens"),
-    "vllm.v1.outputs.ModelRunnerOutput": ("req_ids", "req_id_to_index", "sampled_token_ids"),
+        "req_id", "prompt_token_ids", "prompt_embeds", "num_computed_tokens"),
+    "vllm.v1.core.sched.output.CachedRequestData": ("req_ids", "resumed_req_ids", "num_computed_tokens"),
+    "vllm.v1.outputs.ModelRunnerOutput": ("sampled_token_ids",),
     "vllm.v1.outputs.DraftTokenIds": ("req_ids", "draft_token_ids"),
-    "vllm.v1.kv_cache_interface.KVCacheConfig": ("num_blocks", "kv_cache_groups"),
-    "vllm.v1.kv_cache_interface.KVCacheGroupSpec": ("layer_names", "kv_cache_spec"),
-    "vllm.v1.kv_cache_interface.FullAttentionSpec": ("block_size", "num_kv_heads", "head_size", "dtype"),
+    "vllm.forward_context.ForwardContext": ("cudagraph_runtime_mode", "batch_descriptor", "dp_metadata"),
+    "vllm.forward_context.BatchDescriptor": ("num_tokens", "num_reqs", "uniform"),
+    "vllm.forward_context.DPMetadata": ("num_tokens_across_dp_cpu",),
 }
 
-SYMBOLS: tuple[str, ...] = (
-    "vllm.v1.outputs.EMPTY_MODEL_RUNNER_OUTPUT",
-    "vllm.v1.worker.worker_base.WorkerBase",
-    "vllm.v1.worker.worker_base.CompilationTimes",
-    "vllm.v1.worker.gpu_worker.init_worker_distributed_environment",
-    "vllm.distributed.parallel_state.get_world_group",
+SYMBOLS: list[str] = [
+    "vllm.platforms.current_platform",
+    "vllm.forward_context.get_forward_context",
+    "vllm.forward_context.is_forward_context_available",
     "vllm.distributed.parallel_state.get_dp_group",
-    "vllm.distributed.parallel_state.get_pcp_group",
+]
+
+# Methods of the platform worker that FSMWorker overrides and calls through super().
+OVERRIDDEN: tuple[str, ...] = (
+    "init_device", "load_model", "determine_available_memory", "compile_or_warm_up_model",
+    "execute_model", "sample_tokens", "execute_dummy_batch", "take_draft_token_ids",
+    "check_health", "shutdown",
 )
 
-# WorkerBase methods the worker overrides, with their parameters after `self`.
-SIGNATURES: dict[str, tuple[str, ...]] = {
-    "init_device": (),
-    "load_model": ("load_dummy_weights",),
-    "get_kv_cache_spec": (),
-    "compile_or_warm_up_model": (),
-    "execute_model": ("scheduler_output",),
-    "sample_tokens": ("grammar_output",),
-    "check_health": (),
-    "shutdown": (),
-}
-
-# What vLLM calls on every worker by name, in its order; all implemented by FSMWorker.
+# What vLLM calls on every worker by name; the per-step ones must still be called.
 CONTRACT: tuple[str, ...] = (
-    "init_device", "load_model", "get_kv_cache_spec", "determine_available_memory",
-    "initialize_from_config", "compile_or_warm_up_model", "get_supported_tasks",
+    "init_device", "load_model", "determine_available_memory", "compile_or_warm_up_model",
     "execute_model", "sample_tokens", "execute_dummy_batch", "take_draft_token_ids",
     "check_health", "shutdown",
 )
@@ -71,6 +63,12 @@ CALLER_MODULES: tuple[str, ...] = (
     "vllm.v1.executor.multiproc_executor", "vllm.v1.worker.worker_base", "vllm.v1.engine.core",
 )
 _CALL = re.compile(r"""collective_rpc\(\s*["'](\w+)["']|worker\.(\w+)\(""")
+
+# Attributes of the model runner instance (dotted; `[0]` indexes), read before each forward.
+RUNNER_ATTRS: list[str] = [
+    "model", "input_ids", "positions", "query_start_loc", "seq_lens", "max_num_reqs",
+    "input_batch.num_reqs", "input_batch.block_table[0].block_table", "input_batch.block_table[0].slot_mapping",
+]
 
 
 def resolve(path: str) -> Any:
@@ -91,7 +89,7 @@ def called_names(sources: Iterable[str]) -> set[str]:
 
 def find_problems(worker_cls: type, *, lookup: Callable[[str], Any] = resolve,
                   sources: Iterable[str] | None = None) -> list[str]:
-    """Every mismatch between the installed vLLM and what `worker_cls` relies on."""
+    """Every name `worker_cls` relies on that the installed vLLM lacks."""
     problems: list[str] = []
     for path, needed in FIELDS.items():
         try:
@@ -99,45 +97,51 @@ def find_problems(worker_cls: type, *, lookup: Callable[[str], Any] = resolve,
         except (ImportError, AttributeError) as exc:
             problems.append(f"{path} is missing ({exc})")
             continue
-        missing = [f for f in needed if f not in have]
-        if missing:
-            problems.append(f"{path.rsplit('.', 1)[1]} lacks field(s) {missing}")
+        problems += [f"{path}.{f} is missing" for f in needed if f not in have]
     for path in SYMBOLS:
         try:
             lookup(path)
         except (ImportError, AttributeError):
             problems.append(f"{path} is missing")
-    try:
-        base = lookup("vllm.v1.worker.worker_base.WorkerBase")
-    except (ImportError, AttributeError):
-        base = None
-    for name, params in SIGNATURES.items():
-        method = getattr(base, name, None) if base is not None else None
-        if method is None:
-            problems.append(f"WorkerBase.{name} is missing")
-            continue
-        have = tuple(p for p in inspect.signature(method).parameters if p != "self")
-        if have != params:
-            problems.append(f"WorkerBase.{name}{have} now takes {list(have)}, the worker implements {list(params)}")
+    bases = [c for c in worker_cls.__mro__[1:] if c.__module__.startswith(("vllm", "vllm_ascend"))]
+    for name in OVERRIDDEN:
+        if not any(name in vars(c) for c in bases):
+            problems.append(f"{bases[0].__qualname__ if bases else 'the platform worker'}.{name} is missing")
     if sources is None:
         sources = [inspect.getsource(importlib.import_module(m)) for m in CALLER_MODULES]
     called = called_names(sources)
-    for name in CONTRACT:
-        if not callable(getattr(worker_cls, name, None)):
-            problems.append(f"{worker_cls.__name__}.{name} is not implemented")
-        if name not in called:
-            problems.append(f"vLLM no longer calls worker method {name!r} (renamed?)")
+    problems += [f"vLLM no longer calls worker method {name!r} (renamed?)" for name in CONTRACT if name not in called]
     return problems
 
 
-def check_schema(worker_cls: type, **kwargs: Any) -> None:
-    """Raise `VLLMSchemaError` naming the installed vLLM version and every problem found."""
-    problems = find_problems(worker_cls, **kwargs)
+def runner_problems(runner: Any) -> list[str]:
+    problems = []
+    for path in RUNNER_ATTRS:
+        obj: Any = runner
+        try:
+            for part in path.split("."):
+                name, _, index = part.partition("[")
+                obj = getattr(obj, name)
+                if index:
+                    obj = obj[int(index.rstrip("]"))]
+        except (AttributeError, IndexError, TypeError):
+            problems.append(f"{type(runner).__qualname__}.{path} is missing")
+    return problems
+
+
+def _raise(what: str, problems: list[str]) -> None:
     if problems:
-        version = installed_version()
-        raise VLLMSchemaError(
-            f"{worker_cls.__name__} was written against vLLM {WRITTEN_AGAINST}; the installed vLLM"
-            f" {version} does not match it: " + "; ".join(problems))
+        raise VLLMSchemaError(f"{what} was written against vLLM {WRITTEN_AGAINST}; the installed vLLM"
+                              f" {installed_version()} does not match it: " + "; ".join(problems))
+
+
+def check_schema(worker_cls: type, **kwargs: Any) -> None:
+    """Raise `VLLMSchemaError` naming the installed vLLM version and every missing name."""
+    _raise(worker_cls.__name__, find_problems(worker_cls, **kwargs))
+
+
+def check_runner(runner: Any) -> None:
+    _raise("FSMWorker", runner_problems(runner))
 
 
 def installed_version() -> str:

@@ -1,27 +1,29 @@
-"""Offline data parallelism through vLLM: one `LLM` process per DP rank (vLLM's SPMD mode).
+"""Offline data parallelism through vLLM: one process per DP rank (vLLM's SPMD mode).
 
 `LLM(data_parallel_size=2)` in one process is refused by vLLM ("not supported for single-process
-usage"); its offline recipe starts one process per DP rank with `VLLM_DP_RANK`, `VLLM_DP_SIZE`,
-`VLLM_DP_MASTER_IP` and `VLLM_DP_MASTER_PORT` set, each serving its own prompts. vLLM then
-runs one engine core per rank, keeps them stepping together while any rank has work, and calls
-`execute_dummy_batch` on a rank that has none: with FSMWorker, its `idle_dummy` transition.
+usage"); its offline recipe starts one process per DP rank with `VLLM_DP_RANK`,
+`VLLM_DP_RANK_LOCAL`, `VLLM_DP_SIZE`, `VLLM_DP_MASTER_IP`, `VLLM_DP_MASTER_PORT` (and
+`VLLM_HOST_IP=127.0.0.1`, else vLLM's message queue binds the machine's interface address), each
+serving its own prompts. vLLM keeps the engines stepping together while any rank has work and
+calls `execute_dummy_batch` on a rank that has none.
 
-`run_dp` does exactly that and returns each rank's greedy outputs;
+`launch_dp` runs a list of jobs (one `LLM` after another, each on a fresh master port) in the
+same processes, so that model loading and imports are paid once per process;
 `python -m runner_fsm.integrations.vllm.spmd SPEC_JSON RANK` is the child.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
-from typing import Sequence
-
-from runner_fsm.engine.requests import Request
+from typing import Any, Sequence
 
 
 def free_port() -> int:
@@ -30,48 +32,81 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_dp(per_rank: Sequence[Sequence[Request]], llm_kwargs: dict, *, cwd: str | None = None,
-           timeout_s: float = 600.0, log_dir: str | None = None) -> list[dict[str, list[int]]]:
-    """Serve `per_rank[r]` on DP rank r (one process each); outputs per rank, in rank order."""
+@dataclasses.dataclass
+class Job:
+    """One `LLM(**llm)` serving `per_rank[r]` (lists of (req_id, prompt, max_new_tokens)) on rank r."""
+
+    llm: dict
+    per_rank: list
+
+
+@dataclasses.dataclass
+class DPRun:
+    codes: list[int | None]  # None: killed at the timeout
+    ended_s: list[float]  # seconds from launch until each process ended
+    ended_at: list[float]  # time.monotonic() when each process was seen ended (CLOCK_MONOTONIC,
+    # the clock of the audit log's t_ns)
+    logs: list[str]
+    outputs: list[list[dict | None]]  # [job][rank] -> {req_id: tokens}, None when not reached
+    job_s: list[list[float | None]]  # [job][rank] -> seconds that job's generate took
+
+
+def launch_dp(jobs: Sequence[Job], *, dp_size: int, cwd: str | None = None, timeout_s: float = 600.0,
+              env: dict | None = None) -> DPRun:
     work = Path(tempfile.mkdtemp(prefix="fsm-dp-"))
-    spec = {"llm": llm_kwargs, "requests": [[[r.req_id, list(r.prompt), r.max_new_tokens] for r in reqs]
-                                            for reqs in per_rank]}
+    spec = [{"llm": j.llm, "per_rank": [[list(r[:3]) for r in reqs] for reqs in j.per_rank],
+             "port": free_port()} for j in jobs]
     (work / "spec.json").write_text(json.dumps(spec))
-    port, size = free_port(), len(per_rank)
-    procs = []
-    for rank in range(size):
-        env = dict(os.environ, VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE=str(size),
-                   VLLM_DP_MASTER_IP="127.0.0.1", VLLM_DP_MASTER_PORT=str(port),
-                   VLLM_ENABLE_V1_MULTIPROCESSING="0")
-        log = open(Path(log_dir or work) / f"dp-rank-{rank}.log", "w")
+    procs, start = [], time.monotonic()
+    for rank in range(dp_size):
+        child_env = dict(os.environ, **(env or {}), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_HOST_IP="127.0.0.1")
+        if dp_size > 1:
+            child_env.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE=str(dp_size),
+                             VLLM_DP_MASTER_IP="127.0.0.1")
+        log = open(work / f"rank-{rank}.log", "w")
         procs.append((subprocess.Popen([sys.executable, "-m", __name__, str(work / "spec.json"), str(rank)],
-                                       env=env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT), log))
-    codes = []
+                                       env=child_env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT), log))
+    codes: list[int | None] = [None] * dp_size
+    ended = [float("nan")] * dp_size
+    ended_at = [float("nan")] * dp_size
+    deadline = start + timeout_s
     try:
-        for proc, _log in procs:
-            codes.append(proc.wait(timeout=timeout_s))
+        while any(c is None for c in codes) and time.monotonic() < deadline:
+            for rank, (proc, _log) in enumerate(procs):
+                if codes[rank] is None and proc.poll() is not None:
+                    codes[rank], ended_at[rank] = proc.returncode, time.monotonic()
+                    ended[rank] = ended_at[rank] - start
+            time.sleep(0.1)
     finally:
         for proc, log in procs:
             if proc.poll() is None:
                 proc.kill()
+                proc.wait()
             log.close()
-    if any(codes):
-        tails = [(Path(log_dir or work) / f"dp-rank-{r}.log").read_text()[-3000:] for r in range(size)]
-        raise RuntimeError(f"DP ranks exited with {codes}:\n" + "\n-----\n".join(tails))
-    return [json.loads((work / f"outputs-{rank}.json").read_text()) for rank in range(size)]
+    outputs, job_s = [], []
+    for j in range(len(jobs)):
+        files = [work / f"out-{j}-{rank}.json" for rank in range(dp_size)]
+        got = [json.loads(f.read_text()) if f.exists() else None for f in files]
+        outputs.append([g["outputs"] if g else None for g in got])
+        job_s.append([g["seconds"] if g else None for g in got])
+    logs = [(work / f"rank-{rank}.log").read_text() for rank in range(dp_size)]
+    return DPRun(codes, ended, ended_at, logs, outputs, job_s)
 
 
 def _child(spec_path: str, rank: int) -> None:
-    from runner_fsm.integrations.vllm.harness import close_llm, generate
+    from runner_fsm.integrations.vllm.harness import Req, close_llm, generate
 
     spec = json.loads(Path(spec_path).read_text())
-    requests = [Request(rid, tuple(prompt), n) for rid, prompt, n in spec["requests"][rank]]
     from vllm import LLM
 
-    llm = LLM(**spec["llm"])
-    outputs, _ = generate(llm, requests)
-    close_llm(llm)
-    (Path(spec_path).parent / f"outputs-{rank}.json").write_text(json.dumps(outputs))
+    for j, job in enumerate(spec):
+        os.environ["VLLM_DP_MASTER_PORT"] = str(job["port"])
+        requests = [Req(rid, tuple(prompt), n) for rid, prompt, n in job["per_rank"][rank]]
+        llm = LLM(**job["llm"])
+        outputs, seconds = generate(llm, requests)
+        close_llm(llm)
+        out = {"outputs": outputs, "seconds": seconds}
+        (Path(spec_path).parent / f"out-{j}-{rank}.json").write_text(json.dumps(out))
 
 
 if __name__ == "__main__":

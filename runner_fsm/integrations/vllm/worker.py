@@ -1,261 +1,273 @@
-"""`FSMWorker`: vLLM's scheduler, KV-cache manager and DP coordinator drive a replica state machine.
+"""`FSMWorker`: the worker vLLM would have used, with the replica state machine around it.
 
-vLLM calls a worker in this order, and each call maps onto the runner:
+vLLM keeps its loader, model, kernels, sampler, drafters, padding and graph decisions; each
+of its calls to the worker becomes transitions of the replica (DESIGN section 10):
 
-| vLLM call                          | FSMWorker                                                    |
-|------------------------------------|--------------------------------------------------------------|
-| `__init__`                         | schema check against the installed vLLM, refuse unsupported config |
-| `init_device`                      | vLLM's distributed init; its gloo groups become the runner's |
-| `load_model`                       | the runner's Mixtral (and draft) model; never vLLM's loader  |
-| `get_kv_cache_spec`                | one full-attention spec per target layer                     |
-| `determine_available_memory`       | the KV budget (see `kv.py`)                                  |
-| `initialize_from_config`           | caches of vLLM's `num_blocks`; replica, audit log, event loop |
-| `compile_or_warm_up_model`         | `Capture` (graphs under FULL_DECODE_ONLY), then `ready`      |
-| `execute_model` / `sample_tokens`  | `RealStep` (prefill or decode [+ draft_sync]); tokens back   |
-| `execute_dummy_batch`              | `DummyStep`: the `idle_dummy` transition                     |
-| `take_draft_token_ids`             | the drafter's proposals of the last step                     |
-| `check_health` / `shutdown`        | the runner's fault, if any / `Shutdown`, flush the log       |
+| vLLM call                         | around vLLM's own work                                    |
+|-----------------------------------|-----------------------------------------------------------|
+| `__init__`                        | schema check against the installed vLLM                   |
+| `init_device`                     | audit log + journal opened; `install_extensions()`        |
+| `load_model`                      | runner schema check; forward pre-hook on `runner.model`   |
+| `determine_available_memory`      | `capture` (warm-up and profiling run in `capturing`)      |
+| `compile_or_warm_up_model`        | ... `captured`: the replica is `ready`, steps count from 0 |
+| `execute_model` (tokens > 0)      | `prefill` if any request prefills, else `decode`          |
+| `sample_tokens`                   | sampled tokens noted; `draft` if the drafter ran; `finish`|
+| `execute_dummy_batch`             | `idle`, vLLM's dummy run [+ `draft`], `finish`            |
+| `take_draft_token_ids`            | the proposals noted in the journal                        |
+| `check_health` / `shutdown`       | raise while faulted / `shutdown`, logs closed             |
+
+A step with zero scheduled tokens runs no forward and joins no DP collective in vLLM; it is
+no step here either. Before every target forward, real or dummy, the pre-hook fingerprints
+vLLM's persistent inputs (`probe`). Any error inside a step is logged as a `fault` and moves
+the replica to `faulted`, then propagates to vLLM unchanged.
+
+`FSMWorker` itself is made on first import (`make_worker_class`): a subclass of this mixin and
+of the platform's worker (`platform_worker`), so vLLM's own `worker_cls="auto"` choice is kept.
 """
 
 from __future__ import annotations
 
-import os
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from runner_fsm import dp
 from runner_fsm.audit import AuditLog
-from runner_fsm.collectives import CollectiveRunner
-from runner_fsm.errors import BatchError, RunnerError
-from runner_fsm.events import Capture, DummyStep, Fault, RealStep, Shutdown
-from runner_fsm.integrations.vllm import kv
-from runner_fsm.integrations.vllm.admission import check_request
-from runner_fsm.integrations.vllm.errors import UnsupportedFeatureError
-from runner_fsm.integrations.vllm.groups import shared_run_dir, vllm_process_groups
-from runner_fsm.integrations.vllm.loop import RunnerLoop
-from runner_fsm.integrations.vllm.options import (
-    WorkerOptions, check_supported, layout_of, num_speculative_tokens, runner_config,
-)
-from runner_fsm.integrations.vllm.requests import RequestTable
-from runner_fsm.integrations.vllm.schema import check_schema
-from runner_fsm.model import UnsupportedModelError, load_drafter, load_model, model_groups
-from runner_fsm.model.hf_config import MixtralConfig
-from runner_fsm.replica import Replica, StepOutput
-from runner_fsm.runner import ReplicaRunner
-from runner_fsm.states import State
-from vllm.v1.outputs import EMPTY_MODEL_RUNNER_OUTPUT, DraftTokenIds, ModelRunnerOutput
-from vllm.v1.worker.worker_base import CompilationTimes, WorkerBase
+from runner_fsm.integrations.vllm import schema
+from runner_fsm.integrations.vllm.dp_support import DPSupport
+from runner_fsm.integrations.vllm.journal import Journal
+from runner_fsm.integrations.vllm.options import WorkerOptions
+from runner_fsm.integrations.vllm.probe import InputProbe
+from runner_fsm.integrations.vllm.recorder import ReplicaRecorder
+from runner_fsm.integrations.vllm.rundir import replica_coords, shared_run_dir
 
 
-class FSMWorker(WorkerBase):
-    """A vLLM worker whose every step is a transition of the runner's replica state machine."""
+class FSMWorkerMixin:
+    """Put before the platform worker in the bases; see the module docstring."""
+
+    recorder: ReplicaRecorder | None = None
+    dp_support: DPSupport | None = None
 
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
-                 is_driver_worker: bool = False):
-        check_schema(type(self))
-        super().__init__(vllm_config, local_rank, rank, distributed_init_method, is_driver_worker)
-        check_supported(vllm_config)
-        self.options = WorkerOptions.from_vllm(vllm_config)
-        self.layout = layout_of(vllm_config)
-        self.dp_rank = int(self.parallel_config.data_parallel_rank)
-        self.num_speculative_tokens = num_speculative_tokens(vllm_config)
-        self.table = RequestTable(drafting=self.num_speculative_tokens > 0, admit=check_request)
-        self.groups = None
-        self.run_dir: str | None = None
-        self.model = self.drafter = None
-        self.num_kv_blocks = 0
-        self.loop: RunnerLoop | None = None
-        self.runner: ReplicaRunner | None = None
-        self._pending: ModelRunnerOutput | None = None
-        self._drafts: DraftTokenIds | None = None
+                 is_driver_worker: bool = False, **kwargs: Any):
+        schema.check_schema(type(self))
+        super().__init__(vllm_config, local_rank, rank, distributed_init_method,
+                         is_driver_worker=is_driver_worker, **kwargs)
+        self.fsm_options = WorkerOptions.from_vllm(vllm_config)
+        self.dp_rank, self.pcp_rank, self.global_rank = replica_coords(vllm_config, rank)
+        self.drafting = vllm_config.speculative_config is not None
+        self.probe: InputProbe | None = None
+        self._prompt_lens: dict[str, int] = {}
+        self._dummy = False
 
     # -- start-up, in vLLM's order ------------------------------------------------------
 
     def init_device(self) -> None:
-        from vllm.platforms import current_platform
-        from vllm.v1.worker.gpu_worker import init_worker_distributed_environment
+        super().init_device()
+        opts = self.fsm_options
+        run_dir = shared_run_dir(opts.run_dir, int(self.parallel_config.data_parallel_size))
+        run_id = opts.run_id or Path(run_dir).name
+        audit = AuditLog(run_dir, run_id, self.global_rank, self.dp_rank, self.pcp_rank)
+        self.run_dir = run_dir
+        self.recorder = ReplicaRecorder(audit, Journal(run_dir, self.global_rank),
+                                        fingerprints=opts.audit == "full")
+        self.install_extensions()
 
-        kind = self.device_config.device_type
-        if kind == "cpu":
-            self.device = torch.device("cpu")
-            init = self.distributed_init_method  # what vLLM's CPU worker keys its shm groups by
-            os.environ["VLLM_DIST_IDENT"] = (os.path.basename(init.removeprefix("file://"))
-                                             if init.startswith("file://") else init.split(":")[-1])
-        elif kind == "cuda":
-            self.device = torch.device(f"cuda:{self.local_rank}")
-            torch.cuda.set_device(self.device)
-        else:
-            raise UnsupportedFeatureError(f"FSMWorker runs on cpu or cuda devices, not {kind!r}")
-        init_worker_distributed_environment(self.vllm_config, self.rank, self.distributed_init_method,
-                                            self.local_rank, current_platform.dist_backend)
-        self.groups = vllm_process_groups(self.layout, self.dp_rank)
-        self.run_dir = shared_run_dir(self.options.run_dir, self.groups)
+    def install_extensions(self) -> None:
+        """Where extra collectives and interceptions are installed (vLLM's groups exist now,
+        the model does not yet). Nothing in a single replica."""
+        self.dp_support = DPSupport.for_worker(self)  # DP: agreement rows, watchdog, faults
 
-    def load_model(self, *, load_dummy_weights: bool = False) -> None:
-        if load_dummy_weights:
-            raise UnsupportedFeatureError("FSMWorker loads real checkpoints only (load_format='dummy' asked for)")
-        target_dir = _model_dir(self.model_config.model, "model")
-        cfg = _mixtral_config(target_dir, "model")
-        groups = model_groups(self.groups, self.device)
-        kw = dict(kv_num_blocks=1, block_size=int(self.cache_config.block_size), groups=groups,
-                  device=self.device, dtype=self.model_config.dtype)
-        self.model = load_model(target_dir, **kw)  # the cache is resized once vLLM sizes it
-        if self.num_speculative_tokens > 0:
-            draft_dir = _model_dir(self.speculative_config.draft_model_config.model, "draft model")
-            _mixtral_config(draft_dir, "draft model")
-            self.drafter = load_drafter(draft_dir, target_vocab_size=cfg.vocab_size, **kw)
-
-    def get_kv_cache_spec(self) -> dict[str, Any]:
-        return kv.kv_cache_spec(self.model.cfg, int(self.cache_config.block_size), self.model_config.dtype)
+    def load_model(self, *args: Any, **kwargs: Any) -> None:
+        super().load_model(*args, **kwargs)
+        runner = self.model_runner
+        schema.check_runner(runner)
+        self.probe = InputProbe(runner)
+        _hook_forward(runner, self._before_forward)
+        if self.dp_support is not None:
+            self.dp_support.attach(runner)
 
     def determine_available_memory(self) -> int:
-        draft = self.drafter.decoder.cfg if self.drafter is not None else None
-        return kv.kv_budget_bytes(self.vllm_config, self.model.cfg, draft, self.model_config.dtype, self.device)
+        self.recorder.start_capture()  # warm-up and profiling forwards run from here
+        return super().determine_available_memory()
 
-    def update_max_model_len(self, max_model_len: int) -> None:
-        self.model_config.max_model_len = max_model_len
+    def compile_or_warm_up_model(self):
+        self.recorder.start_capture()
+        times = super().compile_or_warm_up_model()
+        self.recorder.end_capture()
+        return times
 
-    def initialize_cache(self, num_gpu_blocks: int, num_cpu_blocks: int = 0) -> None:
-        """The pre-0.11 sizing call (vLLM 0.32 sizes through `initialize_from_config`)."""
-        self.cache_config.num_gpu_blocks = num_gpu_blocks
-        self.cache_config.num_cpu_blocks = num_cpu_blocks
+    # -- steps ----------------------------------------------------------------------------
 
-    def initialize_from_config(self, kv_cache_config: Any) -> None:
-        groups = kv_cache_config.kv_cache_groups
-        if len(groups) != 1:
-            raise UnsupportedFeatureError(f"vLLM built {len(groups)} KV cache groups; the runner's"
-                                          f" model has one (full attention in every layer)")
-        block_size = int(groups[0].kv_cache_spec.block_size)
-        self.num_kv_blocks = int(kv_cache_config.num_blocks)
-        self.cache_config.num_gpu_blocks = self.num_kv_blocks
-        kv.install_caches(self.model, self.drafter, self.num_kv_blocks, block_size)
-        config = runner_config(self.vllm_config, self.options, block_size)
-        self.loop = RunnerLoop()
-        self.runner = self.loop.call(self._build_runner, config)
-
-    def _build_runner(self, config) -> ReplicaRunner:
-        pcp_rank = self.groups.pcp_rank if self.groups is not None else 0
-        global_rank = self.layout.global_rank(self.dp_rank, pcp_rank)
-        run_id = self.options.run_id or Path(self.run_dir).name
-        audit = AuditLog(self.run_dir, run_id, global_rank, self.dp_rank, pcp_rank)
-        agreement = (dp.GlooAgreement(self.groups.dp, config.capture_sizes) if self.groups is not None
-                     else dp.SingleReplicaAgreement(config.capture_sizes))
-        replica = Replica(config, dp_rank=self.dp_rank, pcp_rank=pcp_rank, model=self.model,
-                          drafter=self.drafter, agreement=agreement, audit=audit,
-                          collectives=CollectiveRunner(audit, config.collective_timeout_s),
-                          device=self.device)
-        return ReplicaRunner(replica)
-
-    def compile_or_warm_up_model(self) -> CompilationTimes:
-        start = time.perf_counter()
-        self.loop.call(self.runner.handle, Capture())
-        return CompilationTimes(language_model=time.perf_counter() - start, encoder=0.0)
-
-    def get_supported_tasks(self) -> tuple[str, ...]:
-        return ("generate",)
-
-    # -- steps --------------------------------------------------------------------------
-
-    def execute_model(self, scheduler_output: Any) -> ModelRunnerOutput | None:
+    def execute_model(self, scheduler_output: Any):
         so = scheduler_output
+        if not so.total_num_scheduled_tokens:
+            self._forget(so)
+            return super().execute_model(so)
+        rec = self.recorder
+        rec.begin_step(self._classify(so), _decision(so))
         try:
-            if so.kv_cache_block_copies:
-                kv.copy_blocks(self._caches(), so.kv_cache_block_copies)
-            self.table.update(so)
-            if not so.total_num_scheduled_tokens:
-                if self.parallel_config.distributed_executor_backend == "external_launcher" and self.layout.dp_size > 1:
-                    self.execute_dummy_batch()  # vLLM's rule: its peers still expect this step
-                return EMPTY_MODEL_RUNNER_OUTPUT
-            plan = self.table.plan(so)
-        except RunnerError as error:
-            self.loop.call(self._fail, error)
+            if self.dp_support is not None:
+                self.dp_support.before_step(so)  # scheduled drafts vs. proposals
+            out = super().execute_model(so)
+            if out is not None:  # no sample_tokens follows (e.g. pipeline stages, pooling)
+                rec.end_step()
+            return out
+        except BaseException as error:
+            if self.dp_support is not None:  # first, while the step is open: peers waiting in
+                self.dp_support.abort(error)  # its DP agreement stop too, naming this replica
+            rec.fault(error)
             raise
-        out: StepOutput = self.loop.call(self.runner.handle, RealStep(plan.batch))
-        tokens = self.table.commit(plan, out.sampled)
-        req_ids = list(plan.batch.req_ids)
-        self._pending = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                          sampled_token_ids=tokens)
-        if self.num_speculative_tokens > 0:
-            kept = [r for r, emits in zip(req_ids, plan.emits) if emits]
-            self._drafts = DraftTokenIds(kept, [list(out.drafts.get(r, ())) for r in kept])
-        return None
 
-    def sample_tokens(self, grammar_output: Any) -> ModelRunnerOutput:
-        if grammar_output is not None and getattr(grammar_output, "structured_output_request_ids", None):
-            raise UnsupportedFeatureError("FSMWorker does not apply grammar bitmasks (structured outputs)")
-        out, self._pending = self._pending, None
-        if out is None:
-            raise RuntimeError("sample_tokens called without a step from execute_model before it")
-        return out
+    def sample_tokens(self, grammar_output: Any):
+        rec = self.recorder
+        if not rec.in_step:
+            return super().sample_tokens(grammar_output)
+        try:
+            out = super().sample_tokens(grammar_output)
+            if self.drafting:
+                rec.drafted()
+            sampled = getattr(out, "sampled_token_ids", None)  # async outputs stay on the device
+            if isinstance(sampled, list):
+                rec.note(sampled=sampled)
+            rec.end_step()
+            return out
+        except BaseException as error:
+            rec.fault(error)
+            raise
 
     def execute_dummy_batch(self) -> None:
-        self.loop.call(self.runner.handle, DummyStep(pending=len(self.table)))
+        rec = self.recorder
+        rec.begin_step("idle")
+        self._dummy = True
+        try:
+            super().execute_dummy_batch()
+            if self.drafting:
+                rec.drafted()  # vLLM's _dummy_run also ran the drafter's dummy_run
+            rec.end_step()
+        except BaseException as error:
+            rec.fault(error)
+            raise
+        finally:
+            self._dummy = False
 
-    def take_draft_token_ids(self) -> DraftTokenIds | None:
-        drafts, self._drafts = self._drafts, None
+    def take_draft_token_ids(self):
+        drafts = super().take_draft_token_ids()
+        if drafts is not None and self.dp_support is not None:
+            self.dp_support.proposed(drafts)
+        if drafts is not None:
+            self.recorder.note(drafts=drafts.draft_token_ids)
         return drafts
 
-    async def _fail(self, error: BaseException) -> None:
-        """A step that failed before reaching the replica: stop DP peers, fault, log the cause."""
-        if self.runner is None or self.runner.ended_reason is not None:
-            return
-        if self.layout.dp_size > 1:
-            status = dp.STATUS_BATCH_ERROR if isinstance(error, BatchError) else dp.STATUS_FAULT
-            await self.runner.replica.abort_peers(status)
-        await self.runner.handle(Fault(error))
+    def _before_forward(self, args: dict) -> None:
+        """The forward pre-hook: fingerprints of the inputs this forward reads."""
+        rec = self.recorder
+        capturing = not rec.in_step
+        mode, desc, dp_counts = _forward_context()
+        if capturing and mode != "FULL":
+            return  # warm-up and profiling forwards: only graph captures are evidence
+        taken, copied = None, []
+        if rec.fingerprints:
+            ids = args.get("input_ids")
+            ref = ids if isinstance(ids, torch.Tensor) else args.get("positions")
+            num_tokens = int(ref.shape[-1]) if isinstance(ref, torch.Tensor) else 0
+            runner = self.model_runner
+            num_reqs = (min(num_tokens, runner.max_num_reqs) if self._dummy or capturing
+                        else int(runner.input_batch.num_reqs))
+            taken, copied = self.probe.take(num_tokens, num_reqs, args)
+        rec.on_forward(taken, copied, self._dummy, mode, desc, dp_counts)
 
-    def _caches(self) -> list:
-        caches = [self.model.cache]
-        if self.drafter is not None:
-            caches.append(self.drafter.cache)
-        return caches
+    # -- requests: which steps prefill ----------------------------------------------------
 
-    # -- health and the end -------------------------------------------------------------
+    def _classify(self, so: Any) -> str:
+        """`prefill` when any scheduled request has prompt tokens left to compute."""
+        lens, prefill = self._prompt_lens, False
+        for new in so.scheduled_new_reqs:
+            ids = new.prompt_token_ids
+            length = len(ids) if ids is not None else int(new.prompt_embeds.shape[0])
+            lens[new.req_id] = length
+            prefill = prefill or new.num_computed_tokens < length
+        cached = so.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
+            if rid in resumed or computed < lens.get(rid, 0):
+                prefill = True
+                break
+        self._forget(so)
+        return "prefill" if prefill else "decode"
+
+    def _forget(self, so: Any) -> None:
+        for rid in so.finished_req_ids:
+            self._prompt_lens.pop(rid, None)
+
+    # -- health and the end ---------------------------------------------------------------
 
     def check_health(self) -> None:
-        runner = self.runner
-        if runner is not None and runner.machine.state is State.FAULTED:
-            raise RuntimeError(f"FSMWorker replica {self.dp_rank}: {runner.ended_reason}")
+        rec = self.recorder
+        if rec is not None and rec.fault_cause is not None:
+            raise RuntimeError(f"FSMWorker replica {self.dp_rank} is faulted at step {rec.step_id}:"
+                               f" {type(rec.fault_cause).__name__}: {rec.fault_cause}")
+        super().check_health()
 
     def shutdown(self) -> None:
-        runner, loop = self.runner, self.loop
-        self.runner = None
-        if runner is None or loop is None or loop.closed:
-            return
+        rec = self.recorder
+        if self.dp_support is not None:
+            self.dp_support.close()
         try:
-            if runner.ended_reason is None:
-                loop.call(runner.handle, Shutdown("vLLM shut the worker down"))
+            if rec is not None:
+                rec.shutdown()
         finally:
-            loop.call(runner.close)
-            loop.close()
-
-    # -- the rest of the worker interface -----------------------------------------------
-
-    def get_model(self) -> Any:
-        return self.model
-
-    def get_cache_block_size_bytes(self) -> int:
-        return kv.bytes_per_token(self.model.cfg, self.model_config.dtype) * int(self.cache_config.block_size)
-
-    def reset_encoder_cache(self) -> None:
-        return None
+            super().shutdown()
 
 
-def _model_dir(name: str, what: str) -> str:
-    if not Path(name).is_dir():
-        raise UnsupportedFeatureError(f"FSMWorker loads a local {what} directory; {name!r} is not one"
-                                      f" (download it first, e.g. `hf download {name} --local-dir DIR`)")
-    return str(name)
+def _decision(so: Any) -> dict:
+    """What vLLM's scheduler decided for this step, compactly (the journal's fields)."""
+    spec = so.scheduled_spec_decode_tokens
+    return {"tokens": so.total_num_scheduled_tokens, "sched": list(so.num_scheduled_tokens.values()),
+            "new": len(so.scheduled_new_reqs), "resumed": len(so.scheduled_cached_reqs.resumed_req_ids),
+            "finished": len(so.finished_req_ids),
+            "spec": sum(map(len, spec.values())) if spec else 0}
 
 
-def _mixtral_config(model_dir: str, what: str) -> MixtralConfig:
-    try:
-        return MixtralConfig.from_dir(model_dir)
-    except UnsupportedModelError as exc:
-        raise UnsupportedModelError(
-            f"FSMWorker cannot load the {what} at {model_dir}: {exc}. FSMWorker runs runner_fsm's own"
-            f" reference model, so it serves MixtralForCausalLM checkpoints only; serve other"
-            f" architectures with vLLM's default worker (drop worker_cls)") from None
+def _forward_context() -> tuple[str, Any, Any]:
+    """(graph mode name, batch descriptor as (tokens, reqs, uniform), DP token counts)."""
+    from vllm import forward_context
+
+    if not forward_context.is_forward_context_available():
+        return "NONE", None, None
+    ctx = forward_context.get_forward_context()
+    desc = ctx.batch_descriptor
+    dp = ctx.dp_metadata
+    return (ctx.cudagraph_runtime_mode.name,
+            (desc.num_tokens, desc.num_reqs, desc.uniform) if desc is not None else None,
+            dp.num_tokens_across_dp_cpu.tolist() if dp is not None else None)
+
+
+def _hook_forward(runner: Any, before) -> None:
+    """Call `before(kwargs)` right before every call of `runner.model`, real or dummy.
+
+    A module gets a forward pre-hook (public API). On CUDA `runner.model` may be vLLM's
+    `CUDAGraphWrapper` (not a module), whose `__call__` replays graphs: the only point right
+    before a replay is that `__call__`, so the wrapper object gets a one-off subclass whose
+    `__call__` runs `before` first (no global patch; isinstance checks still hold)."""
+    model = runner.model
+    if isinstance(model, torch.nn.Module):
+        model.register_forward_pre_hook(lambda _m, _args, kwargs: before(kwargs), with_kwargs=True)
+        return
+    base = type(model)
+
+    def __call__(self, *args, **kwargs):
+        before(kwargs)
+        return base.__call__(self, *args, **kwargs)
+
+    model.__class__ = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
+
+
+def make_worker_class() -> type:
+    """`FSMWorker` over the platform's worker (see `platform_worker`)."""
+    from runner_fsm.integrations.vllm.platform_worker import platform_worker_cls
+
+    base = platform_worker_cls()
+    return type("FSMWorker", (FSMWorkerMixin, base), {"__module__": "runner_fsm.integrations.vllm",
+                                                      "__qualname__": "FSMWorker",
+                                                      "__doc__": FSMWorkerMixin.__doc__})

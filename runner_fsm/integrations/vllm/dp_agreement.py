@@ -1,0 +1,260 @@
+"""The DP agreement, carried inside vLLM's own DP all-reduce (V1 model runner).
+
+vLLM's V1 runner agrees on DP padding through `vllm.v1.worker.dp_utils._run_ar`: an int32
+`[4, dp]` tensor (`orig_tokens, padded_tokens, should_ubatch, cudagraph_mode`), one column per
+rank, summed over the DP group; its callers read rows 0-3 by index. `AgreementTap.run_ar` takes
+its place: it appends this replica's agreement rows (`AGREEMENT_ROWS`) to the same tensor, so the
+one collective vLLM already issues carries the agreement too (no extra collective, and a replica
+that skips one is caught in the next, by every rank at once). The gathered columns are checked
+with the project's rule (`dp.agree`), every rank raises the same `DesyncError`/`ReplicaFault`,
+and vLLM gets back exactly the four rows it built.
+
+Phases come from where the sync is reached: the runner's `_determine_batch_execution_and_padding`
+is TARGET; the drafter's is DRAFT_PREFILL for its first sync in a step, DRAFT_DECODE after that
+(`propose` and `dummy_run` sync at most twice per step: first pass, then the remaining passes).
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import functools
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+from runner_fsm import dp
+from runner_fsm.errors import DesyncError, ReplicaFault
+
+VLLM_ROWS = ("orig_num_tokens", "padded_num_tokens", "should_ubatch", "cudagraph_mode")
+AGREEMENT_ROWS = ("step_id", "phase", "seq", "kind", "status")
+KIND_REAL, KIND_DUMMY = 0, 1
+KIND_NAMES = {KIND_REAL: "real", KIND_DUMMY: "dummy"}
+NO_STEP = -1  # before the worker's first step (warm-up, profiling): agreed but not audited
+
+
+@dataclasses.dataclass(frozen=True)
+class AgreementRows:
+    """What one replica appends to vLLM's DP all-reduce; identical on every rank when in step."""
+
+    step_id: int
+    phase: int
+    seq: int  # the replica's count of DP agreements so far: catches a skipped one within a phase
+    kind: int  # KIND_REAL or KIND_DUMMY (an idle replica's step)
+    status: int = dp.STATUS_OK
+
+    def column(self) -> tuple[int, ...]:
+        return (self.step_id, self.phase, self.seq, self.kind, self.status)
+
+
+def check_columns(ours: list[list[int]], num_tokens: list[int], graph_modes: list[int]) -> dp.DPSyncState:
+    """The project's agreement rule over gathered columns: `ours` are the AGREEMENT_ROWS,
+    `num_tokens` and `graph_modes` the rows of vLLM's tensor that hold each replica's dispatch
+    count and graph mode (0 = eager).
+
+    `dp.agree` judges status, step and phase; a sequence mismatch (same step and phase, but one
+    replica issued an extra or skipped agreement) is a desync too. A desync names its culprit
+    replica and step: the odd one out when a majority agrees, else the replica(s) furthest along
+    (they ran past an agreement their peers are still in), at the step of the ones behind.
+    """
+    step, phase, seq, _kind, status = ours
+    columns = [dp.LocalDispatch(step_id=step[r], phase=phase[r], status=status[r], num_tokens=num_tokens[r],
+                                graph_mode=dp.GRAPH_FULL if graph_modes[r] else dp.GRAPH_EAGER)
+               for r in range(len(step))]
+    try:
+        agreed = dp.agree(columns)
+    except DesyncError as exc:
+        raise _named(exc, list(zip(step, phase, seq))) from None
+    if min(seq) != max(seq):
+        raise _named(DesyncError(f"DP desync: replicas agree on step {step[0]} {dp.phase_name(phase[0])}"
+                                 f" but not on the agreement sequence number (sent {seq})",
+                                 sent=dict(enumerate(zip(step, phase)))), list(zip(step, phase, seq)))
+    return agreed
+
+
+def culprits(sent: list[tuple[int, int, int]]) -> tuple[list[int], int]:
+    """(culprit replicas, step) of a desync over (step, phase, seq) columns."""
+    counts = collections.Counter(sent)
+    top, n = counts.most_common(1)[0]
+    if n > len(sent) / 2:
+        odd = [r for r, value in enumerate(sent) if value != top]
+        return odd, top[0]
+    latest = max(sent)
+    ahead = [r for r, value in enumerate(sent) if value == latest]
+    return ahead, min(value[0] for value in sent)
+
+
+def _named(exc: DesyncError, sent: list[tuple[int, int, int]]) -> DesyncError:
+    odd, step = culprits(sent)
+    each = ", ".join(f"replica {r} sent step {s} {dp.phase_name(p)} seq {q}" for r, (s, p, q) in enumerate(sent))
+    message = (f"culprit: replica {', '.join(map(str, odd))} at step {step} (DP desync in vLLM's DP"
+               f" all-reduce: {each}). {exc}")
+    error = DesyncError(message, sent=getattr(exc, "sent", None))
+    error.culprit_replicas, error.culprit_step = tuple(odd), step
+    return error
+
+
+class AgreementTap:
+    """This replica's side of the agreement rows; `run_ar` replaces vLLM's `_run_ar`.
+
+    `audit` is the replica's AuditLog (or None); `beat(step, phase, collective)` records the
+    replica's position for the watchdog; `rows_hook(rows)` lets fault injection alter what
+    this replica sends (it returns the rows to send).
+    """
+
+    def __init__(self, dp_rank: int, dp_size: int, *, audit=None,
+                 beat: Callable[[int, int, str], None] | None = None,
+                 rows_hook: Callable[[AgreementRows], AgreementRows] | None = None,
+                 position: Callable[[], tuple[int, bool]] | None = None):
+        self.dp_rank, self.dp_size = dp_rank, dp_size
+        self.audit, self._beat, self._rows_hook = audit, beat, rows_hook
+        self._position = position  # () -> (step id or NO_STEP, dummy?): the worker's step
+        self.step_id, self.kind = NO_STEP, KIND_REAL
+        self.phase = 0  # set by the tagged `_determine_batch_execution_and_padding`
+        self.seq = 0
+        self.draft_syncs = 0  # drafter syncs in this step: the first is DRAFT_PREFILL
+        self.joined_target = NO_STEP  # the last step whose TARGET agreement this replica entered
+        self._status = dp.STATUS_OK
+
+    def begin_step(self, step_id: int, *, dummy: bool) -> None:
+        self.step_id, self.kind, self.draft_syncs = step_id, KIND_DUMMY if dummy else KIND_REAL, 0
+
+    def follow(self) -> None:
+        """Take the step from the worker's `position`, when one was given."""
+        if self._position is not None:
+            step_id, dummy = self._position()
+            if step_id != self.step_id:
+                self.begin_step(step_id, dummy=dummy)
+            self.kind = KIND_DUMMY if dummy else KIND_REAL
+
+    @contextlib.contextmanager
+    def tagged(self, phase: int):
+        previous, self.phase = self.phase, phase
+        try:
+            yield
+        finally:
+            self.phase = previous
+
+    def draft_phase(self) -> int:
+        self.follow()
+        self.draft_syncs += 1
+        return dp.DRAFT_PREFILL if self.draft_syncs == 1 else dp.DRAFT_DECODE
+
+    # -- vLLM's `_run_ar(should_ubatch, orig, padded, cudagraph_mode, parallel_config)`
+
+    def run_ar(self, should_ubatch: bool, orig_num_tokens_per_ubatch: int,
+               padded_num_tokens_per_ubatch: int, cudagraph_mode: int, parallel_config) -> torch.Tensor:
+        from vllm.v1.worker import dp_utils
+
+        device, group = dp_utils._get_device_and_group(parallel_config)
+        tensor = torch.zeros(len(VLLM_ROWS), self.dp_size, dtype=torch.int32)
+        tensor[:, self.dp_rank] = torch.tensor((orig_num_tokens_per_ubatch, padded_num_tokens_per_ubatch,
+                                                int(bool(should_ubatch)), cudagraph_mode), dtype=torch.int32)
+        # vLLM's padded count is what the replica runs (its dispatch count); row 3 its graph mode.
+        return self.exchange(tensor, group, device=device, num_tokens_row=1, graph_row=3,
+                             decision=lambda rows: _vllm_decision(rows, parallel_config))
+
+    def exchange(self, tensor: torch.Tensor, group, *, device="cpu", num_tokens_row: int, graph_row: int,
+                 decision: Callable[[list[list[int]]], dict] | None = None) -> torch.Tensor:
+        """All-reduce vLLM's `tensor` (this rank's column filled) with the agreement rows below
+        it, check them, and return vLLM's rows summed (a new tensor on `device`)."""
+        self.follow()
+        rows = AgreementRows(self.step_id, self.phase or dp.TARGET, self.seq, self.kind, self._status)
+        if rows.phase == dp.TARGET:
+            self.joined_target = self.step_id
+        if self._rows_hook is not None:
+            rows = self._rows_hook(rows)
+        self.seq += 1
+        n = tensor.shape[0]
+        ours = torch.zeros(len(AGREEMENT_ROWS), self.dp_size, dtype=tensor.dtype)
+        ours[:, self.dp_rank] = torch.tensor(rows.column(), dtype=tensor.dtype)
+        carried = torch.cat([tensor.cpu(), ours]).to(device)
+        vllm_column = tensor[:, self.dp_rank].tolist()
+        sent = {"rows": rows.column(), "vllm": vllm_column, "num_tokens": vllm_column[num_tokens_row]}
+        logged = rows.step_id if rows.step_id != NO_STEP else None  # the step this replica reported
+        self._record(logged, rows, "enqueue", [[n + len(AGREEMENT_ROWS), self.dp_size]], sent=sent)
+        dist.all_reduce(carried, group=group)
+        gathered = carried.cpu().tolist()
+        vllm_rows = gathered[:n]
+        agreed = check_columns(gathered[n:], vllm_rows[num_tokens_row], vllm_rows[graph_row])  # raises alike everywhere
+        extra = {"agreed": dataclasses.asdict(agreed), "columns": [list(c) for c in zip(*gathered)]}
+        if decision is not None:
+            extra["vllm"] = decision(vllm_rows)
+        self._record(logged, rows, "done", [[n + len(AGREEMENT_ROWS), self.dp_size]], **extra)
+        return carried[:n].clone()
+
+    def abort(self, status: int, group, *, device="cpu", vllm_rows: int = len(VLLM_ROWS)) -> bool:
+        """Join this step's TARGET agreement with `status`, so that peers waiting in it stop with
+        `ReplicaFault` naming this replica; False (nothing sent) when this replica already
+        entered it or runs no step (peers are past it: the watchdog stops them instead)."""
+        self.follow()
+        if self.step_id == NO_STEP or self.joined_target == self.step_id:
+            return False
+        self._status = status
+        try:
+            with self.tagged(dp.TARGET):
+                self.exchange(torch.zeros(vllm_rows, self.dp_size, dtype=torch.int32), group, device=device,
+                              num_tokens_row=0, graph_row=0)
+        except ReplicaFault:
+            pass  # our own abort, as every peer sees it
+        finally:
+            self._status = dp.STATUS_OK
+        return True
+
+    def _record(self, step_id, rows: AgreementRows, stage: str, shapes, **extra) -> None:
+        if self._beat is not None and step_id is not None:
+            self._beat(step_id, rows.phase, f"dp all_reduce #{rows.seq}" if stage == "enqueue" else "")
+        if self.audit is not None and step_id is not None:
+            self.audit.collective(step_id, "dp", "all_reduce", rows.phase, shapes, rows.seq, stage,
+                                  kind=KIND_NAMES.get(rows.kind, rows.kind), **extra)
+
+
+def _vllm_decision(vllm_rows: list[list[int]], parallel_config) -> dict[str, Any]:
+    """What vLLM decides from its rows, computed with vLLM's own post-processing functions."""
+    from vllm.v1.worker import dp_utils
+
+    tensor = torch.tensor(vllm_rows, dtype=torch.int32)
+    mode = dp_utils._post_process_cudagraph_mode(tensor)
+    ubatch = dp_utils._post_process_ubatch(tensor, parallel_config.num_ubatches)
+    padded = dp_utils._post_process_dp_padding(tensor, mode != 0 or ubatch)
+    return {"num_tokens_unpadded": vllm_rows[0], "num_tokens_across_dp": padded.tolist(),
+            "cudagraph_mode": mode, "should_ubatch": ubatch, "dp_padded": mode != 0 or ubatch}
+
+
+# -- installation -------------------------------------------------------------------------
+
+def install(tap: AgreementTap, runner) -> Callable[[], None]:
+    """Route vLLM's DP sync through `tap` and tag its phases; returns the undo.
+
+    `dp_utils._run_ar` is a module global that vLLM looks up at call time and offers no public
+    hook for, so it is replaced there (the schema check verifies the name and signature against
+    the installed vLLM first). The phase tags are instance attributes over the runner's and the
+    drafter's `_determine_batch_execution_and_padding`, so the classes stay untouched.
+    """
+    from vllm.v1.worker import dp_utils
+
+    original = dp_utils._run_ar
+    dp_utils._run_ar = tap.run_ar
+    _wrap(runner, "_determine_batch_execution_and_padding", lambda: tap.tagged(dp.TARGET))
+    drafter = getattr(runner, "drafter", None)
+    if drafter is not None and hasattr(drafter, "_determine_batch_execution_and_padding"):
+        _wrap(drafter, "_determine_batch_execution_and_padding", lambda: tap.tagged(tap.draft_phase()))
+
+    def undo() -> None:
+        dp_utils._run_ar = original
+        for obj in (runner, drafter):
+            if obj is not None:
+                obj.__dict__.pop("_determine_batch_execution_and_padding", None)
+    return undo
+
+
+def _wrap(obj, name: str, context: Callable[[], Any]) -> None:
+    method = getattr(obj, name)
+
+    @functools.wraps(method)
+    def tagged(*args, **kwargs):
+        with context():
+            return method(*args, **kwargs)
+    setattr(obj, name, tagged)

@@ -1,0 +1,178 @@
+"""Data parallelism and drafting through vLLM: what `FSMWorker` installs when `dp_size > 1`.
+
+The worker calls three things (see worker.py): `DPSupport.for_worker(worker)` once vLLM's
+groups exist, `attach(model_runner)` once the model is loaded, and `close()` at shutdown.
+Step ids and kinds are read from the worker's `ReplicaRecorder`. Installed here:
+- the MoE exchange collectives vLLM's CPU communicator lacks (`cpu_collectives`);
+- the agreement rows in vLLM's own DP all-reduce, with phase tags (`dp_agreement`);
+- the expert exchange of every target forward as a `collective` record (group "expert", op
+  "forward"), so `runner-fsm replay` sees which replica did not join a forward;
+- the watchdog for `collective_timeout_s` (`watchdog`) and the faults of `inject`;
+- the check of scheduled drafts against the drafter's proposals (`drafts`), through
+  `before_step(scheduler_output)` and `proposed(draft_token_ids)`.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+
+import torch.distributed as dist
+
+from runner_fsm import dp
+from runner_fsm.config import ParallelLayout
+from runner_fsm.errors import BatchError
+from runner_fsm.heartbeat import Heartbeat
+from runner_fsm.integrations.vllm import cpu_collectives, dp_agreement, dp_schema, inject
+from runner_fsm.integrations.vllm.drafts import DraftLedger
+from runner_fsm.integrations.vllm.inject import VLLMInjector
+from runner_fsm.integrations.vllm.watchdog import Watchdog
+
+
+class _SkipDummyForward(Exception):
+    """Raised past the dummy's agreement to return without its forward (injected fault)."""
+
+
+class DPSupport:
+    def __init__(self, recorder, *, dp_rank: int, dp_size: int, timeout_s: float, injection=None,
+                 device_type: str = "cpu"):
+        self.recorder, self.dp_rank, self.audit = recorder, dp_rank, recorder.audit
+        self.injector = VLLMInjector(injection, dp_rank)
+        self.added_collectives = cpu_collectives.install() if device_type == "cpu" else []
+        store = dist.distributed_c10d._get_default_store()  # the job's store, as the embedded engine uses
+        heartbeat = Heartbeat(store, ParallelLayout(dp_size=dp_size, pcp_size=1).validate(), dp_rank)
+        self.watchdog = Watchdog(heartbeat, timeout_s, dp_rank=dp_rank, on_fault=self._log_fault).start()
+        self.tap = dp_agreement.AgreementTap(dp_rank, dp_size, audit=self.audit, beat=self.watchdog.beat,
+                                             rows_hook=self._rows_hook, position=self._position)
+        self.drafts = DraftLedger(dp_rank)
+        self.runner = None
+        self._undo = lambda: None
+        self._hooks: list = []
+        self._forward_seq = itertools.count()
+        self._forward_open: tuple[int, int] | None = None
+
+    @classmethod
+    def for_worker(cls, worker) -> "DPSupport | None":
+        """For a vLLM worker whose groups exist (`install_extensions`); None for one replica."""
+        par = worker.parallel_config
+        if int(par.data_parallel_size) <= 1:
+            return None
+        dp_schema.check_dp_hooks()
+        opts = worker.fsm_options
+        return cls(worker.recorder, dp_rank=int(par.data_parallel_rank), dp_size=int(par.data_parallel_size),
+                   timeout_s=opts.collective_timeout_s, injection=inject.parse(opts.inject) if opts.inject else None,
+                   device_type=str(worker.device_config.device_type))
+
+    def attach(self, runner) -> None:
+        """Once vLLM's model runner (and drafter) are loaded: agreement, phase tags, forwards, faults."""
+        self.runner = runner
+        self._undo = dp_agreement.install(self.tap, runner)
+        self._hooks = [runner.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+                       runner.model.register_forward_hook(self._after_forward)]
+        self._wrap_faults()
+
+    def _position(self) -> tuple[int, bool]:
+        rec = self.recorder
+        return (rec.step_id if rec.in_step else dp_agreement.NO_STEP), rec.kind == "idle"
+
+    def abort(self, error: BaseException) -> bool:
+        """A step failed on this replica before its DP agreement: send the abort status in it."""
+        from vllm.v1.worker import dp_utils
+
+        if self.runner is None:
+            return False
+        status = dp.STATUS_BATCH_ERROR if isinstance(error, BatchError) else dp.STATUS_FAULT
+        try:
+            device, group = dp_utils._get_device_and_group(self.runner.parallel_config)
+            return self.tap.abort(status, group, device=device)
+        except Exception:  # noqa: BLE001 - the step's own error is the one to report
+            return False
+
+    def before_step(self, scheduler_output) -> None:
+        """At a real step's start: its scheduled drafts against the drafter's proposals."""
+        so = scheduler_output
+        self.drafts.forget(so.finished_req_ids)
+        if so.scheduled_spec_decode_tokens:
+            before = self.drafts.checked
+            self.drafts.check_scheduled(self.recorder.step_id, so.scheduled_spec_decode_tokens)
+            self.recorder.note(drafts_checked=self.drafts.checked - before)
+
+    def proposed(self, drafts) -> None:
+        """What `take_draft_token_ids` hands vLLM (of the step that just ended)."""
+        self.drafts.proposed(self.recorder.step_id - 1, drafts.req_ids, drafts.draft_token_ids)
+
+    def close(self) -> None:
+        self.watchdog.stop()
+        for hook in self._hooks:
+            hook.remove()
+        self._undo()
+
+    # -- the target forward: an expert exchange every replica must join
+
+    def _before_forward(self, _module, args, kwargs):
+        self.tap.follow()
+        step = self.tap.step_id
+        if step == dp_agreement.NO_STEP:
+            return None
+        ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("positions")
+        rows = int(ids.shape[0]) if ids is not None else (int(args[0].shape[0]) if args else 0)
+        seq = next(self._forward_seq)
+        self._forward_open = (step, seq)
+        self.watchdog.enter(step, dp.TARGET, "expert forward")
+        if self.audit is not None:
+            self.audit.collective(step, "expert", "forward", dp.TARGET, [[rows]], seq, "enqueue")
+        return None
+
+    def _after_forward(self, _module, _args, _output):
+        if self._forward_open is None:
+            return None
+        step, seq = self._forward_open
+        self._forward_open = None
+        if self.audit is not None:
+            self.audit.collective(step, "expert", "forward", dp.TARGET, None, seq, "done")
+        self.watchdog.leave(step, dp.TARGET)
+        return None
+
+    # -- injected faults
+
+    def _rows_hook(self, rows: dp_agreement.AgreementRows) -> dp_agreement.AgreementRows:
+        if rows.phase == dp.TARGET and self.injector.due("desync", rows.step_id):
+            return dp_agreement.AgreementRows(rows.step_id + 1, rows.phase, rows.seq, rows.kind, rows.status)
+        return rows
+
+    def _wrap_faults(self) -> None:
+        if self.injector.injection is None:
+            return
+        runner, tap, due = self.runner, self.tap, self.injector.due
+        determine, dummy_run = runner._determine_batch_execution_and_padding, runner._dummy_run
+
+        @functools.wraps(determine)
+        def determine_then_maybe_skip(*args, **kwargs):
+            out = determine(*args, **kwargs)
+            if tap.kind == dp_agreement.KIND_DUMMY and due("skip-dummy-forward", tap.step_id):
+                raise _SkipDummyForward
+            return out
+
+        @functools.wraps(dummy_run)
+        def dummy_run_unless_skipped(*args, **kwargs):
+            try:
+                return dummy_run(*args, **kwargs)
+            except _SkipDummyForward:
+                return None
+        runner._determine_batch_execution_and_padding = determine_then_maybe_skip
+        runner._dummy_run = dummy_run_unless_skipped
+        drafter = getattr(runner, "drafter", None)
+        if drafter is not None and hasattr(drafter, "dummy_run"):
+            draft_dummy = drafter.dummy_run
+
+            @functools.wraps(draft_dummy)
+            def draft_dummy_unless_skipped(*args, **kwargs):
+                tap.follow()
+                if tap.kind == dp_agreement.KIND_DUMMY and due("skip-draft-sync", tap.step_id):
+                    return None
+                return draft_dummy(*args, **kwargs)
+            drafter.dummy_run = draft_dummy_unless_skipped
+
+    def _log_fault(self, step, error: BaseException) -> None:
+        if self.audit is not None and not self.audit.closed:
+            self.audit.fault(step, error, str(error))

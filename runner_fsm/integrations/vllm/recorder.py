@@ -1,0 +1,142 @@
+"""One replica's record of vLLM's steps: its step id, state machine, audit log and journal.
+
+`ReplicaRecorder` is the one object the worker calls around each vLLM call; other parts of
+the integration (the DP agreement, the watchdog) read `step_id`, `kind` and `audit` from it.
+Step ids count the worker's steps from 0 (a real step or an idle dummy); start-up and graph
+capture are step -1. Per step the audit log gets the transitions, the `buffers` records of each
+target forward (see `probe`), and a `graph` record per FULL-graph capture or replay; the
+journal gets what vLLM decided (see `journal`). A forward's `buffers` record holds the
+attention metadata a replay is judged on (reason `real`, `dummy` or `capture`; `:copied=...`
+when the forward was handed copies, not vLLM's persistent buffers); the content hashes of
+its other inputs go into the journal (`inputs`). Records of a step's forwards are written
+when the step ends, so that on an accelerator the content hashes are read back after the
+step, never before a graph replay.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from runner_fsm.audit import AuditLog
+from runner_fsm.integrations.vllm.fsm import StepMachine
+from runner_fsm.integrations.vllm.journal import Journal
+from runner_fsm.integrations.vllm.probe import resolve
+from runner_fsm.states import State, Trigger
+
+CAPTURE_STEP = -1
+STEP_TRIGGERS = {"prefill": Trigger.PREFILL, "decode": Trigger.DECODE, "idle": Trigger.IDLE}
+
+
+class ReplicaRecorder:
+    def __init__(self, audit: AuditLog, journal: Journal | None, *, fingerprints: bool = True):
+        self.audit = audit
+        self.journal = journal
+        self.machine = StepMachine(audit)
+        self.fingerprints = fingerprints  # False: audit level "transitions" (no buffers records)
+        self.step_id = CAPTURE_STEP  # the step being run, or the next one between steps
+        self.kind: str | None = None  # "prefill" | "decode" | "idle" while a step runs
+        self.fault_cause: BaseException | None = None
+        self._forwards: list[tuple] = []  # this step's forwards, written when it ends
+        self._entry: dict | None = None  # this step's journal entry
+
+    # -- start-up -------------------------------------------------------------------
+
+    def start_capture(self) -> None:
+        """Warm-up, profiling and graph capture run in `capturing` (idempotent)."""
+        if self.machine.is_(State.INIT):
+            self.machine.fire(Trigger.CAPTURE, CAPTURE_STEP)
+
+    def end_capture(self) -> None:
+        self.start_capture()
+        self._write_forwards(CAPTURE_STEP)
+        self.machine.fire(Trigger.CAPTURED, CAPTURE_STEP)
+        self.step_id = 0
+
+    # -- steps ----------------------------------------------------------------------
+
+    @property
+    def in_step(self) -> bool:
+        return self.kind is not None
+
+    def begin_step(self, kind: str, decision: dict | None = None) -> int:
+        """Enter a step of `kind`; returns its id."""
+        self._flush_entry()
+        self.machine.fire(STEP_TRIGGERS[kind], self.step_id)  # raises StepRefused: nothing changed
+        self.kind = kind
+        self._entry = {"step": self.step_id, "kind": kind, **(decision or {})}
+        return self.step_id
+
+    def on_forward(self, taken: dict | None, copied: list[str], dummy: bool, mode: str, desc: Any,
+                   dp_counts: Any) -> None:
+        """A target forward is about to run (called from the forward pre-hook)."""
+        self._forwards.append((taken, copied, dummy, mode, desc))
+        if self._entry is not None:
+            self._entry.setdefault("forwards", []).append(
+                [("dummy" if dummy else "real"), mode, desc, dp_counts])
+
+    def drafted(self) -> None:
+        """The drafter ran (proposals, or its dummy run on an idle replica)."""
+        self.machine.fire(Trigger.DRAFT, self.step_id)
+
+    def note(self, **fields: Any) -> None:
+        """Add what vLLM decided to this step's journal entry (sampled tokens, drafts, ...)."""
+        if self._entry is not None:
+            self._entry.update(fields)
+
+    def end_step(self) -> None:
+        self._write_forwards(self.step_id)
+        self.machine.fire(Trigger.FINISH, self.step_id)
+        self.kind = None
+        self.step_id += 1
+
+    def _write_forwards(self, step: int) -> None:
+        forwards, self._forwards = self._forwards, []
+        capturing = step == CAPTURE_STEP
+        for taken, copied, dummy, mode, desc in forwards:
+            graph = mode == "FULL"
+            if graph and capturing:  # a capture first names its size, then its buffers
+                self.audit.graph(step, "capture", num_tokens=desc[0] if desc else None)
+            if taken is not None:
+                reason = "capture" if capturing else ("dummy" if dummy else "real")
+                if copied:
+                    reason += ":copied=" + ",".join(copied)
+                inputs, judged = resolve(taken)
+                self.audit.buffers(step, reason, judged)
+                if self._entry is not None:
+                    self._entry.setdefault("inputs", []).append(inputs)
+            if graph and not capturing:
+                self.audit.graph(step, "replay", num_tokens=desc[0] if desc else None, dummy=dummy)
+
+    def _flush_entry(self) -> None:
+        entry, self._entry = self._entry, None
+        if entry is not None and self.journal is not None:
+            self.journal.write(entry)
+
+    # -- faults and the end -----------------------------------------------------------
+
+    def fault(self, error: BaseException) -> None:
+        """Log `error` and move to `faulted` (once; later errors only add a fault record)."""
+        step = self.step_id
+        if self.fault_cause is None:
+            self.fault_cause = error
+        self.audit.fault(step, error, str(error))
+        try:
+            self._write_forwards(step)
+        except Exception:  # noqa: BLE001 - evidence of a broken step is best effort
+            pass
+        if not self.machine.is_(State.FAULTED) and not self.machine.is_(State.STOPPED):
+            self.machine.fire(Trigger.FAULT, step)
+        self.kind = None
+
+    def shutdown(self, reason: str = "vLLM shut the worker down") -> None:
+        if self.audit.closed:
+            return
+        try:
+            self._flush_entry()
+            if self.in_step or self.machine.is_(State.CAPTURING):
+                self.fault(RuntimeError(f"{reason} in the middle of step {self.step_id}"))
+            self.machine.fire(Trigger.SHUTDOWN, self.step_id)
+        finally:
+            if self.journal is not None:
+                self.journal.close()
+            self.audit.close()

@@ -1,0 +1,63 @@
+"""The rules of the agreement rows carried in vLLM's DP all-reduce, and the fault syntax (no vLLM)."""
+
+from __future__ import annotations
+
+import pytest
+
+from runner_fsm import dp
+from runner_fsm.errors import ConfigError, DesyncError, ReplicaFault
+from runner_fsm.integrations.vllm import inject
+from runner_fsm.integrations.vllm.dp_agreement import check_columns
+
+
+def rows(*columns):
+    """AGREEMENT_ROWS from (step, phase, seq, kind, status) columns, one per replica."""
+    return [list(row) for row in zip(*columns)]
+
+
+def test_in_step_agrees_with_vllms_counts():
+    agreed = check_columns(rows((4, 1, 9, 0, 0), (4, 1, 9, 1, 0)), [64, 1], [0, 0])
+    assert agreed == dp.DPSyncState(4, dp.TARGET, (64, 1), dp.GRAPH_EAGER, 0, 0, False)
+
+
+@pytest.mark.parametrize("columns, culprit, step", [
+    (((4, 1, 9, 0, 0), (5, 1, 9, 1, 0)), 1, 4),  # replica 1 reports the next step id
+    (((5, 1, 9, 1, 0), (4, 1, 9, 0, 0)), 0, 4),  # the same on replica 0: no tie-break by rank
+    (((4, 2, 9, 0, 0), (5, 1, 9, 1, 0)), 1, 4),  # replica 1 skipped the draft sync of step 4
+    (((4, 3, 9, 0, 0), (4, 3, 10, 0, 0), (4, 3, 9, 0, 0)), 1, 4),  # one extra agreement: the odd seq
+])
+def test_desync_names_culprit_and_step(columns, culprit, step):
+    with pytest.raises(DesyncError, match=rf"^culprit: replica {culprit} at step {step} ") as err:
+        check_columns(rows(*columns), [1] * len(columns), [0] * len(columns))
+    assert (err.value.culprit_replicas, err.value.culprit_step) == ((culprit,), step)
+
+
+def test_abort_status_stops_every_replica_naming_sender():
+    with pytest.raises(ReplicaFault, match="replica 1 aborted step 4") as err:
+        check_columns(rows((4, 1, 9, 0, 0), (4, 1, 9, 1, dp.STATUS_FAULT)), [1, 1], [0, 0])
+    assert err.value.replica == 1
+
+
+def test_inject_syntax():
+    assert inject.parse("skip-draft-sync@replica=1,step=5").kind == "skip-draft-sync"
+    assert (inject.parse(" desync@replica=0,step=12 ").replica, inject.parse("desync@replica=0,step=12").step) == (0, 12)
+    for bad in ("crash@replica=1,step=5", "desync@replica=1", "desync"):
+        with pytest.raises(ConfigError):
+            inject.parse(bad)
+    injector = inject.VLLMInjector(inject.parse("desync@replica=1,step=5"), dp_rank=1)
+    assert injector.due("desync", 5) and not injector.due("desync", 4)
+    assert not inject.VLLMInjector(inject.parse("desync@replica=1,step=5"), dp_rank=0).due("desync", 5)
+
+
+def test_scheduled_drafts_must_be_prefixes_of_the_latest_proposals():
+    from runner_fsm.integrations.vllm.drafts import DraftLedger, DraftMismatchError
+
+    ledger = DraftLedger(dp_rank=0)
+    ledger.proposed(3, ["a", "b"], [[7, 8], [9, 10]])
+    ledger.check_scheduled(4, {"a": [7, 8], "b": [9], "c": [-1, -1]})  # shortened; placeholders
+    assert ledger.checked == 2
+    with pytest.raises(DraftMismatchError, match=r"replica 0 step 5: .*'a': \[8\] scheduled, \[7, 8\] proposed at step 3"):
+        ledger.check_scheduled(5, {"a": [8]})
+    ledger.forget(["b"])
+    with pytest.raises(DraftMismatchError, match="'b': \\[9\\] scheduled, nothing proposed"):
+        ledger.check_scheduled(5, {"b": [9]})

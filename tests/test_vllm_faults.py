@@ -1,0 +1,84 @@
+"""Injected DP faults through vLLM: every rank stops, naming the culprit replica and step, and
+`runner-fsm replay --json` names the same replica and step.
+
+Each kind runs Mixtral with draft_model drafting (K=2) on two DP engines; replica 1 is idle
+from step ~2 on, and the fault hits it at step S. `skip-dummy-forward` and `skip-draft-sync`
+leave replica 0 waiting in an expert exchange or a draft all-reduce that replica 1 never
+joins (vLLM would hang): the watchdog ends both after `collective_timeout_s`. `desync` is
+caught in the very all-reduce it corrupts. The three runs share the machine at once.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+
+import pytest
+import vllm_dp_cases as c
+
+from runner_fsm.integrations.vllm.spmd import Job
+
+pytestmark = pytest.mark.vllm
+
+KINDS = ("skip-dummy-forward", "skip-draft-sync", "desync")
+REPLICA, STEP = 1, 5
+TIMEOUT_S = 20.0
+# After detection: the watchdog polls (0.25 s) and lingers for its peers (3 s); the worker
+# process exits, vLLM's engine sees it die and shuts down, the interpreter exits. Seen: 10 s
+# (desync) to 22 s after detection with a load average of ~20 on the 2 cores; hence 30 s.
+BOUND_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("vllm-faults")
+    models = c.make_models(root / "models")
+    out = {}
+
+    def one(kind: str) -> None:
+        run_dir = root / f"run-{kind}"
+        options = {"inject": f"{kind}@replica={REPLICA},step={STEP}", "collective_timeout_s": TIMEOUT_S}
+        job = Job(c.kwargs(models, "mixtral", drafting=True, run_dir=str(run_dir), options=options), c.PER_RANK)
+        out[kind] = (c.run([job], 2, root, timeout_s=900), run_dir)
+
+    threads = [threading.Thread(target=one, args=(kind,)) for kind in KINDS]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def _injected_step_start_ns(run_dir) -> int:
+    return min(r["t_ns"] for rank in range(2) for r in c.records(run_dir / f"rank-{rank}.jsonl")
+               if r["step_id"] == STEP)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_fault_stops_every_rank_naming_culprit(runs, kind):
+    result, run_dir = runs[kind]
+    assert all(code not in (0, None) for code in result.codes), (result.codes, result.logs[0][-3000:])
+    for log in result.logs:
+        assert re.search(rf"culprit: replica {REPLICA} at step {STEP}\b", log), log[-3000:]
+    faults = [r for rank in range(2) for r in c.records(run_dir / f"rank-{rank}.jsonl") if r["event"] == "fault"]
+    assert {r["dp_rank"] for r in faults} == {0, 1}
+    began_ns = _injected_step_start_ns(run_dir)
+    detected_s = (min(r["t_ns"] for r in faults) - began_ns) / 1e9
+    ended_s = [at - began_ns / 1e9 for at in result.ended_at]
+    expected = TIMEOUT_S if kind != "desync" else 0.0
+    assert expected <= detected_s + 0.5 <= expected + BOUND_S, detected_s
+    assert all(expected < s <= expected + BOUND_S for s in ended_s), ended_s
+    print(f"\n{kind}: detected {detected_s:.2f} s after step {STEP} began; processes ended after"
+          f" {', '.join(f'{s:.1f}' for s in ended_s)} s; codes {result.codes}")
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_replay_names_same_replica_and_step(runs, kind):
+    _, run_dir = runs[kind]
+    code, verdicts = c.replay_json(run_dir)
+    assert code == 1
+    named = [(v["replica"], v["step"]) for v in verdicts if v["kind"] in ("hang", "collective_mismatch",
+                                                                           "missing_replica", "agreed_mismatch")]
+    print(f"\n{kind}: replay verdicts " + "; ".join(f"{v['kind']} replica {v['replica']} step {v['step']}"
+                                                 for v in verdicts))
+    assert named and named[0] == (REPLICA, STEP), verdicts

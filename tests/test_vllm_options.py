@@ -1,0 +1,36 @@
+"""FSMWorker's options from vLLM's additional_config, else the environment (no vLLM needed)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from runner_fsm.errors import ConfigError
+from runner_fsm.integrations.vllm.options import WorkerOptions
+
+
+def config(section=None):
+    return SimpleNamespace(additional_config={"runner_fsm": section} if section is not None else None)
+
+
+def test_additional_config_wins_over_the_environment():
+    env = {"RUNNER_FSM_RUN_DIR": "/env", "RUNNER_FSM_COLLECTIVE_TIMEOUT_S": "7", "RUNNER_FSM_INJECT": "desync@replica=1,step=3"}
+    opts = WorkerOptions.from_vllm(config({"run_dir": "/cfg", "audit": "transitions"}), env)
+    assert opts == WorkerOptions(run_dir="/cfg", run_id=None, collective_timeout_s=7.0,
+                                 inject="desync@replica=1,step=3", audit="transitions")
+
+
+def test_defaults_without_any_option():
+    assert WorkerOptions.from_vllm(config(), {}) == WorkerOptions()
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"graph_mode": "full"}, r"unknown keys \['graph_mode'\]"),
+    ({"audit": "some"}, r"audit must be one of \['full', 'transitions'\], got 'some'"),
+    ({"collective_timeout_s": "soon"}, "collective_timeout_s must be a number of seconds, got 'soon'"),
+    ({"collective_timeout_s": 0}, "collective_timeout_s must be positive, got 0.0"),
+])
+def test_bad_options_are_refused_by_name(section, message):
+    with pytest.raises(ConfigError, match=message):
+        WorkerOptions.from_vllm(config(section), {})

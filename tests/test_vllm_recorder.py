@@ -1,0 +1,137 @@
+"""The worker's per-replica recorder without vLLM: what a FULL-graph idle dummy leaves in the log.
+
+vLLM's idle replica runs `execute_dummy_batch`; under a FULL graph mode that replays the graph
+captured for the batch size, reading the persistent buffers as the previous real batch left
+them (vLLM fills no fresh inputs for a dummy unless asked to randomise). The recorder logs the
+buffers' content hashes before each forward and a `graph` replay record, so `runner-fsm
+replay` names that replay; a dummy that did get fresh inputs, or an eager one, is sound.
+CPU runs of vLLM have no FULL graphs, so the runner here is a stand-in with real buffers.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from runner_fsm.audit import AuditLog
+from runner_fsm.audit.replay import replay
+from runner_fsm.integrations.vllm.errors import StepRefused
+from runner_fsm.integrations.vllm.journal import Journal, read_journal
+from runner_fsm.integrations.vllm.probe import InputProbe
+from runner_fsm.integrations.vllm.recorder import ReplicaRecorder
+
+DESC = (4, 4, True)  # the batch descriptor: 4 tokens, 4 requests, uniform decode
+
+
+def stand_in_runner():
+    table = SimpleNamespace(block_table=torch.zeros(8, 4, dtype=torch.int32),
+                            slot_mapping=torch.zeros(16, dtype=torch.int64))
+    return SimpleNamespace(input_ids=torch.zeros(16, dtype=torch.int32), positions=torch.zeros(16, dtype=torch.int64),
+                           query_start_loc=torch.zeros(9, dtype=torch.int32), seq_lens=torch.zeros(8, dtype=torch.int32),
+                           input_batch=SimpleNamespace(num_reqs=4, block_table=[table]))
+
+
+def write_batch(runner, step: int) -> None:
+    """What vLLM's _prepare_inputs writes for a decode step of 4 requests."""
+    runner.input_ids[:4] = torch.arange(4) + 10 * step
+    runner.positions[:4] = torch.arange(4) + 20 + step
+    runner.seq_lens[:4] = 21 + step
+    runner.query_start_loc[:5] = torch.arange(5)
+    runner.input_batch.block_table[0].slot_mapping[:4] = torch.arange(4) * 32 + 20 + step
+
+
+def run(tmp_path, *, mode: str, fresh_dummy: bool) -> str:
+    run_dir = str(tmp_path / "run")
+    runner = stand_in_runner()
+    probe = InputProbe(runner)
+    rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0), Journal(run_dir, 0))
+
+    def forward(dummy: bool):
+        args = {"input_ids": runner.input_ids[:4], "positions": runner.positions[:4]}
+        rec.on_forward(*probe.take(4, 4, args), dummy, mode, DESC, None)
+
+    rec.start_capture()
+    forward(dummy=True)  # graph capture on vLLM's dummy inputs
+    rec.end_capture()
+    for step in range(2):
+        rec.begin_step("decode", {"tokens": 4})
+        write_batch(runner, step)
+        forward(dummy=False)
+        rec.note(sampled=[[1], [2], [3], [4]])
+        rec.end_step()
+    rec.begin_step("idle")
+    if fresh_dummy:
+        write_batch(runner, 99)
+    forward(dummy=True)
+    rec.end_step()
+    rec.shutdown()
+    return run_dir
+
+
+def test_full_graph_idle_dummy_on_the_previous_batch_is_named_by_replay(tmp_path):
+    run_dir = run(tmp_path, mode="FULL", fresh_dummy=False)
+    report = replay(run_dir)
+    assert [(v.kind, v.replica, v.step) for v in report.verdicts] == [("stale_buffer_replay", 0, 2)]
+    assert "graph replay of 4 tokens at step 2" in report.verdicts[0].detail
+    journal = read_journal(run_dir)
+    assert [(e["step"], e["kind"]) for e in journal] == [(0, "decode"), (1, "decode"), (2, "idle")]
+    assert journal[2]["forwards"] == [["dummy", "FULL", [4, 4, True], None]]
+
+
+def test_full_graph_dummy_with_fresh_inputs_is_sound(tmp_path):
+    assert replay(run(tmp_path, mode="FULL", fresh_dummy=True)).sound
+
+
+def test_eager_dummy_reading_old_inputs_is_not_a_graph_replay(tmp_path):
+    assert replay(run(tmp_path, mode="NONE", fresh_dummy=False)).sound
+
+
+def test_a_step_before_capture_is_refused_and_logged(tmp_path):
+    run_dir = str(tmp_path / "run")
+    rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0), None)
+    with pytest.raises(StepRefused, match="'decode' is not allowed in state 'init'"):
+        rec.begin_step("decode")
+    rec.shutdown()
+    report = replay(run_dir)
+    assert report.sound, report.format()  # a refusal leaves the state as it was: legal
+
+
+def test_a_fault_inside_a_step_moves_to_faulted_and_replays_as_a_fault(tmp_path):
+    run_dir = str(tmp_path / "run")
+    rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0), None)
+    rec.end_capture()
+    rec.begin_step("prefill")
+    rec.fault(RuntimeError("kernel failed"))
+    rec.shutdown()
+    assert rec.fault_cause is not None
+    kinds = [(v.kind, v.replica, v.step) for v in replay(run_dir).verdicts]
+    assert kinds == [("fault", 0, 0)]
+
+
+def test_forward_hook_on_a_graph_wrapper_runs_before_its_call():
+    """On CUDA `runner.model` may be vLLM's CUDAGraphWrapper (not a module); the hook must run
+    right before its `__call__` (where a graph replays), and the object keeps its type."""
+    from runner_fsm.integrations.vllm.worker import _hook_forward
+
+    order = []
+
+    class GraphWrapper:  # stands in for vllm.compilation.cuda_graph.CUDAGraphWrapper
+        def __call__(self, *, input_ids, positions):
+            order.append(("replay", int(input_ids.sum())))
+            return positions
+
+    wrapper, other = GraphWrapper(), GraphWrapper()
+    runner = SimpleNamespace(model=wrapper)
+    _hook_forward(runner, lambda kwargs: order.append(("hook", sorted(kwargs))))
+    ids = torch.ones(3)
+    assert wrapper(input_ids=ids, positions=ids) is ids
+    assert order == [("hook", ["input_ids", "positions"]), ("replay", 3)]
+    assert isinstance(wrapper, GraphWrapper) and type(other) is GraphWrapper  # only that object changed
+    order.clear()
+    module = torch.nn.Identity()
+    runner.model = module
+    _hook_forward(runner, lambda kwargs: order.append(("hook", sorted(kwargs))))
+    module(ids)
+    assert order == [("hook", [])]

