@@ -14,6 +14,7 @@ from typing import Callable
 
 import orjson
 
+from runner_fsm.audit.checks import own_agreement_problem
 from runner_fsm.audit.collective_labels import label, phase_label
 from runner_fsm.audit.groups import Groups
 from runner_fsm.audit.stepsummary import RankStep
@@ -27,27 +28,19 @@ def check_own_agreement(pending: tuple, agreed: dict, step: int, dp_rank: int) -
     """What one rank's logged agreement contradicts in its own records (empty when sound).
 
     `pending` is the collective as the scanner keeps it: (group, index, op, phase, pg_seq,
-    line, sent). The agreement is for the step and phase it was logged in, and gives this
-    replica what it sent (DESIGN section 5): its own count in eager mode, at least that when
-    graph mode pads every replica to one size.
+    line, sent). The rule is `checks.own_agreement_problem`, the one the runner applies online.
     """
     group, _, op, phase, _, _, sent = pending
-    problems = []
-    if agreed.get("step_id") != step or agreed.get("phase") != phase:
-        problems.append(f"{label(group, op, phase)} logged at step {step} agreed on step"
-                        f" {agreed.get('step_id')} phase {agreed.get('phase')}")
-    if sent is None:
-        return problems
-    try:  # the common case first, without building anything: it got what it sent
-        got, wanted = agreed["num_tokens_across_dp"][dp_rank], sent["num_tokens"]
+    try:
+        sent_tokens = sent["num_tokens"] if sent is not None else None
+        got = agreed["num_tokens_across_dp"][dp_rank]
     except (KeyError, IndexError, TypeError):
-        return problems
-    padded = agreed.get("graph_mode") == 2
-    if got != wanted and not (padded and isinstance(got, int) and isinstance(wanted, int) and got >= wanted):
-        mode = "full graph: at least" if padded else "eager: exactly"
-        problems.append(f"{label(group, op, phase)} at step {step}: replica {dp_rank} sent"
-                        f" num_tokens={wanted} but its logged agreement gives it {got} ({mode} what it sent)")
-    return problems
+        sent_tokens = got = None
+    problem = own_agreement_problem(step, phase, sent_tokens, agreed.get("step_id"), agreed.get("phase"),
+                                    got, agreed.get("graph_mode"))
+    if problem is None:
+        return []
+    return [f"{label(group, op, phase)} logged at step {step}: replica {dp_rank} {problem}"]
 
 
 def check_agreed(step: int, present: dict[int, RankStep], groups: Groups,

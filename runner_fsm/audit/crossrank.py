@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 
 from runner_fsm.audit.agreed import check_agreed
+from runner_fsm.audit.checks import divergent_outputs
 from runner_fsm.audit.groups import Groups
 from runner_fsm.audit.hangs import check_hangs
 from runner_fsm.audit.merge import StepMerger
@@ -57,6 +58,7 @@ class CrossRankChecker:
                 self.missed.append(self._open.pop(rank))
         self.sequences.check(step, present)
         check_agreed(step, present, self.groups, self.emit)
+        check_outputs(step, present, self.groups, self.emit)
         check_hangs(step, present, self.groups, self.merger, self.emit)
 
     def finish(self) -> list[MissedSteps]:
@@ -82,6 +84,20 @@ class CrossRankChecker:
             else:
                 missed.last = step
                 missed.agreed_by |= agreed_by
+
+
+def check_outputs(step: int, present: dict[int, RankStep], groups: Groups, emit) -> None:
+    """`pcp_divergence`: the PCP ranks of a replica logged digests of different sampled tokens."""
+    by_replica: dict[int, dict[int, int]] = {}
+    for rank, summary in present.items():
+        if summary.output is not None:
+            by_replica.setdefault(groups.replica(rank), {})[rank] = summary.output
+    for replica, digests in by_replica.items():
+        if divergent_outputs(digests) is None:
+            continue
+        each = ", ".join(f"rank {rank}: {digest:#010x}" for rank, digest in sorted(digests.items()))
+        emit(Verdict("pcp_divergence", replica, step, f"the PCP ranks of replica {replica} sampled different"
+                     f" tokens at step {step} (output digests {each})", tuple(sorted(digests))))
 
 
 def join_missed(runs: list[MissedSteps]) -> list[Verdict]:

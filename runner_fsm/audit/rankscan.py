@@ -16,6 +16,7 @@ from collections.abc import Iterator
 import orjson
 
 from runner_fsm.audit.agreed import check_own_agreement
+from runner_fsm.audit.checks import context_problem, dispatch_problem
 from runner_fsm.audit.collective_labels import label
 from runner_fsm.audit.reader import RankInfo
 from runner_fsm.audit.stale import BufferTracker
@@ -76,7 +77,8 @@ class RankScanner:
         # the header checks are inlined here; each event goes to one handler, rare cases to helpers.
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
         handlers = {"collective": self._collective, "transition": self._transition,
-                    "buffers": self._buffers, "graph": self._graph, "fault": self._fault}
+                    "buffers": self._buffers, "graph": self._graph, "fault": self._fault,
+                    "context": self._context}
         for line_no, raw in enumerate(lines, 1):
             self._line = line_no
             try:
@@ -138,9 +140,11 @@ class RankScanner:
                               line=0)
             return None
         hang, timed_out = self._dangling, False
-        if hang is None and last.fault is not None and last.fault[0] in TIMEOUT_ERRORS:
+        if hang is None:
+            # The log ends in a step with a collective that never reached `done`: the rank
+            # stopped in it, whatever it logged afterwards (a timeout, its own fault).
             hang = self._open_collective(last)
-            timed_out = hang is not None
+            timed_out = hang is not None and last.fault is not None and last.fault[0] in TIMEOUT_ERRORS
         state = self.transitions.state
         if hang is None and not self._truncated and state not in TERMINAL_STATES:
             self._verdict("unfinished", f"the log ends in state {state!r} at step {last.step} without"
@@ -242,6 +246,12 @@ class RankScanner:
             step.open[group] = []
         # the layout of StepBuilder.open
         sent = record.get("sent")
+        if op == "forward":
+            self._forward_evidence(record)
+        elif group == "dp" and "inputs" in record:
+            self._dispatch_evidence(record["inputs"], sent)
+        elif group == "pcp" and "output" in record:
+            step.output = record["output"]["digest"]
         pending = (group, len(keys), op, phase, pg_seq, self._line, sent if isinstance(sent, dict) else None)
         keys.append((op, phase, shapes))
         step.open[group].append(pending)
@@ -287,6 +297,36 @@ class RankScanner:
         self._verdict("gap", f"`done` of {label(group, op, phase)} (pg_seq {pg_seq}) has no `enqueue`"
                       " in its step: the enqueue record is lost")
 
+    # -- evidence: recomputed, never taken on the runner's word ------------------------
+
+    def _forward_evidence(self, record) -> None:
+        """A target forward: the PCP context it used is its batch's; eager, its inputs are fresh."""
+        ctx, batch = record.get("ctx"), record.get("batch")
+        if ctx is not None and batch is not None:
+            self._context_evidence(ctx, batch)
+        if record.get("graph") is False:
+            for detail in self.buffers.eager_forward(self.current.step):
+                self._verdict("stale_buffer_replay", detail)
+
+    def _context(self, record) -> None:
+        self._context_evidence(record["ctx"], record["batch"])
+
+    def _context_evidence(self, ctx, batch) -> None:
+        problem = context_problem(self.current.step, batch, ctx)
+        if problem is not None:
+            self._verdict("stale_context", f"replica {self.info.dp_rank}: {problem}")
+
+    def _dispatch_evidence(self, inputs, sent) -> None:
+        """The count the replica sent against the count its logged batch yields."""
+        if not isinstance(sent, dict):
+            return
+        told = sent["num_tokens"]
+        if not inputs["prefill"] and told == inputs["decode"]:
+            return  # decode only: the count is the decode tokens, replicated on every PCP rank
+        problem = dispatch_problem(inputs, told)
+        if problem is not None:
+            self._verdict("dispatch_mismatch", f"replica {self.info.dp_rank} {problem}")
+
     def _fault(self, record) -> None:
         error, message = str(record["error"]), str(record["message"])
         if self.current.fault is None:
@@ -294,7 +334,8 @@ class RankScanner:
         self._verdict("fault", f"{error}: {message}", error=error)
 
     def _buffers(self, record) -> None:
-        self.buffers.buffers(record)
+        for detail in self.buffers.buffers(record, self.current.step):
+            self._verdict("stale_buffer_replay", detail)
 
     def _graph(self, record) -> None:
         for detail in self.buffers.graph(record, self.current.step):

@@ -23,7 +23,7 @@ from __future__ import annotations
 import collections
 from typing import Callable
 
-from runner_fsm.audit.collective_labels import key_label, sequence_label
+from runner_fsm.audit.collective_labels import key_label, phase_label, sequence_label
 from runner_fsm.audit.groups import Groups
 from runner_fsm.audit.stepsummary import RankStep
 from runner_fsm.audit.verdicts import Verdict
@@ -142,14 +142,27 @@ def _ends_here(summary: RankStep) -> bool:
 
 
 def describe(group: str, sequence: tuple, reference: tuple) -> str:
-    """How `sequence` departs from `reference`, e.g. 'skipped all_reduce DRAFT_PREFILL [[7, 2]]'."""
+    """How `sequence` departs from `reference`, e.g. 'skipped all_reduce DRAFT_PREFILL [[7, 2]]
+    that its peers issued (DRAFT_PREFILL: 0 collectives where its peers ran 1)'."""
     missing = _unmatched(reference, sequence)
     if missing:
-        return f"skipped {', '.join(key_label(group, k) for k in missing)} that its peers issued"
-    extra = _unmatched(sequence, reference)
-    if extra:
-        return f"issued {', '.join(key_label(group, k) for k in extra)} that its peers did not"
-    return f"issued {sequence_label(group, sequence)} where its peers issued {sequence_label(group, reference)}"
+        how = f"skipped {', '.join(key_label(group, k) for k in missing)} that its peers issued"
+    else:
+        extra = _unmatched(sequence, reference)
+        if extra:
+            how = f"issued {', '.join(key_label(group, k) for k in extra)} that its peers did not"
+        else:
+            how = f"issued {sequence_label(group, sequence)} where its peers issued {sequence_label(group, reference)}"
+    counts = _phase_counts(group, sequence, reference)
+    return f"{how} ({counts})" if counts else how
+
+
+def _phase_counts(group: str, sequence: tuple, reference: tuple) -> str:
+    """The phases whose collective counts differ, with both counts."""
+    mine, theirs = collections.Counter(k[1] for k in sequence), collections.Counter(k[1] for k in reference)
+    phases = [p for p in dict.fromkeys([*theirs, *mine]) if mine[p] != theirs[p]]
+    return "; ".join(f"{phase_label(group, p)}: {mine[p]} collective{'s' if mine[p] != 1 else ''}"
+                     f" where its peers ran {theirs[p]}" for p in phases)
 
 
 def _unmatched(longer: tuple, shorter: tuple) -> list | None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 class StepBuilder:
     """The step a scanner is reading; sealed into a `RankStep` when the next one starts."""
 
-    __slots__ = ("step", "line", "keys", "first_pg", "open", "agreed", "fault", "kind", "drafted")
+    __slots__ = ("step", "line", "keys", "first_pg", "open", "agreed", "fault", "kind", "drafted", "output")
 
     def __init__(self, step: int, line: int):
         self.step, self.line = step, line
@@ -27,6 +27,7 @@ class StepBuilder:
         self.fault: tuple[str, str] | None = None  # (error, message) of the step's first fault
         self.kind: str | None = None  # prefill | decode | idle, from the step's transition
         self.drafted = False
+        self.output: int | None = None  # digest of what this rank sampled, when logged
 
     def seal(self, rank: int, interned: dict, *, ended=False, hang: tuple | None = None,
              timed_out=False) -> RankStep:
@@ -39,17 +40,17 @@ class StepBuilder:
         open_ = {group: tuple(p[1] for p in pending) for group, pending in self.open.items() if pending}
         hung = (hang[0], hang[1], hang[4]) if hang is not None else None
         return RankStep(rank, self.step, self.line, signature, first_pg, open_ or None, self.agreed,
-                        self.fault, self.kind, self.drafted, ended, hung, timed_out)
+                        self.fault, self.kind, self.drafted, ended, hung, timed_out, self.output)
 
 
 class RankStep:
     """What one rank did in one step, as far as its peers must match it; read-only."""
 
     __slots__ = ("rank", "step", "line", "signature", "first_pg", "open", "agreed", "fault", "kind",
-                 "drafted", "ended", "hang", "hang_timed_out")
+                 "drafted", "ended", "hang", "hang_timed_out", "output")
 
     def __init__(self, rank, step, line, signature, first_pg, open_, agreed, fault, kind, drafted,
-                 ended, hang, hang_timed_out):
+                 ended, hang, hang_timed_out, output=None):
         self.rank, self.step, self.line = rank, step, line
         self.signature = signature  # ((group, ((op, phase, shapes), ...)), ...) in issue order
         self.first_pg = first_pg  # per group of the signature: pg_seq of its first collective
@@ -59,11 +60,12 @@ class RankStep:
         self.ended = ended  # the rank's log ends in this step
         self.hang = hang  # None, or (group, index, pg_seq) of the collective it stopped in
         self.hang_timed_out = hang_timed_out
+        self.output = output  # digest of the tokens this rank sampled, or None
 
     def __reduce__(self):
         return (RankStep, (self.rank, self.step, self.line, self.signature, self.first_pg, self.open,
                            self.agreed, self.fault, self.kind, self.drafted, self.ended, self.hang,
-                           self.hang_timed_out))
+                           self.hang_timed_out, self.output))
 
     def keys(self, group: str) -> tuple:
         for name, keys in self.signature:

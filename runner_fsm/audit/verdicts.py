@@ -19,7 +19,10 @@ KINDS = (
     "missing_replica",
     "collective_mismatch",
     "agreed_mismatch",
+    "dispatch_mismatch",  # a replica sent another count than its logged batch yields
+    "stale_context",  # a forward on a PCP context built for another batch
     "stale_buffer_replay",
+    "pcp_divergence",  # the PCP ranks of a replica sampled different tokens
     "hang",
     "fault",  # a fault the run logged itself
     "unfinished",  # a log that just stops: no shutdown, no fault, no hang to explain it

@@ -96,6 +96,7 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
         collectives=CollectiveRunner(audit, rc.collective_timeout_s, heartbeat=_heartbeat(cfg, groups)),
         device=cfg.device,
         injector=Injector(Injection.parse(i) for i in cfg.injections),
+        pcp_group=groups.pcp if groups else None,
     )
     return ReplicaRunner(replica)
 
