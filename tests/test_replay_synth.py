@@ -3,7 +3,7 @@
 import pytest
 
 from runner_fsm.audit.replay import replay
-from runner_fsm.audit.synth import Defect, SynthSpec, write_run
+from runner_fsm.testing.synth import Defect, SynthSpec, write_run
 
 SPEC = SynthSpec(dp_size=3, pcp_size=2, steps=10, spec_tokens=2)
 
