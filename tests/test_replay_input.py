@@ -6,9 +6,9 @@ import tracemalloc
 
 import pytest
 
+from runner_fsm.audit.checks import TransitionChecker
 from runner_fsm.audit.replay import replay
 from runner_fsm.testing.synth import SynthSpec, truncate_last_line, write_run
-from runner_fsm.audit.transitions import TransitionChecker
 from runner_fsm.cli import main
 
 SPEC = SynthSpec(dp_size=2, pcp_size=2, steps=6)

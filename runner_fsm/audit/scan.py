@@ -1,9 +1,12 @@
 """One pass over one rank's log: the checks that need no peer, and a summary per step.
 
-Checked here: `seq` runs gapless from 0 (`gap`); every transition follows from the table and
-chains onto the previous one (`illegal_transition`); every graph replay reads buffers that
-were written since the previous step and still have their capture storage
-(`stale_buffer_replay`); faults and logs that just stop (`fault`, `unfinished`).
+Checked here, by the rules of `checks`: `seq` runs gapless from 0 (`gap`); every transition
+follows from the table and chains onto the previous one (`illegal_transition`); every forward,
+eager or graph, reads inputs written for its step (`stale_buffer_replay`) through the PCP
+context built for its batch (`stale_context`); the count sent to each agreement is the one the
+logged batch yields (`dispatch_mismatch`) and the agreement gives it back (`agreed_mismatch`);
+faults (`fault`: what the runner said, listed, never evidence) and logs that just stop
+(`unfinished`).
 What peers must agree on (collectives, agreements) goes into a `RankStep` per step, which
 `crossrank` merges across ranks. Only the current step is held, so memory does not grow
 with the log.
@@ -15,14 +18,10 @@ from collections.abc import Iterator
 
 import orjson
 
-from runner_fsm.audit.agreed import check_own_agreement
-from runner_fsm.audit.checks import context_problem, dispatch_problem
-from runner_fsm.audit.collective_labels import label
-from runner_fsm.audit.reader import RankInfo
-from runner_fsm.audit.stale import BufferTracker
-from runner_fsm.audit.stepsummary import RankStep, StepBuilder
-from runner_fsm.audit.transitions import TransitionChecker
-from runner_fsm.audit.verdicts import ReplayInputError, Verdict
+from runner_fsm.audit.checks import (BufferTracker, TransitionChecker, check_own_agreement, context_problem,
+                                     dispatch_problem)
+from runner_fsm.audit.read import RankInfo, RankStep, StepBuilder
+from runner_fsm.audit.report import Verdict, label
 
 TERMINAL_STATES = ("stopped", "faulted")
 STEP_TRIGGERS = frozenset({"prefill", "decode", "idle"})
@@ -202,6 +201,8 @@ class RankScanner:
     def _transition(self, record) -> None:
         trigger, outcome = record["trigger"], record["outcome"]
         self.transitions.check(trigger, record["src"], record["dst"], outcome, self._line)
+        if record["dst"] == "faulted":
+            self.current.faulted = True
         if outcome == "ok":
             if trigger in STEP_TRIGGERS:
                 self.current.kind = trigger
@@ -347,37 +348,3 @@ class RankScanner:
     def _open_collective(step: StepBuilder) -> tuple | None:
         """The last collective of the step still awaiting its `done`."""
         return max((p for pending in step.open.values() for p in pending), key=lambda p: p[5], default=None)
-
-
-def scan_rank(info: RankInfo, verdicts: list[Verdict], counter: dict[int, int], cut: set[int] | None = None,
-              *, offset: int = 0, count_from: int | None = None, stop_step: int | None = None
-              ) -> Iterator[RankStep]:
-    """The steps of one rank's log, in order; `counter[rank]` ends as its record count.
-
-    A range of steps (see `ranges`): from byte `offset` (a line start past the head) up to
-    `stop_step`; a rank stopped there goes into `cut` (its log goes on, in another range).
-    The captures at the head of the file are read first, since every replay is checked
-    against them. Line numbers in verdicts count from `offset`; `counter` counts the records
-    of steps from `count_from` on (earlier ones, read to warm up, are another range's)."""
-    scanner = RankScanner(info, verdicts)
-    scanner.count_from = count_from
-    try:
-        with open(info.path, "rb") as lines:
-            if offset > 0:
-                for _ in scanner.scan(lines, stop_step=0):  # the head: captures at step -1
-                    pass
-                scanner.resume_mid_file()
-                lines.seek(offset)
-            scanner.stopped = False
-            yield from scanner.scan(lines, stop_step=stop_step)
-    except OSError as err:
-        raise ReplayInputError(f"cannot read {info.path}: {err}") from err
-    if scanner.stopped:
-        if cut is not None:
-            cut.add(info.global_rank)
-        counter[info.global_rank] = scanner.records_counted
-        return
-    last = scanner.finish()
-    counter[info.global_rank] = scanner.records_counted
-    if last is not None:
-        yield last
