@@ -33,13 +33,18 @@ from runner_fsm.graphs import Fingerprints, GraphRunner, backend_for, check_refr
 from runner_fsm.machine import Handler, ReplicaMachine
 from runner_fsm.pcp.buffers import PersistentBuffers
 from runner_fsm.pcp.context import PCPAttentionContext, PCPContextState
-from runner_fsm.pcp.plan import num_tokens_for_dispatch, plan_batch
-from runner_fsm.request_table import RequestTable
+from runner_fsm.pcp.plan import plan_batch
 from runner_fsm.spec import tokens_per_request
 from runner_fsm.states import Trigger
+from runner_fsm.written_positions import WrittenPositions
 
 
 CRASH_EXIT_CODE = 17  # the exit status of an injected crash
+
+
+def _fields(value) -> dict:
+    """A frozen dataclass of plain fields as a dict for the log (`asdict` deep-copies)."""
+    return dict(vars(value))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -66,7 +71,7 @@ class Replica:
         self.model, self.agreement, self.drafter = model, agreement, drafter
         self.collectives, self.audit = collectives, audit
         self.injector = injector
-        self.requests = RequestTable()
+        self.requests = WrittenPositions()  # per request, the positions written to the cache
         # Block ids must exist in the model's cache (unknown for fakes without one).
         cache = getattr(model, "cache", None)
         self.num_kv_blocks = getattr(cache, "num_blocks", None)
@@ -150,8 +155,7 @@ class Replica:
         return await self.collectives.run(
             "dp", "all_reduce", self.agreement.sync, local, step_id=self.step_id,
             phase=local.phase, shapes=[(len(dp.ROWS), self.config.layout.dp_size)],
-            enqueue_extra={"sent": dataclasses.asdict(local)},
-            done_extra=lambda agreed: {"agreed": dataclasses.asdict(agreed)})
+            enqueue_extra={"sent": _fields(local)}, done_extra=lambda agreed: {"agreed": _fields(agreed)})
 
     def _wants_graph(self, num_tokens: int, uniform: int) -> int:
         cfg = self.config
@@ -162,15 +166,20 @@ class Replica:
     async def _run_real(self, event: RealStep) -> None:
         batch, cfg = event.batch, self.config
         pcp = cfg.layout.pcp_size
-        n = num_tokens_for_dispatch(batch.num_scheduled, batch.is_prefilling, pcp, chunking=cfg.chunking)
+        # The plan's widest rank is the dispatch count (`num_tokens_for_dispatch`); planned
+        # once here, and again only when the agreement pads it (graph mode).
+        plan = plan_batch(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp,
+                          chunking=cfg.chunking)
+        n = plan.num_tokens_padded
         uniform = batch.uniform_query_len()
         reported = batch.num_tokens if self.fault_due("wrong-dispatch-count") else n
         agreed = await self._agree(dp.LocalDispatch(
             self.step_id, dp.TARGET, dp.STATUS_OK, reported, self._wants_graph(n, uniform), uniform,
             batch.num_reqs))
         padded = agreed.num_tokens_for(self.dp_rank)
-        plan = plan_batch(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp,
-                          padded_num_tokens=padded, chunking=cfg.chunking)
+        if padded != n:
+            plan = plan_batch(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp,
+                              padded_num_tokens=padded, chunking=cfg.chunking)
         ctx = self.contexts.for_real(plan, batch.block_tables, cfg.block_size)
         self.buffers.write_real(plan, self.pcp_rank, batch.token_ids, batch.block_tables,
                                 ctx.gathered_slot_mapping)
