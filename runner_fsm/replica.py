@@ -34,13 +34,18 @@ from runner_fsm.graphs import Fingerprints, GraphRunner, backend_for, check_refr
 from runner_fsm.machine import Handler, ReplicaMachine
 from runner_fsm.pcp.buffers import PersistentBuffers
 from runner_fsm.pcp.context import PCPAttentionContext, PCPContextState
-from runner_fsm.pcp.plan import num_tokens_for_dispatch, plan_batch
-from runner_fsm.request_table import RequestTable
+from runner_fsm.pcp.plan import plan_batch
 from runner_fsm.spec import tokens_per_request
 from runner_fsm.states import Trigger
+from runner_fsm.written_positions import WrittenPositions
 
 
 CRASH_EXIT_CODE = 17  # the exit status of an injected crash
+
+
+def _fields(value) -> dict:
+    """A frozen dataclass of plain fields as a dict for the log (`asdict` deep-copies)."""
+    return dict(vars(value))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -71,7 +76,7 @@ class Replica:
         self.collectives, self.audit = collectives, audit
         self.injector = injector
         self.pcp_group = pcp_group if config.layout.pcp_size > 1 else None
-        self.requests = RequestTable()
+        self.requests = WrittenPositions()  # per request, the positions written to the cache
         # Block ids must exist in the model's cache (unknown for fakes without one).
         cache = getattr(model, "cache", None)
         self.num_kv_blocks = getattr(cache, "num_blocks", None)
@@ -160,13 +165,13 @@ class Replica:
         if local.phase == dp.TARGET and self.fault_due("corrupt-agreement"):
             def sync(column, _sync=sync):  # injected: our copy altered after the all-reduce
                 return evidence.corrupted(_sync(column), self.dp_rank)
-        extra = {"sent": dataclasses.asdict(local)}
+        extra = {"sent": _fields(local)}
         if inputs is not None:
             extra["inputs"] = inputs
         agreed = await self.collectives.run(
             "dp", "all_reduce", sync, local, step_id=self.step_id,
             phase=local.phase, shapes=[(len(dp.ROWS), self.config.layout.dp_size)],
-            enqueue_extra=extra, done_extra=lambda agreed: {"agreed": dataclasses.asdict(agreed)})
+            enqueue_extra=extra, done_extra=lambda agreed: {"agreed": _fields(agreed)})
         problem = own_agreement_problem(self.step_id, local.phase, local.num_tokens, agreed.step_id,
                                         agreed.phase, agreed.num_tokens_for(self.dp_rank), agreed.graph_mode)
         if problem is not None:
@@ -183,7 +188,11 @@ class Replica:
     async def _run_real(self, event: RealStep) -> None:
         batch, cfg = event.batch, self.config
         pcp = cfg.layout.pcp_size
-        n = num_tokens_for_dispatch(batch.num_scheduled, batch.is_prefilling, pcp, chunking=cfg.chunking)
+        # The plan's widest rank is the dispatch count (`num_tokens_for_dispatch`); planned
+        # once here, and again only when the agreement pads it (graph mode).
+        plan = plan_batch(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp,
+                          chunking=cfg.chunking)
+        n = plan.num_tokens_padded
         uniform = batch.uniform_query_len()
         reported = batch.num_tokens if self.fault_due("wrong-dispatch-count") else n
         inputs = dispatch_inputs(batch.num_scheduled, batch.is_prefilling, pcp, cfg.chunking)
@@ -191,8 +200,9 @@ class Replica:
             self.step_id, dp.TARGET, dp.STATUS_OK, reported, self._wants_graph(n, uniform), uniform,
             batch.num_reqs), inputs)
         padded = agreed.num_tokens_for(self.dp_rank)
-        plan = plan_batch(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp,
-                          padded_num_tokens=padded, chunking=cfg.chunking)
+        if padded != n:
+            plan = plan_batch(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp,
+                              padded_num_tokens=padded, chunking=cfg.chunking)
         ctx = self.contexts.for_real(plan, batch.block_tables, cfg.block_size)
         self._last_real_context_step = self.step_id
         self.buffers.write_real(plan, self.pcp_rank, batch.token_ids, batch.block_tables,
