@@ -190,19 +190,25 @@ class BufferTracker:
             self._previous, self._current = self._current, None
 
     def buffers(self, record, step: int) -> list[str]:
-        """Problems of a `buffers` record (only a refused forward's inputs are judged here)."""
+        """Problems of a `buffers` record: those taken at a forward point (a graph replay's
+        inputs, a refused forward's) are the inputs of that forward, judged here."""
         snapshot = _tuples(record["buffers"])
         reason = record["reason"]
-        if reason == "capture":
-            self._captured[self._capture_size] = snapshot
-        self._current = snapshot
         problems = []
-        if reason == "refused":
+        if reason == "replay":  # logged by the graph runner before it checks and replays
+            reference = self._last_replay if self._last_replay_step == step else self._previous
+            captured = next(reversed(self._captured.values()), None)  # one set of buffers for every size
+            self._last_replay, self._last_replay_step = snapshot, step
+            problems = check_replay(step, snapshot, reference, captured, self._last_real)
+        elif reason == "refused":
             problem = stale_inputs(snapshot, self._previous, self._last_real)
             if problem:
                 problems.append(f"forward at step {step} on stale inputs: {problem}")
         elif reason == "real":
             self._step_real = snapshot
+        elif reason == "capture":
+            self._captured[self._capture_size] = snapshot
+        self._current = snapshot
         return problems
 
     def eager_forward(self, step: int) -> list[str]:
@@ -217,25 +223,20 @@ class BufferTracker:
         return [f"eager forward at step {step} reads stale inputs: {problem}"] if problem else []
 
     def graph(self, record, step: int) -> list[str]:
-        """Problems of a graph record (only replays have any)."""
+        """Problems of a graph record: a replay whose inputs were never logged (the inputs
+        themselves are judged at their `buffers` record, logged before the replay)."""
         action = record["action"]
         if action == "capture":
             self._capture_size = record.get("num_tokens")
-            return []
-        if action != "replay":
-            return []
-        size = record.get("num_tokens")
-        reference = self._last_replay if self._last_replay_step == step else self._previous
-        captured = self._captured.get(size) or next(reversed(self._captured.values()), None)
-        self._last_replay, self._last_replay_step = self._current, step
-        return check_replay(step, size, self._current, reference, captured, self._last_real)
+        elif action == "replay" and (self._current is None or self._last_replay_step != step):
+            return [f"graph replay of {record.get('num_tokens')} tokens at step {step} has no buffers record"
+                    " in its step: nothing shows its inputs were written"]
+        return []
 
 
-def check_replay(step: int, size, now, reference, captured, last_real=None) -> list[str]:
-    """Problems of one replay at `step` of the graph of `size` tokens (empty when sound)."""
-    what = f"graph replay of {size} tokens at step {step}"
-    if now is None:
-        return [f"{what} has no buffers record in its step: nothing shows its inputs were written"]
+def check_replay(step: int, now, reference, captured, last_real=None) -> list[str]:
+    """Problems of the inputs `now` of a graph replay at `step` (empty when sound)."""
+    what = f"graph replay at step {step}"
     problems = []
     if captured is None:
         problems.append(f"{what}: no graph capture was logged before it, so its storage cannot be checked")
