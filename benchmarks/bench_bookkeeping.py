@@ -1,12 +1,14 @@
 """Bookkeeping cost per step: state machine transitions plus audit records.
 
 Two figures, both with fakes for the forward and the collectives:
-- `bookkeeping`: the triggers of one decode step (decode, finish) through `ReplicaMachine`
-  with the audit records a real step writes (2 transitions, an agreement's enqueue/done,
-  one buffers fingerprint): what the state machine and the log add to a step;
-- `whole step`: a full `RealStep` through the runner with the fake model: validation,
-  planning, agreement rule, buffer writes, two worker-thread hops, sampling, records.
-Both are reported in microseconds and as a share of a 10 ms step (target: <= 1%, 100 us).
+- `bookkeeping`: the triggers of one eager decode step (decode, finish) through `ReplicaMachine`
+  with the 7 audit records such a step writes (2 transitions, the agreement's enqueue/done with
+  what was sent and agreed, one buffers fingerprint, the forward's enqueue/done): what the
+  state machine and the log add to a step (target <= 100 us, 1% of a 10 ms step);
+- `whole step`: a full `RealStep` (8 decode rows) through the runner with the fake model in
+  one process: validation, planning, agreement rule, buffer writes, forward, sampling, records
+  (target <= 500 us). One process has no peers, so its collectives run inline (see
+  `runner_fsm.collectives`); with peers each collective adds a worker-thread hop.
 
 Each figure is measured as wall time and as the process's CPU time: on a machine shared
 with other jobs, wall time also counts the time this process waited for a core, while the
@@ -25,6 +27,7 @@ import time
 
 import anyio
 
+from runner_fsm import dp
 from runner_fsm.audit import AuditLog
 from runner_fsm.config import RunnerConfig
 from runner_fsm.events import Capture, RealStep
@@ -36,6 +39,8 @@ from runner_fsm.testing.fakes import expected_tokens
 from runner_fsm.testing.harness import decode_batch, make_runner, prefill_batch
 
 STEP_BUDGET_US = 10_000.0
+BOOKKEEPING_TARGET_US = 100.0
+WHOLE_STEP_TARGET_US = 500.0
 
 
 class _Clock:
@@ -58,10 +63,15 @@ async def _bookkeeping_us(steps: int, run_dir: str, *, machine: bool = True,
     audit = AuditLog(run_dir, "bench", 0, 0, 0)
     buffers = PersistentBuffers(RunnerConfig(max_num_tokens=256))
 
+    local = dp.LocalDispatch(0, dp.TARGET, dp.STATUS_OK, 8, dp.GRAPH_EAGER, 1, 8)
+    agreed = dp.agree([local])
+
     def work(_event):
-        audit.collective(0, "dp", "all_reduce", 1, [[7, 1]], 0, "enqueue")
-        audit.collective(0, "dp", "all_reduce", 1, [[7, 1]], 0, "done")
+        audit.collective(0, "dp", "all_reduce", 1, [[7, 1]], 0, "enqueue", sent=dict(vars(local)))
+        audit.collective(0, "dp", "all_reduce", 1, [[7, 1]], 0, "done", agreed=dict(vars(agreed)))
         audit.buffers(0, "real", buffers.fingerprint())
+        audit.collective(0, "expert", "forward", 1, [[8]], 0, "enqueue", rows=8, dispatch_count=8, graph=False)
+        audit.collective(0, "expert", "forward", 1, [[8]], 0, "done")
 
     def record(trig, src, dst, outcome):
         audit.transition(0, trig.value, src.value, dst.value, outcome)
@@ -81,7 +91,7 @@ async def _bookkeeping_us(steps: int, run_dir: str, *, machine: bool = True,
                 record(Trigger.DECODE, fsm.state, fsm.state, "ok")
                 record(Trigger.FINISH, fsm.state, fsm.state, "ok")
     if records:
-        assert audit.next_seq - before == 5 * steps, "a step must write exactly 5 records here"
+        assert audit.next_seq - before == 7 * steps, "a step must write exactly 7 records here"
     assert fsm.state.value == "ready"
     audit.close()
     return clock
@@ -96,9 +106,11 @@ async def _whole_step_us(steps: int, run_dir: str) -> _Clock:
     batch = decode_batch([100] * 8)
     out = await runner.handle(RealStep(batch))
     assert out.sampled == expected_tokens(batch), "the fake step must sample what the fake model says"
+    before = runner.replica.audit.next_seq
     with _Clock(steps) as clock:
         for _ in range(steps):
             await runner.handle(RealStep(batch))
+    assert runner.replica.audit.next_seq - before == 7 * steps, "a decode step writes 7 records"
     await runner.close()
     return clock
 
@@ -131,13 +143,16 @@ def rows(quick: bool = False):
     budget = f"10 ms step ({STEP_BUDGET_US / 100:.0f} us = 1%)"
     return [
         Row("bookkeeping per step (CPU)", book_cpu.fmt(" us"), budget,
-            f"{book_cpu.median / STEP_BUDGET_US:.2%}", "<= 1%", verdict(book_cpu.median <= STEP_BUDGET_US / 100),
+            f"{book_cpu.median / STEP_BUDGET_US:.2%}", f"<= {BOOKKEEPING_TARGET_US:.0f} us",
+            verdict(book_cpu.median <= BOOKKEEPING_TARGET_US),
             note=(f"wall {book_wall.fmt(' us')} ({book_wall.median / STEP_BUDGET_US:.2%}); of the CPU time,"
                   f" transitions machine alone {med['machine only']['cpu']:.0f} us (2 triggers),"
-                  f" the 5 audit records alone {med['records only']['cpu']:.0f} us")),
-        Row("whole step with fakes (wall)", step_wall.fmt(" us"), "10 ms step",
-            f"{step_wall.median / STEP_BUDGET_US:.1%}", "report", "report",
-            note=f"CPU {step_cpu.fmt(' us')} ({step_cpu.median / STEP_BUDGET_US:.1%})"),
+                  f" the 7 audit records alone {med['records only']['cpu']:.0f} us")),
+        Row("whole step with fakes (CPU)", step_cpu.fmt(" us"), "10 ms step",
+            f"{step_cpu.median / STEP_BUDGET_US:.1%}", f"<= {WHOLE_STEP_TARGET_US:.0f} us",
+            verdict(step_cpu.median <= WHOLE_STEP_TARGET_US),
+            note=(f"wall {step_wall.fmt(' us')} ({step_wall.median / STEP_BUDGET_US:.1%}); one process,"
+                  " 8 decode rows; wall exceeds CPU when other jobs share the cores")),
     ]
 
 
