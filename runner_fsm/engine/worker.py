@@ -96,6 +96,7 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
                                      inline_groups=cfg.layout.groups_without_peers()),
         device=cfg.device,
         injector=Injector(Injection.parse(i) for i in cfg.injections),
+        pcp_group=groups.pcp if groups else None,
     )
     return ReplicaRunner(replica)
 
