@@ -29,6 +29,7 @@ import anyio
 
 from runner_fsm import dp
 from runner_fsm.audit import AuditLog
+from runner_fsm.collectives import CollectiveRunner
 from runner_fsm.config import RunnerConfig
 from runner_fsm.events import Capture, RealStep
 from runner_fsm.machine import Handler, ReplicaMachine
@@ -39,6 +40,7 @@ from runner_fsm.testing.fakes import expected_tokens
 from runner_fsm.testing.harness import decode_batch, make_runner, prefill_batch
 
 STEP_BUDGET_US = 10_000.0
+RECORDS_PER_DECODE_STEP = 7  # 2 transitions, agreement enqueue/done, buffers, forward enqueue/done
 BOOKKEEPING_TARGET_US = 100.0
 WHOLE_STEP_TARGET_US = 500.0
 
@@ -101,17 +103,30 @@ async def _whole_step_us(steps: int, run_dir: str) -> _Clock:
     cfg = RunnerConfig(max_num_tokens=1024)  # room for the 800-token prefill
     runner = make_runner(cfg, SingleReplicaAgreement(), run_dir=run_dir)
     await runner.handle(Capture())
-    # The replica refuses decodes of requests it never prefilled: prefill them first.
+    # The replica refuses decodes of requests it never prefilled: prefill them first. Then
+    # each step decodes one more position of every request (new inputs every step, as in a
+    # real run: a forward over the previous step's bytes is refused as a stale replay).
     await runner.handle(RealStep(prefill_batch([100] * 8)))
-    batch = decode_batch([100] * 8)
-    out = await runner.handle(RealStep(batch))
-    assert out.sampled == expected_tokens(batch), "the fake step must sample what the fake model says"
+    batches = [decode_batch([100 + s] * 8, seed=s) for s in range(steps + 1)]
+    out = await runner.handle(RealStep(batches[0]))
+    assert out.sampled == expected_tokens(batches[0]), "the fake step must sample what the fake model says"
     before = runner.replica.audit.next_seq
     with _Clock(steps) as clock:
-        for _ in range(steps):
+        for batch in batches[1:]:
             await runner.handle(RealStep(batch))
-    assert runner.replica.audit.next_seq - before == 7 * steps, "a decode step writes 7 records"
+    records = (runner.replica.audit.next_seq - before) / steps
+    assert records == RECORDS_PER_DECODE_STEP, f"a decode step writes {records} records"
     await runner.close()
+    return clock
+
+
+async def _collective_us(steps: int, _run_dir: str, *, peers: bool) -> _Clock:
+    """One no-op collective call through `CollectiveRunner` (no log): the price of the
+    worker-thread hop and watchdog that a group with peers pays, against an inline group."""
+    runner = CollectiveRunner(None, 60.0, inline_groups=() if peers else ("dp",))
+    with _Clock(steps) as clock:
+        for step in range(steps):
+            await runner.run("dp", "all_reduce", int, step_id=step)
     return clock
 
 
@@ -122,6 +137,8 @@ def measure(repeats: int = 7, steps: int = 300) -> dict[str, dict[str, list[floa
         "machine only": lambda d: _bookkeeping_us(steps, d, records=False),
         "records only": lambda d: _bookkeeping_us(steps, d, machine=False),
         "whole step": lambda d: _whole_step_us(steps, d),
+        "hop": lambda d: _collective_us(steps, d, peers=True),
+        "inline": lambda d: _collective_us(steps, d, peers=False),
     }
     results = {name: {"wall": [], "cpu": []} for name in kinds}
     for _ in range(repeats):
@@ -153,6 +170,11 @@ def rows(quick: bool = False):
             verdict(step_cpu.median <= WHOLE_STEP_TARGET_US),
             note=(f"wall {step_wall.fmt(' us')} ({step_wall.median / STEP_BUDGET_US:.1%}); one process,"
                   " 8 decode rows; wall exceeds CPU when other jobs share the cores")),
+        Row("collective call, group with peers (CPU)", Spread.of(res["hop"]["cpu"]).fmt(" us"),
+            f"inline group {Spread.of(res['inline']['cpu']).fmt(' us')}",
+            f"{med['hop']['cpu'] / max(med['inline']['cpu'], 1e-9):.0f}x", "report", "report",
+            note=(f"wall {Spread.of(res['hop']['wall']).fmt(' us')}; a no-op through the worker-thread"
+                  " hop and watchdog, paid per collective when the group has peers")),
     ]
 
 

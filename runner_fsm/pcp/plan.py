@@ -89,11 +89,11 @@ def _validate(
             f" got lengths {scheduled.shape[0]}, {prefilling.shape[0]}, {computed.shape[0]}"
         )
     for name, arr in (("num_scheduled", scheduled), ("num_computed", computed)):
-        bad = np.flatnonzero(arr < 0)
-        if bad.size:
+        if arr.size and arr.min() < 0:
+            bad = np.flatnonzero(arr < 0)
             raise BatchError(f"{name} must be >= 0, got {arr[bad[0]]} for request {bad[0]}")
-    empty = np.flatnonzero(scheduled == 0)
-    if empty.size and empty.size != scheduled.size:
+    empty = np.flatnonzero(scheduled == 0) if scheduled.size and scheduled.min() == 0 else ()
+    if len(empty) and len(empty) != scheduled.size:
         kind = "prefill" if prefilling[empty[0]] else "decode"
         raise BatchError(
             f"request {empty[0]} ({kind}) has 0 scheduled tokens in a batch with real ones;"
