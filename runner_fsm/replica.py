@@ -276,9 +276,9 @@ class Replica:
     async def _compare_outputs(self, sampled: dict[str, list[int]]) -> None:
         """The PCP ranks of a replica must sample the same tokens: each logs the digest of its
         output and, with PCP peers, compares it with theirs (one all_gather of two integers)."""
-        digest, count = output_digest(sampled)
         if self.pcp_group is None:
-            return
+            return  # no PCP peers: nothing to compare with
+        digest, count = output_digest(sampled)
         gathered = await self.collectives.run(
             "pcp", "all_gather", evidence.gather_output_digests, self.pcp_group, self.step_id, digest,
             step_id=self.step_id, phase=dp.TARGET, shapes=[(2,)],
