@@ -52,7 +52,7 @@ class RankScanner:
         self._dangling: tuple | None = None  # the collective of the last record, if an enqueue
         self._truncated = False
         self._line = 0
-        self._raw_shapes = self._frozen_shapes = None
+        self._shapes: dict = {}  # group -> (shapes as logged, frozen): each group's repeat
         # stale-buffer bookkeeping: snapshots are the raw `buffers` dicts of the records
         self.buffers = BufferTracker()
         self.stopped = False  # the scan ended at `stop_step`, not at the end of the file
@@ -235,9 +235,10 @@ class RankScanner:
         shapes = None
         if group in SHAPE_MATCHED_GROUPS:
             shapes = record["shapes"]
-            if shapes != self._raw_shapes:  # shapes repeat: freeze each distinct value once
-                self._raw_shapes, self._frozen_shapes = shapes, _freeze(shapes)
-            shapes = self._frozen_shapes
+            cached = self._shapes.get(group)
+            if cached is None or cached[0] != shapes:  # shapes repeat: freeze a new value once
+                cached = self._shapes[group] = (shapes, _freeze(shapes))
+            shapes = cached[1]
         op, phase = record["op"], record["phase"]
         step = self.current
         keys = step.keys.get(group)
@@ -245,7 +246,6 @@ class RankScanner:
             keys = step.keys[group] = []
             step.first_pg[group] = pg_seq
             step.open[group] = []
-        # the layout of StepBuilder.open
         sent = record.get("sent")
         if op == "forward":
             self._forward_evidence(record)
