@@ -140,9 +140,8 @@ class RankScanner:
             return None
         hang, timed_out = self._dangling, False
         if hang is None and (last.fault is None or last.fault[0] in TIMEOUT_ERRORS):
-            # The log ends in a step with a collective that never reached `done`: the rank
-            # stopped in it. A fault record of another error only explains the open collective
-            # away (the collective ran, its rule refused the result): it never makes a verdict.
+            # The log ends with a collective open: the rank stopped in it. A fault of another
+            # error only explains it away (the collective ran, its rule refused the result).
             hang = self._open_collective(last)
             timed_out = hang is not None and last.fault is not None
         state = self.transitions.state
