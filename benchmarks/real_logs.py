@@ -25,7 +25,8 @@ def write_real_run(run_dir: Path, *, dp: int = 4, pcp: int = 2, requests: int = 
     from runner_fsm.engine.config import EngineConfig
     from runner_fsm.engine.requests import synthetic_requests
 
-    cfg = EngineConfig(model_dir=None, run_dir=str(run_dir), layout=ParallelLayout(dp, pcp),
+    cfg = EngineConfig(model_dir=None, model_factory="runner_fsm.testing.fakes:engine_model_and_drafter",
+                       run_dir=str(run_dir), layout=ParallelLayout(dp, pcp),
                        num_speculative_tokens=1, collective_timeout_s=60,
                        graph_mode=GraphMode.FULL_DECODE_ONLY if graphs else GraphMode.NONE)
     work = synthetic_requests(requests, vocab_size=64, max_new_tokens=12, arrival_every=1)

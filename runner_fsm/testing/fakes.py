@@ -102,3 +102,9 @@ def busy_peer(num_tokens: int, graph_mode: int = dp.GRAPH_EAGER, uniform: int = 
     def peers(local: dp.LocalDispatch) -> list[dp.LocalDispatch]:
         return [dp.LocalDispatch(local.step_id, local.phase, dp.STATUS_OK, num_tokens, graph_mode, uniform, 1)]
     return peers
+
+
+def engine_model_and_drafter(cfg, groups):
+    """`EngineConfig.model_factory` for the fakes: "runner_fsm.testing.fakes:engine_model_and_drafter"."""
+    drafter = FakeDrafter(cfg.num_speculative_tokens) if cfg.num_speculative_tokens else None
+    return FakeModel(groups.pcp if groups else None), drafter
