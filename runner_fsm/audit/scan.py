@@ -52,7 +52,7 @@ class RankScanner:
         self._dangling: tuple | None = None  # the collective of the last record, if an enqueue
         self._truncated = False
         self._line = 0
-        self._raw_shapes = self._frozen_shapes = None
+        self._shapes: dict = {}  # group -> (shapes as logged, frozen): each group's repeat
         # stale-buffer bookkeeping: snapshots are the raw `buffers` dicts of the records
         self.buffers = BufferTracker()
         self.stopped = False  # the scan ended at `stop_step`, not at the end of the file
@@ -77,7 +77,7 @@ class RankScanner:
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
         handlers = {"collective": self._collective, "transition": self._transition,
                     "buffers": self._buffers, "graph": self._graph, "fault": self._fault,
-                    "context": self._context}
+                    "context": lambda record: self._context_evidence(record["ctx"], record["batch"])}
         for line_no, raw in enumerate(lines, 1):
             self._line = line_no
             try:
@@ -235,9 +235,10 @@ class RankScanner:
         shapes = None
         if group in SHAPE_MATCHED_GROUPS:
             shapes = record["shapes"]
-            if shapes != self._raw_shapes:  # shapes repeat: freeze each distinct value once
-                self._raw_shapes, self._frozen_shapes = shapes, _freeze(shapes)
-            shapes = self._frozen_shapes
+            cached = self._shapes.get(group)
+            if cached is None or cached[0] != shapes:  # shapes repeat: freeze a new value once
+                cached = self._shapes[group] = (shapes, _freeze(shapes))
+            shapes = cached[1]
         op, phase = record["op"], record["phase"]
         step = self.current
         keys = step.keys.get(group)
@@ -245,12 +246,14 @@ class RankScanner:
             keys = step.keys[group] = []
             step.first_pg[group] = pg_seq
             step.open[group] = []
-        # the layout of StepBuilder.open
         sent = record.get("sent")
         if op == "forward":
             self._forward_evidence(record)
-        elif group == "dp" and "inputs" in record:
-            self._dispatch_evidence(record["inputs"], sent)
+        elif group == "dp":
+            if "inputs" in record:
+                self._dispatch_evidence(record["inputs"], sent)
+            elif isinstance(sent, dict) and sent.get("status"):
+                step.aborted = True  # an abort: the agreement fails on every member by design
         elif group == "pcp" and "output" in record:
             step.output = record["output"]["digest"]
         pending = (group, len(keys), op, phase, pg_seq, self._line, sent if isinstance(sent, dict) else None)
@@ -308,9 +311,6 @@ class RankScanner:
         if record.get("graph") is False:
             for detail in self.buffers.eager_forward(self.current.step):
                 self._verdict("stale_buffer_replay", detail)
-
-    def _context(self, record) -> None:
-        self._context_evidence(record["ctx"], record["batch"])
 
     def _context_evidence(self, ctx, batch) -> None:
         problem = context_problem(self.current.step, batch, ctx)

@@ -42,11 +42,13 @@ def stale_buffers(
     return tuple(name for name in before if after[name].version == before[name].version)
 
 
-def content_digest(buf: torch.Tensor) -> int:
-    """crc32 of the buffer's bytes on the host; on an accelerator, a position-weighted sum
-    computed on the device (no copy of the buffer to the host every step)."""
+def content_digest(buf: np.ndarray | torch.Tensor) -> int:
+    """crc32 of the bytes of a host array (or CPU tensor); for a tensor on an accelerator, a
+    position-weighted sum computed on the device (no copy to the host every step)."""
+    if isinstance(buf, np.ndarray):
+        return zlib.crc32(np.ascontiguousarray(buf))
     if buf.device.type == "cpu":
-        return zlib.crc32(buf.numpy())  # the buffers are contiguous: no copy
+        return zlib.crc32(buf.contiguous().numpy())
     return device_digest(buf)
 
 
@@ -123,6 +125,8 @@ class PersistentBuffers:
         self.num_tokens = 0  # N: rows this rank executes
         self.num_segments = 0
         self.is_dummy = False
+        self._rows_high = self._segments_high = 0  # the furthest any write reached
+        self._views = None  # (tensors, their host views) for content digests
 
     # -- public writes ----------------------------------------------------------------
 
@@ -164,6 +168,8 @@ class PersistentBuffers:
         self.num_tokens = int(num_tokens)
         self.num_segments = int(num_segments)
         self.is_dummy = is_dummy
+        self._rows_high = max(self._rows_high, self.num_tokens)
+        self._segments_high = max(self._segments_high, self.num_segments)
 
     def fingerprint(self, *, content: bool = False) -> dict[str, BufferFingerprint]:
         """Address, shape and write count of every buffer (read on every step: kept lean);
@@ -171,8 +177,23 @@ class PersistentBuffers:
         if not content:
             return {name: BufferFingerprint(buf.data_ptr(), tuple(buf.shape), buf._version)
                     for name, buf in zip(BUFFER_NAMES, self._buffers())}
-        return {name: BufferFingerprint(buf.data_ptr(), tuple(buf.shape), buf._version, content_digest(buf))
-                for name, buf in zip(BUFFER_NAMES, self._buffers())}
+        return {name: BufferFingerprint(buf.data_ptr(), tuple(buf.shape), buf._version, content_digest(written))
+                for name, buf, written in zip(BUFFER_NAMES, self._buffers(), self._ever_written())}
+
+    def _ever_written(self) -> tuple:
+        """Each buffer up to the furthest row any write reached: beyond it every buffer still
+        holds its initial fill (every write resets what it does not use to that same fill), so
+        hashing this much hashes the whole content, at the cost of the largest batch so far
+        rather than of the capacity. `query_start_loc` is filled with the last offset, so it is
+        hashed whole (it is small). On the host the numpy views are made once per storage."""
+        rows, segs = self._rows_high, self._segments_high
+        tensors, views = self._buffers(), self._views
+        if views is None or any(a is not b for a, b in zip(views[0], tensors)):  # made, or rebound
+            arrays = tuple(t.numpy() for t in tensors) if self.device.type == "cpu" else tensors
+            views = self._views = (tensors, arrays)
+        ids, pos, pad, qsl, seq, tables, slots = views[1]
+        return (ids[:rows], pos[:rows], pad[:rows], qsl, seq[:segs], tables[:segs],
+                slots[:self.pcp_size * rows])
 
     def _buffers(self) -> tuple[torch.Tensor, ...]:
         # Looked up by name each time: a rebound tensor must show up as moved storage.
