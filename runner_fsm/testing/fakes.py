@@ -33,7 +33,8 @@ class FakeModel:
         self.calls.append(("forward", num_tokens, step.agreed.num_tokens_across_dp))
         ids = buffers.input_ids[:num_tokens]
         self.last_input_ids = ids.clone()
-        return ((ids * 31 + buffers.positions[:num_tokens]) % VOCAB).unsqueeze(1)
+        out = torch.add(buffers.positions[:num_tokens], ids, alpha=31)
+        return out.remainder_(VOCAB).unsqueeze(1)
 
     def restore(self, local: torch.Tensor, ctx: PCPAttentionContext) -> torch.Tensor:
         if ctx.pcp_size > 1 and self.pcp_group is not None:
