@@ -8,6 +8,7 @@ none with requests still to come.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import sys
 import time
 
@@ -22,9 +23,10 @@ except NameError:  # Python 3.10: anyio depends on the backport
 from runner_fsm.audit import AuditLog
 from runner_fsm.collectives import CollectiveRunner
 from runner_fsm.dp import GlooAgreement
-from runner_fsm.engine.config import EngineConfig
+from runner_fsm.engine.config import MISSING_MODEL, EngineConfig
 from runner_fsm.engine.requests import Request, assign
 from runner_fsm.engine.scheduler import Scheduler, SchedulerStalled
+from runner_fsm.errors import ConfigError
 from runner_fsm.events import Capture, DummyStep, Event, Fault, RealStep, Shutdown
 from runner_fsm.faults import Injection, Injector
 from runner_fsm.heartbeat import Heartbeat
@@ -52,11 +54,11 @@ class RankResult:
 
 
 def _model_and_drafter(cfg: EngineConfig, groups):
+    if cfg.model_factory is not None:  # named by the caller: production imports no fakes itself
+        module, _, name = cfg.model_factory.partition(":")
+        return getattr(importlib.import_module(module), name)(cfg, groups)
     if cfg.model_dir is None:
-        from runner_fsm.testing.fakes import FakeDrafter, FakeModel
-
-        drafter = FakeDrafter(cfg.num_speculative_tokens) if cfg.num_speculative_tokens else None
-        return FakeModel(groups.pcp if groups else None), drafter
+        raise ConfigError(MISSING_MODEL)
     from runner_fsm.model import load_drafter, load_model, model_groups
 
     mg = model_groups(groups, cfg.device)
@@ -93,9 +95,11 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
     replica = Replica(
         rc, dp_rank=dp_rank, pcp_rank=pcp_rank, model=model, drafter=drafter,
         agreement=_agreement(groups, rc.capture_sizes), audit=audit,
-        collectives=CollectiveRunner(audit, rc.collective_timeout_s, heartbeat=_heartbeat(cfg, groups)),
+        collectives=CollectiveRunner(audit, rc.collective_timeout_s, heartbeat=_heartbeat(cfg, groups),
+                                     inline_groups=cfg.layout.groups_without_peers()),
         device=cfg.device,
         injector=Injector(Injection.parse(i) for i in cfg.injections),
+        pcp_group=groups.pcp if groups else None,
     )
     return ReplicaRunner(replica)
 

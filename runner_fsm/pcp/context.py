@@ -24,21 +24,10 @@ def _frozen(arr: np.ndarray, dtype: type = np.int64) -> np.ndarray:
     return out
 
 
-@dataclasses.dataclass(frozen=True, eq=False)
-class DSAGlobalView:
-    """Sparse-attention view over all global tokens; identical on every PCP rank."""
-
-    num_tokens: int
-    slot_mapping: np.ndarray  # [T] global slots
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class DSALocalView:
-    """Sparse-attention view over this rank's gathered rows; a slice of the gathered slots."""
-
-    pcp_rank: int
-    num_tokens: int  # N
-    slot_mapping: np.ndarray  # [N] gathered slots rank*N .. (rank+1)*N
+def _sealed(arr: np.ndarray) -> np.ndarray:
+    """`arr`, made here and held by no one else, read-only from now on (no copy needed)."""
+    arr.setflags(write=False)
+    return arr
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -61,16 +50,6 @@ class PCPAttentionContext:
         """This rank's rows of the gathered layout."""
         n = self.num_tokens_padded
         return slice(self.pcp_rank * n, (self.pcp_rank + 1) * n)
-
-    def dsa_global_view(self) -> DSAGlobalView:
-        return DSAGlobalView(num_tokens=self.num_tokens, slot_mapping=self.global_slot_mapping)
-
-    def dsa_local_view(self) -> DSALocalView:
-        return DSALocalView(
-            pcp_rank=self.pcp_rank,
-            num_tokens=self.num_tokens_padded,
-            slot_mapping=self.gathered_slot_mapping[self.local_rows()],
-        )
 
     def same_as(self, other: "PCPAttentionContext") -> bool:
         """Field-by-field equality (arrays compared by value, dtype and shape included)."""
@@ -134,8 +113,8 @@ def build_real_context(
         num_tokens=plan.num_tokens,
         num_tokens_padded=plan.num_tokens_padded,
         block_tables=_frozen(block_tables),
-        global_slot_mapping=_frozen(global_slots),
-        gathered_slot_mapping=_frozen(gathered_slot_mapping(global_slots, plan)),
+        global_slot_mapping=_sealed(global_slots),
+        gathered_slot_mapping=_sealed(gathered_slot_mapping(global_slots, plan)),
         hidden_restore_idx=_frozen(plan.hidden_restore_idx),
         padded_gather_idx=_frozen(plan.padded_gather_idx),
         kv_write_mask=_frozen(plan.kv_write_mask, dtype=bool),
