@@ -224,7 +224,13 @@ class Replica:
         return await self.collectives.run(
             "expert", "forward", fn, step_id=self.step_id, phase=dp.TARGET, shapes=[(step.num_rows,)],
             enqueue_extra={"rows": step.num_rows, "dispatch_count": step.dispatch_count,
-                           "graph": step.agreed.use_graph})
+                           "graph": step.agreed.use_graph},
+            done_extra=self._exchange_stats)
+
+    def _exchange_stats(self, _output) -> dict:
+        """The bytes the forward's expert exchanges moved, when the model reports them."""
+        stats = getattr(self.model, "exchange_stats", None)
+        return stats() if stats is not None else {}
 
     def _check_refreshed(self, now: Fingerprints) -> None:
         try:
