@@ -23,6 +23,8 @@ from runner_fsm.model.weights import LayerWeights, MixtralWeights
 
 
 class MixtralDecoder:
+    exchange = ROUTED  # eager steps' expert exchange; `moe.GATHERED` is the baseline (benchmarks)
+
     def __init__(self, cfg: MixtralConfig, weights: MixtralWeights, cache: PagedKVCache,
                  groups: ModelGroups, *, gather_kv_over_pcp: bool):
         self.cfg = cfg
@@ -32,7 +34,6 @@ class MixtralDecoder:
         self.gather_kv_over_pcp = gather_kv_over_pcp and groups.pcp_size > 1
         self.device = weights.embed.device
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, self.device, weights.embed.dtype)
-        self.exchange = ROUTED  # eager steps' expert exchange; `moe.GATHERED` is the baseline
         self.traffic = Traffic()
 
     @property
