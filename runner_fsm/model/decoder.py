@@ -13,7 +13,7 @@ import torch
 from runner_fsm import graphs
 from runner_fsm.model.attention import AttentionInputs, eager_attention, graph_attention
 from runner_fsm.model.dispatch import DispatchHeader, ExchangeStep, check_headers, exchange_headers
-from runner_fsm.model.exchange import RowRoles
+from runner_fsm.model.exchange import RowRoles, gathered_bytes
 from runner_fsm.model.hf_config import MixtralConfig
 from runner_fsm.model.kv_cache import PagedKVCache
 from runner_fsm.model.layers import apply_rope, compute_dtype, rms_norm, rope_cos_sin, rope_inv_freq
@@ -44,8 +44,9 @@ class MixtralDecoder:
     def run(self, input_ids: torch.Tensor, inputs: AttentionInputs, step: ExchangeStep,
             roles: RowRoles) -> torch.Tensor:
         """Final-normed hidden states [N, hidden] of the rows `input_ids` [N]."""
-        self.traffic.reset(self.exchange if not step.use_graph else "graph")
-        if step.use_graph:
+        if not step.use_graph:
+            self.traffic.reset(self.exchange)
+        else:
             # Outside any captured region: on a device graph this runs again before every replay.
             graphs.host_step(lambda step_id: self._check_graph_exchange(step, step_id), step.step_id)
         cos, sin = rope_cos_sin(inputs.positions, self.inv_freq)
@@ -61,9 +62,13 @@ class MixtralDecoder:
 
     def _check_graph_exchange(self, step: ExchangeStep, step_id: int) -> None:
         """A graph step's one header (layer -1): every rank replays the same step and size."""
-        at = dataclasses.replace(step, step_id=step_id, top_k=self.cfg.num_experts_per_tok)
+        cfg, dtype = self.cfg, self.weights.embed.dtype
+        at = dataclasses.replace(step, step_id=step_id, top_k=cfg.num_experts_per_tok)
         header = DispatchHeader(step_id, step.phase, -1, step.dispatch_count, step.rows)
         check_headers(exchange_headers(header, self.groups), at, self.groups)
+        per_layer = gathered_bytes(step.width, cfg.hidden_size, cfg.num_experts_per_tok, self.groups.world_size,
+                                   compute_dtype(dtype).itemsize, dtype.itemsize)
+        self.traffic.reset("graph", per_layer, cfg.num_hidden_layers)
 
     def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, inputs: AttentionInputs, use_graph: bool) -> torch.Tensor:

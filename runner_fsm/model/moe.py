@@ -72,8 +72,10 @@ class Traffic:
     gathered_bytes: int = 0
     layers: int = 0
 
-    def reset(self, exchange: str) -> None:
-        self.exchange, self.sent_bytes, self.gathered_bytes, self.layers = exchange, 0, 0, 0
+    def reset(self, exchange: str, per_layer: int = 0, layers: int = 0) -> None:
+        """Start a forward's count; a graph forward's is known up front: `layers` x `per_layer`."""
+        self.exchange, self.layers = exchange, layers
+        self.sent_bytes = self.gathered_bytes = per_layer * layers
 
     def as_record(self) -> dict:
         return {"exchange": self.exchange, "exchange_bytes": self.sent_bytes,
@@ -86,6 +88,8 @@ def moe_layer(x: torch.Tensor, router: torch.Tensor, experts: dict[int, ExpertWe
     """Expert output for this rank's rows x [n, H] (already normed)."""
     n = x.shape[0]
     ids, weights = route(x, router, top_k)
+    if step.use_graph:  # header check and traffic: once per forward, outside the graph (decoder)
+        return _gathered(x, ids, weights, experts, step, groups, roles)
     step = dataclasses.replace(step, top_k=top_k)
     world = groups.world_size
     width = step.width
@@ -93,7 +97,7 @@ def moe_layer(x: torch.Tensor, router: torch.Tensor, experts: dict[int, ExpertWe
     static_bytes = gathered_bytes(width, x.shape[1], top_k, world, compute_dtype(x.dtype).itemsize,
                                   x.element_size())
     traffic.gathered_bytes += static_bytes
-    if not step.use_graph and exchange == ROUTED and world > 1:
+    if exchange == ROUTED and world > 1:
         def counts(plan):
             header = DispatchHeader(step.step_id, step.phase, layer, step.dispatch_count, n, plan.counts, plan.fanout)
             headers = exchange_headers(header, groups)
@@ -106,9 +110,8 @@ def moe_layer(x: torch.Tensor, router: torch.Tensor, experts: dict[int, ExpertWe
         out, sent = routed_exchange(x, ids, weights, roles, groups, counts, apply)
         traffic.sent_bytes += sent
         return out
-    if not step.use_graph:  # the graph path checks its header once per forward (decoder)
-        check_headers(exchange_headers(DispatchHeader(step.step_id, step.phase, layer, step.dispatch_count, n),
-                                       groups), step, groups)
+    check_headers(exchange_headers(DispatchHeader(step.step_id, step.phase, layer, step.dispatch_count, n),
+                                   groups), step, groups)
     traffic.sent_bytes += static_bytes
     return _gathered(x, ids, weights, experts, step, groups, roles)
 
