@@ -13,8 +13,9 @@ so stale-buffer faults reproduce without an accelerator; `cuda` captures
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -37,6 +38,16 @@ def host_step(fn: HostStep, step_id: int | None = None) -> None:
     if steps is not None:
         steps.append(fn)
     fn(-1 if step_id is None else step_id)
+
+
+@contextlib.contextmanager
+def capturing_host_steps() -> Iterator[list[HostStep]]:
+    """Collect the host steps of the forward captured inside (this thread only)."""
+    _capturing.steps = []
+    try:
+        yield _capturing.steps
+    finally:
+        _capturing.steps = None
 
 
 def backend_for(device: torch.device) -> str:
@@ -134,10 +145,6 @@ def _capture_device_graph(backend: str, run: Callable[[], torch.Tensor]):
         run()  # warm-up outside the graph: lazy initialisation must not be captured
     current().wait_stream(side)
     graph = graph_cls()
-    _capturing.steps = []
-    try:
-        with graph_ctx(graph):
-            output = run()
-        return graph, output, _capturing.steps
-    finally:
-        _capturing.steps = None
+    with capturing_host_steps() as host_steps, graph_ctx(graph):
+        output = run()
+    return graph, output, host_steps
