@@ -118,3 +118,27 @@ def test_row_roles_send_replicated_rows_from_pcp_rank_0_only(pcp_rank, expected)
     roles = RowRoles(torch.tensor([False, False, False, True]), torch.tensor([False, True, False, False]))
     assert roles.sent_here(pcp_rank).tolist() == expected
     assert roles.replica_index().tolist() == [-1, 0, -1, -1]
+
+
+@pytest.mark.parametrize("rank, expected", [(0, [True, False, False, False, False, False, False]),
+                                            (1, [True, False, False, False, False, False, False])])
+def test_buffers_mark_the_decode_row_replicated_on_every_pcp_rank(rank, expected):
+    # DESIGN's worked example: request 0 decodes (replicated), request 1 is a fresh 10-token
+    # prefill split over 2 PCP ranks; N = 7, so rank 0 has 2 padding rows.
+    import numpy as np
+
+    from runner_fsm.config import ParallelLayout, RunnerConfig
+    from runner_fsm.pcp.buffers import PersistentBuffers
+    from runner_fsm.pcp.context import build_real_context
+    from runner_fsm.pcp.plan import plan_batch
+
+    tables = np.array([[5, 6, 7], [2, 3, -1]])
+    config = RunnerConfig(layout=ParallelLayout(1, 2), max_num_tokens=16, max_num_reqs=4, max_blocks_per_req=8)
+    buffers = PersistentBuffers(config)
+    buffers.write_dummy(1, 7)
+    buffers.is_replicated.fill_(True)  # a stale value must not survive the write
+    plan = plan_batch([1, 10], [False, True], [37, 0], 2)
+    ctx = build_real_context(plan, rank, tables, 16)
+    buffers.write_real(plan, rank, np.arange(100, 111), tables, ctx.gathered_slot_mapping)
+    assert buffers.is_replicated[:7].tolist() == expected
+    assert not bool(buffers.is_replicated[7:].any())
