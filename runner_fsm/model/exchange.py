@@ -173,19 +173,25 @@ def scatter_results(returned: torch.Tensor, plan: SendPlan, roles: RowRoles, spl
     return out
 
 
+def header_bytes(world: int, *, with_counts: bool) -> int:
+    """Bytes of one rank's header to its peers: 5 int64 fields, plus 2 per rank when routed."""
+    return (5 + (2 * world if with_counts else 0)) * 8 * (world - 1)
+
+
 def traffic_bytes(splits: Splits, me: int, dispatch_width: int, combine_width: int, itemsize: int) -> int:
-    """Bytes this rank sends to other ranks in one layer's two all_to_alls."""
+    """Bytes this rank sends to other ranks in one layer: its header and the two all_to_alls."""
     rows_out = sum(c for t, c in enumerate(splits.dispatch_send) if t != me)
     back_out = sum(c for t, c in enumerate(splits.combine_send) if t != me)
-    return (rows_out * dispatch_width + back_out * combine_width) * itemsize
+    world = len(splits.dispatch_send)
+    return (rows_out * dispatch_width + back_out * combine_width) * itemsize + header_bytes(world, with_counts=True)
 
 
 def gathered_bytes(width: int, hidden: int, k: int, world: int, payload_itemsize: int, itemsize: int) -> int:
-    """Bytes one rank sends in the all-gather exchange: its padded rows to every peer, then
-    its share of a ring all_reduce of the [world * width, H] result (2 (w-1)/w of it)."""
+    """Bytes one rank sends in the all-gather exchange: its header, its padded rows to every
+    peer, then its share of a ring all_reduce of the [world * width, H] result (2 (w-1)/w)."""
     gather = (world - 1) * width * (hidden + 2 * k) * payload_itemsize
     reduce = 2 * (world - 1) * width * hidden * itemsize
-    return gather + reduce
+    return gather + reduce + header_bytes(world, with_counts=False)
 
 
 def routed_exchange(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, roles: RowRoles,
