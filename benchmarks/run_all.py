@@ -53,6 +53,8 @@ SUITE = {
     "evidence": "bench_evidence",  # what the replay evidence costs a step (on vs off), records per step
     "prefill": "bench_prefill",  # 4096-token prefill, PCP=2 vs PCP=1
     "engine": "bench_engine",  # end-to-end tokens/s, drafting on/off
+    "exchange": "bench_moe_exchange",  # expert exchange bytes/step: routed vs all-gather
+    "load": "bench_load_rss",  # peak RSS of a rank loading its weights
     "replay": None,  # hook: benchmarks/bench_replay.py (owned elsewhere)
     "vllm": None,  # hook: benchmarks/bench_vllm_worker.py with .venv-vllm (owned elsewhere)
 }

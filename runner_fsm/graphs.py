@@ -13,7 +13,9 @@ so stale-buffer faults reproduce without an accelerator; `cuda` captures
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+import contextlib
+import threading
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -23,6 +25,30 @@ from runner_fsm.pcp.buffers import BufferFingerprint, PersistentBuffers
 
 BACKENDS = ("static", "cuda", "npu")
 Fingerprints = Mapping[str, BufferFingerprint]
+
+
+HostStep = Callable[[int], None]  # called with the step id
+_capturing = threading.local()  # .steps: the host steps of the graph being captured
+
+
+def host_step(fn: HostStep, step_id: int | None = None) -> None:
+    """Run host work of a forward now, and, while a device graph is being captured, before
+    every replay of that graph: a captured graph replays device work only, so host-side
+    checks (the expert header exchange) would otherwise run once at capture and never again."""
+    steps = getattr(_capturing, "steps", None)
+    if steps is not None:
+        steps.append(fn)
+    fn(-1 if step_id is None else step_id)
+
+
+@contextlib.contextmanager
+def capturing_host_steps() -> Iterator[list[HostStep]]:
+    """Collect the host steps of the forward captured inside (this thread only)."""
+    _capturing.steps = []
+    try:
+        yield _capturing.steps
+    finally:
+        _capturing.steps = None
 
 
 def backend_for(device: torch.device) -> str:
@@ -46,6 +72,7 @@ class GraphRunner:
         self._captured: dict[int, Fingerprints] = {}
         self._graphs: dict[int, Any] = {}
         self._outputs: dict[int, torch.Tensor] = {}
+        self._host_steps: dict[int, list[HostStep]] = {}
 
     @property
     def sizes(self) -> tuple[int, ...]:
@@ -57,7 +84,7 @@ class GraphRunner:
             if self.backend == "static":
                 self._outputs[size] = self._forward(size)
             else:
-                self._graphs[size], self._outputs[size] = _capture_device_graph(
+                self._graphs[size], self._outputs[size], self._host_steps[size] = _capture_device_graph(
                     self.backend, lambda: self._forward(size))
             fingerprint = self.buffers.fingerprint()
             self._captured[size] = fingerprint
@@ -79,6 +106,8 @@ class GraphRunner:
             self._audit.graph(step_id, "replay", num_tokens=size, backend=self.backend)
         if self.backend == "static":
             return self._forward(size)
+        for run_on_host in self._host_steps[size]:
+            run_on_host(step_id)
         self._graphs[size].replay()
         return self._outputs[size]
 
@@ -120,6 +149,6 @@ def _capture_device_graph(backend: str, run: Callable[[], torch.Tensor]):
         run()  # warm-up outside the graph: lazy initialisation must not be captured
     current().wait_stream(side)
     graph = graph_cls()
-    with graph_ctx(graph):
+    with capturing_host_steps() as host_steps, graph_ctx(graph):
         output = run()
-    return graph, output
+    return graph, output, host_steps

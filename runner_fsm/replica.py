@@ -271,7 +271,13 @@ class Replica:
         return await self.collectives.run(
             "expert", "forward", fn, step_id=self.step_id, phase=dp.TARGET, shapes=[(step.num_rows,)],
             enqueue_extra={"rows": step.num_rows, "dispatch_count": step.dispatch_count,
-                           "graph": step.agreed.use_graph, "ctx": ctx_id, "batch": batch_id})
+                           "graph": step.agreed.use_graph, "ctx": ctx_id, "batch": batch_id},
+            done_extra=self._exchange_stats)
+
+    def _exchange_stats(self, _output) -> dict:
+        """The bytes the forward's expert exchanges moved, when the model reports them."""
+        stats = getattr(self.model, "exchange_stats", None)
+        return stats() if stats is not None else {}
 
     async def _compare_outputs(self, sampled: dict[str, list[int]]) -> None:
         """The PCP ranks of a replica must sample the same tokens: each logs the digest of its

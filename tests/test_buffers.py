@@ -57,6 +57,7 @@ def test_allocation_at_capacity():
         "seq_lens": (8,),
         "block_tables": (8, 8),
         "gathered_slot_mapping": (32,),
+        "is_replicated": (16,),
     }
     assert buf.is_padding.dtype == torch.bool and buf.is_padding.all()
     assert (buf.gathered_slot_mapping == -1).all()

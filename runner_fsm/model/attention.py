@@ -29,20 +29,35 @@ class AttentionInputs:
     num_segments: int  # live segments; read by the eager form only
 
 
+QUERY_BLOCK = 256  # query rows per score block of the eager form
+
+
 def eager_attention(q: torch.Tensor, layer: int, cache: PagedKVCache, inputs: AttentionInputs) -> torch.Tensor:
-    """q [N, H, d] -> [N, H, d]; rows outside every segment (padding) get zeros."""
+    """q [N, H, d] -> [N, H, d]; rows outside every segment (padding) get zeros.
+
+    Queries go in blocks of `QUERY_BLOCK` rows against the keys up to the block's last
+    position only, so no score matrix is [rows, seq_len]: a causal segment of L rows costs
+    about L^2/2 scores, not L^2, and its memory is bounded by the block. Keys a block row may
+    not see are masked to probability 0 exactly, so the result is the full-matrix one up to
+    the order of floating-point sums.
+    """
     out = torch.zeros_like(q)
     s = inputs.num_segments
     starts = inputs.query_start_loc[: s + 1].tolist()
     seq_lens = inputs.seq_lens[:s].tolist()
+    positions = inputs.positions[: starts[-1]].tolist() if s else []
     for seg in range(s):
         first, end = starts[seg], starts[seg + 1]
         if end == first:
             continue
         slots = cache.block_slots(inputs.block_tables[seg], seq_lens[seg])
-        key_pos = torch.arange(seq_lens[seg], device=q.device)
-        mask = key_pos[None, :] <= inputs.positions[first:end, None]
-        out[first:end] = grouped_attention(q[first:end], cache.k[layer, slots], cache.v[layer, slots], mask)
+        keys, values = cache.k[layer, slots], cache.v[layer, slots]
+        for a in range(first, end, QUERY_BLOCK):
+            b = min(a + QUERY_BLOCK, end)
+            length = min(seq_lens[seg], max(positions[a:b]) + 1)
+            key_pos = torch.arange(length, device=q.device)
+            mask = key_pos[None, :] <= inputs.positions[a:b, None]
+            out[a:b] = grouped_attention(q[a:b], keys[:length], values[:length], mask)
     return out
 
 

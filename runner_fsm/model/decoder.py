@@ -6,19 +6,25 @@ before it is written) and by the replicated draft (global rows; no PCP gather).
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
+from runner_fsm import graphs
 from runner_fsm.model.attention import AttentionInputs, eager_attention, graph_attention
-from runner_fsm.model.dispatch import ExchangeStep
+from runner_fsm.model.dispatch import DispatchHeader, ExchangeStep, check_headers, exchange_headers
+from runner_fsm.model.exchange import RowRoles, gathered_bytes
 from runner_fsm.model.hf_config import MixtralConfig
 from runner_fsm.model.kv_cache import PagedKVCache
 from runner_fsm.model.layers import apply_rope, compute_dtype, rms_norm, rope_cos_sin, rope_inv_freq
-from runner_fsm.model.moe import moe_layer
+from runner_fsm.model.moe import ROUTED, Traffic, moe_layer
 from runner_fsm.model.parallel import ModelGroups, all_gather_rows
 from runner_fsm.model.weights import LayerWeights, MixtralWeights
 
 
 class MixtralDecoder:
+    exchange = ROUTED  # eager steps' expert exchange; `moe.GATHERED` is the baseline (benchmarks)
+
     def __init__(self, cfg: MixtralConfig, weights: MixtralWeights, cache: PagedKVCache,
                  groups: ModelGroups, *, gather_kv_over_pcp: bool):
         self.cfg = cfg
@@ -28,14 +34,21 @@ class MixtralDecoder:
         self.gather_kv_over_pcp = gather_kv_over_pcp and groups.pcp_size > 1
         self.device = weights.embed.device
         self.inv_freq = rope_inv_freq(cfg.head_dim, cfg.rope_theta, self.device, weights.embed.dtype)
+        self.traffic = Traffic()
 
     @property
     def kv_gather_size(self) -> int:
         """How many ranks' rows make up the gathered K/V (and the slot mapping)."""
         return self.groups.pcp_size if self.gather_kv_over_pcp else 1
 
-    def run(self, input_ids: torch.Tensor, inputs: AttentionInputs, step: ExchangeStep) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, inputs: AttentionInputs, step: ExchangeStep,
+            roles: RowRoles) -> torch.Tensor:
         """Final-normed hidden states [N, hidden] of the rows `input_ids` [N]."""
+        if not step.use_graph:
+            self.traffic.reset(self.exchange)
+        else:
+            # Outside any captured region: on a device graph this runs again before every replay.
+            graphs.host_step(lambda step_id: self._check_graph_exchange(step, step_id), step.step_id)
         cos, sin = rope_cos_sin(inputs.positions, self.inv_freq)
         h = self.weights.embed[input_ids]
         for index, layer in enumerate(self.weights.layers):
@@ -43,8 +56,19 @@ class MixtralDecoder:
             h = h + self._attention(index, layer, x, cos, sin, inputs, step.use_graph)
             x = rms_norm(h, layer.post_norm, self.cfg.rms_norm_eps)
             h = h + moe_layer(x, layer.router, layer.experts, self.cfg.num_experts_per_tok,
-                              layer=index, step=step, groups=self.groups)
+                              layer=index, step=step, groups=self.groups, roles=roles,
+                              traffic=self.traffic, exchange=self.exchange)
         return rms_norm(h, self.weights.norm, self.cfg.rms_norm_eps)
+
+    def _check_graph_exchange(self, step: ExchangeStep, step_id: int) -> None:
+        """A graph step's one header (layer -1): every rank replays the same step and size."""
+        cfg, dtype = self.cfg, self.weights.embed.dtype
+        at = dataclasses.replace(step, step_id=step_id, top_k=cfg.num_experts_per_tok)
+        header = DispatchHeader(step_id, step.phase, -1, step.dispatch_count, step.rows)
+        check_headers(exchange_headers(header, self.groups), at, self.groups)
+        per_layer = gathered_bytes(step.width, cfg.hidden_size, cfg.num_experts_per_tok, self.groups.world_size,
+                                   compute_dtype(dtype).itemsize, dtype.itemsize)
+        self.traffic.reset("graph", per_layer, cfg.num_hidden_layers)
 
     def _attention(self, index: int, layer: LayerWeights, x: torch.Tensor, cos: torch.Tensor,
                    sin: torch.Tensor, inputs: AttentionInputs, use_graph: bool) -> torch.Tensor:

@@ -27,10 +27,18 @@ class DispatchHeader:
     phase: int
     layer: int
     dispatch_count: int  # the count its replica must have sent to the DP agreement
-    rows: int  # the rows it actually executes and sends
+    rows: int  # the rows it actually executes
+    sends: tuple[int, ...] = ()  # routed exchange: entries it sends to each rank
+    fanout: tuple[int, ...] = ()  # of those, entries carrying a PCP-replicated row
 
     def as_tuple(self) -> tuple[int, ...]:
-        return dataclasses.astuple(self)
+        return (self.step_id, self.phase, self.layer, self.dispatch_count, self.rows, *self.sends, *self.fanout)
+
+    @classmethod
+    def from_values(cls, values: list[int]) -> "DispatchHeader":
+        head, rest = values[:5], values[5:]
+        half = len(rest) // 2
+        return cls(*head, tuple(rest[:half]), tuple(rest[half:]))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,6 +51,7 @@ class ExchangeStep:
     use_graph: bool
     dispatch_count: int  # this rank's (the one value that differs across replicas)
     rows: int  # this rank's
+    top_k: int = 2  # experts per token: bounds the routed counts a header may claim
 
     @property
     def width(self) -> int:
@@ -62,7 +71,7 @@ def exchange_headers(local: DispatchHeader, groups: ModelGroups) -> list[Dispatc
     mine = torch.tensor(local.as_tuple(), dtype=torch.int64)
     parts = [torch.empty_like(mine) for _ in range(groups.world_size)]
     dist.all_gather(parts, mine, group=groups.control)
-    return [DispatchHeader(*part.tolist()) for part in parts]
+    return [DispatchHeader.from_values(part.tolist()) for part in parts]
 
 
 def check_headers(headers: list[DispatchHeader], step: ExchangeStep, groups: ModelGroups) -> None:
@@ -93,6 +102,10 @@ def _problem(header: DispatchHeader, step: ExchangeStep, replica: int) -> str:
         return f"{said}, more than the exchange width {step.width} (max of the agreed {list(step.num_tokens_across_dp)})"
     if header.rows < header.dispatch_count:
         return f"{said}: fewer rows than tokens, so some tokens would never reach their experts"
+    if header.sends and (min(header.sends) < 0 or sum(header.sends) > header.rows * step.top_k
+                         or any(f > s for f, s in zip(header.fanout, header.sends))):
+        return (f"{said} but routes {list(header.sends)} rows to the ranks ({list(header.fanout)}"
+                f" replicated): more than {step.top_k} per row, negative, or more replicated than sent")
     return ""
 
 

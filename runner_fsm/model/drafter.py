@@ -19,6 +19,7 @@ from runner_fsm.model import draft_rows
 from runner_fsm.model.attention import AttentionInputs
 from runner_fsm.model.decoder import MixtralDecoder
 from runner_fsm.model.dispatch import ExchangeStep
+from runner_fsm.model.exchange import RowRoles
 
 
 @dataclasses.dataclass
@@ -92,4 +93,7 @@ class MixtralDrafter:
             num_segments=int(rows.seq_lens.shape[0]),
         )
         exchange = ExchangeStep.from_forward(step, rows.num_rows)
-        return self.decoder.run(put(rows.input_ids), inputs, exchange)
+        # The draft runs its replica's global batch on every PCP rank: every row is replicated.
+        roles = RowRoles.uniform(rows.num_rows, device, padding=step.is_dummy,
+                                 replicated=self.decoder.groups.pcp_size > 1)
+        return self.decoder.run(put(rows.input_ids), inputs, exchange, roles)

@@ -13,7 +13,8 @@ from runner_fsm.model.hf_config import MixtralConfig
 from runner_fsm.model.kv_cache import PagedKVCache
 from runner_fsm.model.model import MixtralModel
 from runner_fsm.model.parallel import ModelGroups, resolve_device
-from runner_fsm.model.weights import bind_weights, read_checkpoint
+from runner_fsm.model.checkpoint import LazyCheckpoint
+from runner_fsm.model.weights import bind_weights
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
            "bfloat16": torch.bfloat16}
@@ -56,7 +57,7 @@ def _load_decoder(model_dir, kv_num_blocks, block_size, groups, device, dtype, *
     cfg = MixtralConfig.from_dir(model_dir)
     torch_dtype = _dtype(dtype, cfg)
     mg = model_groups(groups, dev)
-    weights = bind_weights(cfg, read_checkpoint(model_dir), rank=mg.global_rank, world_size=mg.world_size,
+    weights = bind_weights(cfg, LazyCheckpoint(model_dir), rank=mg.global_rank, world_size=mg.world_size,
                            device=dev, dtype=torch_dtype, source=str(model_dir))
     cache = PagedKVCache(num_layers=cfg.num_hidden_layers, num_blocks=kv_num_blocks, block_size=block_size,
                          kv_heads=cfg.num_key_value_heads, head_dim=cfg.head_dim, dtype=torch_dtype, device=dev)

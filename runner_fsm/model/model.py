@@ -15,6 +15,7 @@ from runner_fsm.errors import BatchError
 from runner_fsm.model.attention import AttentionInputs
 from runner_fsm.model.decoder import MixtralDecoder
 from runner_fsm.model.dispatch import ExchangeStep
+from runner_fsm.model.exchange import RowRoles
 from runner_fsm.model.parallel import all_gather_rows
 from runner_fsm.pcp.buffers import PersistentBuffers
 from runner_fsm.pcp.context import PCPAttentionContext
@@ -35,7 +36,12 @@ class MixtralModel:
         n = step.num_rows
         inputs = self.buffer_inputs(buffers, n, graph=step.agreed.use_graph)
         exchange = ExchangeStep.from_forward(step, n)
-        return self.decoder.run(buffers.input_ids[:n], inputs, exchange)
+        roles = RowRoles(buffers.is_padding[:n], buffers.is_replicated[:n])
+        return self.decoder.run(buffers.input_ids[:n], inputs, exchange, roles)
+
+    def exchange_stats(self) -> dict:
+        """What the last forward's expert exchanges moved (logged with the forward's record)."""
+        return self.decoder.traffic.as_record()
 
     def buffer_inputs(self, buffers: PersistentBuffers, n: int, *, graph: bool) -> AttentionInputs:
         """Views of the buffers for `n` rows: no copies, so a captured graph sees new steps."""

@@ -1,23 +1,30 @@
 """Top-k routed SwiGLU experts, expert-parallel over every rank (DP x PCP).
 
-Per layer: route this rank's rows, exchange headers and check them, all-gather the padded rows
-and their routing, apply the experts this rank owns to every gathered row routed to them, and
-one all_reduce(SUM) gives every rank its rows back. No capacity limit and no dropping: a
-token's output depends on its own row only. A token's output is the sum of its top-k experts'
-weighted outputs, accumulated in ascending expert order; with top-2 that sum is exact under
+Per layer: route this rank's rows, then exchange them with the ranks that own their experts.
+Eager steps take the routed exchange (`exchange.py`): the checked header carries the counts,
+two all_to_all_single calls move only routed rows there and their results back. Graph steps
+(uniform decode under FULL_DECODE_ONLY) keep static shapes: all-gather the padded rows and
+their routing, apply the owned experts to every row routed to them, one all_reduce(SUM); the
+header check runs once per forward outside the captured region (`graphs.host_step`). In both,
+padding rows route nowhere and a PCP-replicated row is computed once, by PCP rank 0.
+No capacity limit and no dropping: a token's output depends on its own row only. A token's
+output is the sum of its top-k experts' weighted outputs; with top-2 that sum is exact under
 any order (two non-zero terms plus zeros), so outputs do not depend on the DP/PCP layout.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from runner_fsm.model.dispatch import DispatchHeader, ExchangeStep, check_headers, exchange_headers
+from runner_fsm.model.exchange import NO_EXPERT, RowRoles, gathered_bytes, routed_exchange
 from runner_fsm.model.layers import compute_dtype, swiglu
 from runner_fsm.model.parallel import ModelGroups, all_gather_rows, all_reduce_sum
 from runner_fsm.model.weights import ExpertWeights
 
-NO_EXPERT = -1  # the expert id of padding rows: no expert takes them
+ROUTED, GATHERED = "routed", "gathered"  # the two exchanges of an eager step
 
 
 def route(x: torch.Tensor, router: torch.Tensor, top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -55,24 +62,82 @@ def local_experts_dense(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tenso
     return out
 
 
+@dataclasses.dataclass
+class Traffic:
+    """Bytes this rank sent in its expert exchanges since the last reset, and what the
+    all-gather exchange would have sent for the same rows (computed, not run)."""
+
+    exchange: str = ROUTED
+    sent_bytes: int = 0
+    gathered_bytes: int = 0
+    layers: int = 0
+
+    def reset(self, exchange: str, per_layer: int = 0, layers: int = 0) -> None:
+        """Start a forward's count; a graph forward's is known up front: `layers` x `per_layer`."""
+        self.exchange, self.layers = exchange, layers
+        self.sent_bytes = self.gathered_bytes = per_layer * layers
+
+    def as_record(self) -> dict:
+        return {"exchange": self.exchange, "exchange_bytes": self.sent_bytes,
+                "allgather_bytes": self.gathered_bytes, "moe_layers": self.layers}
+
+
 def moe_layer(x: torch.Tensor, router: torch.Tensor, experts: dict[int, ExpertWeights], top_k: int,
-              *, layer: int, step: ExchangeStep, groups: ModelGroups) -> torch.Tensor:
+              *, layer: int, step: ExchangeStep, groups: ModelGroups, roles: RowRoles,
+              traffic: Traffic, exchange: str = ROUTED) -> torch.Tensor:
     """Expert output for this rank's rows x [n, H] (already normed)."""
     n = x.shape[0]
     ids, weights = route(x, router, top_k)
-    header = DispatchHeader(step.step_id, step.phase, layer, step.dispatch_count, n)
-    check_headers(exchange_headers(header, groups), step, groups)
+    if step.use_graph:  # header check and traffic: once per forward, outside the graph (decoder)
+        return _gathered(x, ids, weights, experts, step, groups, roles)
+    step = dataclasses.replace(step, top_k=top_k)
+    world = groups.world_size
+    width = step.width
+    traffic.layers += 1
+    static_bytes = gathered_bytes(width, x.shape[1], top_k, world, compute_dtype(x.dtype).itemsize,
+                                  x.element_size())
+    traffic.gathered_bytes += static_bytes
+    if exchange == ROUTED and world > 1:
+        def counts(plan):
+            header = DispatchHeader(step.step_id, step.phase, layer, step.dispatch_count, n, plan.counts, plan.fanout)
+            headers = exchange_headers(header, groups)
+            check_headers(headers, step, groups)
+            return [h.sends for h in headers], [h.fanout for h in headers]
+
+        def apply(rx, rids, rweights):
+            return local_experts_eager(rx, rids, rweights, experts)
+
+        out, sent = routed_exchange(x, ids, weights, roles, groups, counts, apply)
+        traffic.sent_bytes += sent
+        return out
+    check_headers(exchange_headers(DispatchHeader(step.step_id, step.phase, layer, step.dispatch_count, n),
+                                   groups), step, groups)
+    traffic.sent_bytes += static_bytes
+    return _gathered(x, ids, weights, experts, step, groups, roles)
+
+
+def _gathered(x, ids, weights, experts, step: ExchangeStep, groups: ModelGroups, roles: RowRoles):
+    """Static shapes: every rank's padded rows to every rank, one all_reduce of the results."""
+    n = x.shape[0]
     apply = local_experts_dense if step.use_graph else local_experts_eager
+    # Eager (the baseline exchange): every real row, replicated ones on every PCP rank.
+    routed = roles.sent_here(groups.pcp_rank) if step.use_graph else ~roles.padding
+    ids = torch.where(routed[:, None], ids, torch.full_like(ids, NO_EXPERT))
     world = groups.world_size
     if world == 1:
         return apply(x, ids, weights, experts)
     width = step.width
     gathered = all_gather_rows(_pack(x, ids, weights, width), groups.expert, world)
-    gx, gids, gweights = _unpack(gathered, x.shape[1], top_k, x.dtype)
-    partial = apply(gx, gids, gweights, experts)
-    total = all_reduce_sum(partial, groups.expert, world)
+    gx, gids, gweights = _unpack(gathered, x.shape[1], ids.shape[1], x.dtype)
+    total = all_reduce_sum(apply(gx, gids, gweights, experts), groups.expert, world)
     first = groups.global_rank * width
-    return total[first:first + n]
+    own = total[first:first + n]
+    if groups.pcp_rank == 0 or not step.use_graph:
+        return own
+    # A replicated row was sent by PCP rank 0 only; replicated rows sit at the same index on
+    # every PCP rank when every real row is replicated: a uniform decode, the only graph step.
+    lead = (groups.global_rank - groups.pcp_rank) * width
+    return torch.where(roles.replicated[:, None], total[lead:lead + n], own)
 
 
 def _pack(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, width: int) -> torch.Tensor:

@@ -69,7 +69,8 @@ class MixtralWeights:
 
 
 def read_checkpoint(model_dir: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of every `*.safetensors` shard in `model_dir`."""
+    """All tensors of every `*.safetensors` shard in `model_dir`, read whole (tests and
+    references; a rank loads through `checkpoint.LazyCheckpoint`)."""
     shards = sorted(Path(model_dir).glob("*.safetensors"))
     if not shards:
         raise WeightsError(f"{model_dir}: no *.safetensors files")
@@ -82,6 +83,12 @@ def read_checkpoint(model_dir: str | Path) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def _shape(state: Mapping[str, torch.Tensor], name: str) -> tuple[int, ...]:
+    """From the header when `state` is lazy (`LazyCheckpoint.shape_of`): checking reads no data."""
+    shape_of = getattr(state, "shape_of", None)
+    return tuple(shape_of(name)) if shape_of is not None else tuple(state[name].shape)
+
+
 def check_state_dict(cfg: MixtralConfig, state: Mapping[str, torch.Tensor], source: str) -> None:
     shapes = expected_shapes(cfg)
     ignorable = {"lm_head.weight"} if cfg.tie_word_embeddings else set()
@@ -91,15 +98,19 @@ def check_state_dict(cfg: MixtralConfig, state: Mapping[str, torch.Tensor], sour
         raise WeightsError(f"{source}: missing tensors {missing[:5]}{'...' if len(missing) > 5 else ''},"
                            f" unexpected tensors {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}")
     for name, shape in shapes.items():
-        if tuple(state[name].shape) != shape:
-            raise WeightsError(f"{source}: {name} has shape {list(state[name].shape)}, config.json"
+        if _shape(state, name) != shape:
+            raise WeightsError(f"{source}: {name} has shape {list(_shape(state, name))}, config.json"
                                f" implies {list(shape)}")
 
 
 def bind_weights(cfg: MixtralConfig, state: Mapping[str, torch.Tensor], *, rank: int,
                  world_size: int, device: torch.device, dtype: torch.dtype,
                  source: str = "state dict") -> MixtralWeights:
-    """Check `state` against `cfg` and keep what rank `rank` of `world_size` needs."""
+    """Check `state` against `cfg` and keep what rank `rank` of `world_size` needs.
+
+    Each tensor is read from `state` once, when it is bound, and only if this rank keeps it;
+    `.to` returns the read tensor itself when device and dtype already match (no second copy).
+    """
     check_state_dict(cfg, state, source)
 
     def get(name: str) -> torch.Tensor:

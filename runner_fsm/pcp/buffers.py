@@ -30,6 +30,7 @@ BUFFER_NAMES = (
     "seq_lens",
     "block_tables",
     "gathered_slot_mapping",
+    "is_replicated",
 )
 
 _INT32_MAX = np.iinfo(np.int32).max
@@ -99,6 +100,15 @@ def dummy_query_lens(num_reqs: int, num_tokens: int) -> np.ndarray:
     return lens
 
 
+def _replicated_rows(plan: PCPPlan, rank: int) -> np.ndarray:
+    """[n_r] bool: rank `rank`'s rows whose global token every PCP rank of the plan holds."""
+    if plan.pcp_size == 1:
+        return np.zeros(plan.ranks[rank].token_idx.shape[0], dtype=bool)
+    every = np.concatenate([rb.token_idx for rb in plan.ranks])
+    holders = np.bincount(every, minlength=plan.num_tokens)
+    return holders[plan.ranks[rank].token_idx] > 1
+
+
 class PersistentBuffers:
     """Rank-local step inputs at fixed addresses; capacities come from ``RunnerConfig``."""
 
@@ -113,6 +123,8 @@ class PersistentBuffers:
         self.input_ids = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(rows, dtype=torch.int64, device=dev)
         self.is_padding = torch.ones(rows, dtype=torch.bool, device=dev)
+        # A row whose token is on every PCP rank (a decode row): its experts run once.
+        self.is_replicated = torch.zeros(rows, dtype=torch.bool, device=dev)
         self.query_start_loc = torch.zeros(segs + 1, dtype=torch.int32, device=dev)
         self.seq_lens = torch.zeros(segs, dtype=torch.int32, device=dev)
         self.block_tables = torch.zeros(
@@ -143,7 +155,7 @@ class PersistentBuffers:
             plan, rank, input_ids_global, block_tables, gathered_slots
         )
         rb = plan.ranks[rank]
-        self._write_rows(ids[rb.token_idx], rb.positions)
+        self._write_rows(ids[rb.token_idx], rb.positions, _replicated_rows(plan, rank))
         self._write_segments(rb.query_start_loc, rb.seq_lens, tables[rb.seg_req_idx])
         self._write_slots(slots)
         self._record(plan.num_tokens_padded, rb.num_segments, is_dummy=False)
@@ -157,7 +169,7 @@ class PersistentBuffers:
         self._check_capacity(num_tokens, num_reqs, what="dummy")
         lens = dummy_query_lens(num_reqs, num_tokens)
         empty = np.zeros(0, dtype=np.int64)
-        self._write_rows(empty, empty)
+        self._write_rows(empty, empty, np.zeros(0, dtype=bool))
         query_start_loc = np.concatenate([[0], np.cumsum(lens)])
         # Positions are all 0, so a dummy request's causal keys are just its own rows.
         self._write_segments(query_start_loc, lens, np.zeros((num_reqs, 0), dtype=np.int64))
@@ -198,7 +210,7 @@ class PersistentBuffers:
     def _buffers(self) -> tuple[torch.Tensor, ...]:
         # Looked up by name each time: a rebound tensor must show up as moved storage.
         return (self.input_ids, self.positions, self.is_padding, self.query_start_loc,
-                self.seq_lens, self.block_tables, self.gathered_slot_mapping)
+                self.seq_lens, self.block_tables, self.gathered_slot_mapping, self.is_replicated)
 
     # -- checks (no mutation) ---------------------------------------------------------
 
@@ -269,14 +281,15 @@ class PersistentBuffers:
     # slice (data, then padding) costs more than the bytes, and on a device one transfer per
     # buffer replaces several small kernels. Every write still moves the buffer's version.
 
-    def _write_rows(self, input_ids: np.ndarray, positions: np.ndarray) -> None:
-        """Real rows first, every later row padding (id 0, position 0)."""
+    def _write_rows(self, input_ids: np.ndarray, positions: np.ndarray, replicated: np.ndarray) -> None:
+        """Real rows first, every later row padding (id 0, position 0, not replicated)."""
         n, rows = input_ids.shape[0], self.max_num_tokens
         _copy_whole(self.input_ids, input_ids, np.int64, 0)
         _copy_whole(self.positions, positions, np.int64, 0)
         padding = np.ones(rows, dtype=bool)
         padding[:n] = False
         self.is_padding.copy_(torch.from_numpy(padding))
+        _copy_whole(self.is_replicated, np.asarray(replicated, dtype=bool), bool, False)
 
     def _write_segments(
         self, query_start_loc: np.ndarray, seq_lens: np.ndarray, seg_tables: np.ndarray
