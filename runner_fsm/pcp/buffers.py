@@ -203,9 +203,9 @@ class PersistentBuffers:
         if views is None or any(a is not b for a, b in zip(views[0], tensors)):  # made, or rebound
             arrays = tuple(t.numpy() for t in tensors) if self.device.type == "cpu" else tensors
             views = self._views = (tensors, arrays)
-        ids, pos, pad, qsl, seq, tables, slots = views[1]
+        ids, pos, pad, qsl, seq, tables, slots, replicated = views[1]
         return (ids[:rows], pos[:rows], pad[:rows], qsl, seq[:segs], tables[:segs],
-                slots[:self.pcp_size * rows])
+                slots[:self.pcp_size * rows], replicated[:rows])
 
     def _buffers(self) -> tuple[torch.Tensor, ...]:
         # Looked up by name each time: a rebound tensor must show up as moved storage.
