@@ -156,7 +156,7 @@ def output_digest(sampled: Mapping[str, Sequence[int]]) -> tuple[int, int]:
     """(crc32, token count) of a step's sampled tokens, in the batch's request order."""
     import orjson  # the audit log's encoder: loaded already wherever this runs
 
-    return zlib.crc32(orjson.dumps(sampled)), sum(map(len, sampled.values()))
+    return zlib.crc32(orjson.dumps(sampled, option=orjson.OPT_SERIALIZE_NUMPY)), sum(map(len, sampled.values()))
 
 
 def divergent_outputs(digests: Mapping[int, int]) -> dict[int, int] | None:

@@ -139,11 +139,11 @@ class RankScanner:
                               line=0)
             return None
         hang, timed_out = self._dangling, False
-        if hang is None:
-            # The log ends in a step with a collective that never reached `done`: the rank
-            # stopped in it, whatever it logged afterwards (a timeout, its own fault).
+        if hang is None and (last.fault is None or last.fault[0] in TIMEOUT_ERRORS):
+            # The log ends with a collective open: the rank stopped in it. A fault of another
+            # error only explains it away (the collective ran, its rule refused the result).
             hang = self._open_collective(last)
-            timed_out = hang is not None and last.fault is not None and last.fault[0] in TIMEOUT_ERRORS
+            timed_out = hang is not None and last.fault is not None
         state = self.transitions.state
         if hang is None and not self._truncated and state not in TERMINAL_STATES:
             self._verdict("unfinished", f"the log ends in state {state!r} at step {last.step} without"
