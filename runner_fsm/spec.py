@@ -32,8 +32,10 @@ def verify_greedy(target_tokens, draft_tokens) -> list[int]:
 def tokens_per_request(row_tokens: np.ndarray, batch: ScheduledBatch) -> dict[str, list[int]]:
     """Per request, what this step appends: greedy token of its last row, or verified drafts."""
     ends = np.cumsum(batch.num_scheduled)
-    starts = ends - batch.num_scheduled
     drafts = batch.num_draft_tokens
+    if drafts is None or not drafts.any():  # one greedy token per request: its last row's
+        return {rid: [token] for rid, token in zip(batch.req_ids, row_tokens[ends - 1].tolist())}
+    starts = ends - batch.num_scheduled
     out: dict[str, list[int]] = {}
     for i, rid in enumerate(batch.req_ids):
         k = 0 if drafts is None else int(drafts[i])

@@ -76,11 +76,17 @@ def global_token_layout(plan: PCPPlan) -> tuple[np.ndarray, np.ndarray]:
     Every global token lies on at least one rank; replicated decode tokens lie on all of
     them with the same position and request, so overlapping writes agree.
     """
-    token = np.concatenate([rb.token_idx for rb in plan.ranks])
+    ranks = plan.ranks
+    if len(ranks) == 1:
+        token, pos, req = ranks[0].token_idx, ranks[0].positions, ranks[0].req_idx
+    else:
+        token = np.concatenate([rb.token_idx for rb in ranks])
+        pos = np.concatenate([rb.positions for rb in ranks])
+        req = np.concatenate([rb.req_idx for rb in ranks])
     positions = np.zeros(plan.num_tokens, dtype=np.int64)
     req_idx = np.zeros(plan.num_tokens, dtype=np.int64)
-    positions[token] = np.concatenate([rb.positions for rb in plan.ranks])
-    req_idx[token] = np.concatenate([rb.req_idx for rb in plan.ranks])
+    positions[token] = pos
+    req_idx[token] = req
     return positions, req_idx
 
 

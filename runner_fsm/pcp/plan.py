@@ -79,7 +79,10 @@ def _validate(
     if chunking not in ("ceil", "balanced"):
         raise BatchError(f"chunking must be 'ceil' or 'balanced', got {chunking!r}")
     scheduled = int_array("num_scheduled", num_scheduled)
-    prefilling = int_array("is_prefilling", is_prefilling, allow_bool=True).astype(bool)
+    if type(is_prefilling) is np.ndarray and is_prefilling.dtype == np.bool_ and is_prefilling.ndim == 1:
+        prefilling = is_prefilling  # already a bool vector (the per-step case)
+    else:
+        prefilling = int_array("is_prefilling", is_prefilling, allow_bool=True).astype(bool)
     computed = (
         np.zeros_like(scheduled) if num_computed is None else int_array("num_computed", num_computed)
     )
