@@ -53,7 +53,8 @@ def _listening(pids: set[int]) -> set[tuple[str, int, int]]:
 
 def test_every_socket_of_a_live_run_listens_on_loopback_only(tmp_path):
     # The fake model and a hang on replica 1 at step 3 keep the run alive for a few seconds.
-    cfg = EngineConfig(model_dir=None, run_dir=str(tmp_path), layout=ParallelLayout(2, 2),
+    cfg = EngineConfig(model_dir=None, model_factory="runner_fsm.testing.fakes:engine_model_and_drafter",
+                       run_dir=str(tmp_path), layout=ParallelLayout(2, 2),
                        collective_timeout_s=2.0, injections=("hang@replica=1,step=3",))
     requests = synthetic_requests(4, vocab_size=100, max_new_tokens=6)
     done = threading.Event()
