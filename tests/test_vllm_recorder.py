@@ -74,7 +74,8 @@ def test_full_graph_idle_dummy_on_the_previous_batch_is_named_by_replay(tmp_path
     run_dir = run(tmp_path, mode="FULL", fresh_dummy=False)
     report = replay(run_dir)
     assert [(v.kind, v.replica, v.step) for v in report.verdicts] == [("stale_buffer_replay", 0, 2)]
-    assert "graph replay of 4 tokens at step 2" in report.verdicts[0].detail
+    assert "graph replay at step 2 reads stale inputs" in report.verdicts[0].detail
+    assert "['slot_mapping', 'seq_lens'] were not refreshed" in report.verdicts[0].detail
     journal = read_journal(run_dir)
     assert [(e["step"], e["kind"]) for e in journal] == [(0, "decode"), (1, "decode"), (2, "idle")]
     assert journal[2]["forwards"] == [["dummy", "FULL", [4, 4, True], None]]

@@ -97,7 +97,8 @@ class ReplicaRecorder:
             if graph and capturing:  # a capture first names its size, then its buffers
                 self.audit.graph(step, "capture", num_tokens=desc[0] if desc else None)
             if taken is not None:
-                reason = "capture" if capturing else ("dummy" if dummy else "real")
+                # A graph replay's inputs are logged as `replay`: replay judges them right there.
+                reason = "capture" if capturing else "replay" if graph else "dummy" if dummy else "real"
                 if copied:
                     reason += ":copied=" + ",".join(copied)
                 inputs, judged = resolve(taken)
