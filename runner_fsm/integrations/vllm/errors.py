@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from runner_fsm.errors import ConfigError, RunnerError
+from runner_fsm.errors import ConfigError
+from runner_fsm.machine import TransitionRefused
 
 
 class VLLMSchemaError(ConfigError):
@@ -13,5 +14,5 @@ class UnsupportedFeatureError(ConfigError):
     """A vLLM configuration FSMWorker cannot record faithfully (raised at start-up)."""
 
 
-class StepRefused(RunnerError):
+class StepRefused(TransitionRefused):
     """vLLM asked for a step the replica's transition table does not allow now."""
