@@ -33,8 +33,9 @@ from runner_fsm.audit.verdicts import ReplayReport, Verdict
 STATE_TRIGGERS = {"prefill": "prefill", "decode": "decode", "idle": "idle_dummy", "draft": "draft_sync",
                   "capture": "capturing"}
 PHASES = {1: "TARGET", 2: "DRAFT_PREFILL", 3: "DRAFT_DECODE"}
-_HEADER = frozenset({"schema", "run_id", "seq", "t_ns", "dp_rank", "pcp_rank", "event", "step_id", "group",
-                     "op", "phase", "stage", "pg_seq"})
+_HEADER = frozenset({"schema", "run_id", "seq", "t_ns", "dp_rank", "pcp_rank", "event", "step_id",
+                     "phase", "stage", "pg_seq"})
+_DONE_HEADER_SIZE = 14  # a `done` record with no more fields than these carries nothing new
 
 
 @dataclasses.dataclass
@@ -54,14 +55,21 @@ class _Writer:
         self._file = open(path, "wb")
         self._file.write(b'{"displayTimeUnit":"ns","otherData":' + orjson.dumps(other) + b',"traceEvents":[\n')
         self.events = 0
+        self._pending: list[bytes] = []  # written in batches: one write per few thousand events
 
     def event(self, event: dict) -> None:
-        if self.events:
-            self._file.write(b",\n")
-        self._file.write(orjson.dumps(event))
-        self.events += 1
+        self._pending.append(orjson.dumps(event))
+        if len(self._pending) >= 4096:
+            self.flush()
+
+    def flush(self) -> None:
+        if self._pending:
+            self._file.write((b",\n" if self.events else b"") + b",\n".join(self._pending))
+            self.events += len(self._pending)
+            self._pending.clear()
 
     def close(self) -> None:
+        self.flush()
         self._file.write(b"\n]}\n")
         self._file.close()
 
@@ -114,12 +122,13 @@ class _RankTrack:
     def _close_collective(self, begun: tuple[int, dict], end: int, done: dict | None, *, completed: bool) -> None:
         start, enq = begun
         phase = enq.get("phase")
-        args = {"step": enq.get("step_id"), "group": enq.get("group"), "op": enq.get("op"),
-                "phase": PHASES.get(phase, phase), "pg_seq": enq.get("pg_seq"), "completed": completed}
-        for source in (enq, done or {}):
-            args.update((k, v) for k, v in source.items() if k not in _HEADER)
-        name = f"{enq.get('group')} {enq.get('op')} {PHASES.get(phase, phase)}"
-        self.slice(name, "collective", start, end, args)
+        phase = PHASES.get(phase, phase)
+        args = {k: v for k, v in enq.items() if k not in _HEADER}  # sent, rows, shapes...
+        if done is not None and len(done) > _DONE_HEADER_SIZE:
+            args.update({k: v for k, v in done.items() if k not in _HEADER})  # agreed
+        args["step"], args["phase"], args["pg_seq"] = enq.get("step_id"), phase, enq.get("pg_seq")
+        args["completed"] = completed
+        self.slice(f"{enq.get('group')} {enq.get('op')} {phase}", "collective", start, end, args)
 
     def _transition(self, rec: dict, t: int) -> None:
         trigger = rec.get("trigger")
