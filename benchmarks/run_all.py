@@ -50,6 +50,7 @@ SUITE = {
     "bookkeeping": "bench_bookkeeping",  # bookkeeping per step
     "prefill": "bench_prefill",  # 4096-token prefill, PCP=2 vs PCP=1
     "engine": "bench_engine",  # end-to-end tokens/s, drafting on/off
+    "perfetto": "bench_perfetto",  # Flight Recorder on vs off; replay --perfetto export speed
     "replay": None,  # hook: benchmarks/bench_replay.py (owned elsewhere)
     "vllm": None,  # hook: benchmarks/bench_vllm_worker.py with .venv-vllm (owned elsewhere)
 }
