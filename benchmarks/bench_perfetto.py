@@ -5,7 +5,7 @@
   cost) with the recorder on and off, alternated in one run of this script. A rank's time per
   step is its `elapsed_s` over its steps; a run's is its slowest rank's. Outputs must be equal
   and the dumps present only when on.
-- Export: a synthetic sound run of 8 ranks (DP=4 x PCP=2) x STEPS steps (`runner_fsm.audit.synth`,
+- Export: a synthetic sound run of 8 ranks (DP=4 x PCP=2) x STEPS steps (`runner_fsm.testing.synth`,
   the records the runner writes) and one of STEPS / 10, each exported in a fresh process:
   records/s of the export pass (replay's own cost is the replay row), the trace's size, and
   the process's peak RSS, which must stay flat as the log grows tenfold.
@@ -29,7 +29,7 @@ from common import Row, Spread
 _EXPORT = r"""
 import json, sys, time
 from runner_fsm.audit.perfetto import export_perfetto
-from runner_fsm.audit.verdicts import ReplayReport, RunSummary
+from runner_fsm.audit.report import ReplayReport, RunSummary
 
 def peak_rss_mib():
     with open("/proc/self/status") as status:
@@ -47,7 +47,7 @@ print(json.dumps({"seconds": time.perf_counter() - start, "records": stats.recor
 
 
 def _export(steps: int, root: Path) -> dict:
-    from runner_fsm.audit.synth import SynthSpec, write_run
+    from runner_fsm.testing.synth import SynthSpec, write_run
 
     run_dir = root / f"steps-{steps}"
     write_run(run_dir, SynthSpec(dp_size=4, pcp_size=2, steps=steps))

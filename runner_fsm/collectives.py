@@ -6,12 +6,16 @@ rank). Each call writes a collective `enqueue` record before it starts and `done
 so a hang leaves the `enqueue` as the last line of the log. A watchdog turns a collective
 that has not finished within `timeout_s` into `CollectiveTimeout`; the stuck thread is
 abandoned (gloo cannot be interrupted) and the process is expected to exit.
+
+A group without peers (`inline_groups`: one rank, e.g. the DP group of a single replica)
+cannot wait on anyone, so its calls run inline in the calling task, with the same records:
+the thread hop and the watchdog would cost more than the call and guard nothing.
 """
 
 from __future__ import annotations
 
 import itertools
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import anyio
 
@@ -19,20 +23,25 @@ from runner_fsm.errors import CollectiveTimeout
 
 
 class CollectiveRunner:
-    """Runs blocking collectives per group; `describe_peers()` feeds timeout messages."""
+    """Runs blocking collectives per group; the heartbeat (if any) names culprits on a timeout."""
 
-    def __init__(self, audit, timeout_s: float, *, heartbeat=None):
+    def __init__(self, audit, timeout_s: float, *, heartbeat=None, inline_groups: Iterable[str] = ()):
         self._audit = audit
         self.timeout_s = timeout_s
         self._heartbeat = heartbeat
-        self._limiters: dict[str, anyio.CapacityLimiter] = {}
+        self.inline_groups = frozenset(inline_groups)
+        self._limiters: dict[str, anyio.CapacityLimiter | None] = {}
         self._seq: dict[str, itertools.count] = {}
 
-    def _limiter(self, group: str) -> anyio.CapacityLimiter:
-        if group not in self._limiters:
-            self._limiters[group] = anyio.CapacityLimiter(1)
+    def _limiter(self, group: str) -> anyio.CapacityLimiter | None:
+        """The group's limiter (None for an inline group); numbering starts at its first call."""
+        try:
+            return self._limiters[group]
+        except KeyError:
+            limiter = None if group in self.inline_groups else anyio.CapacityLimiter(1)
+            self._limiters[group] = limiter
             self._seq[group] = itertools.count()
-        return self._limiters[group]
+            return limiter
 
     async def run(
         self,
@@ -46,23 +55,35 @@ class CollectiveRunner:
         enqueue_extra: dict | None = None,
         done_extra: Callable[[Any], dict] | None = None,
     ) -> Any:
-        """`fn(*args)` in `group`'s worker thread, with audit records and the watchdog.
+        """`fn(*args)` in `group`'s worker thread under the watchdog (inline for a group without
+        peers), between its `enqueue` and `done` records.
 
         `enqueue_extra` is logged with the enqueue record, `done_extra(result)` with done.
         """
         limiter = self._limiter(group)
         pg_seq = next(self._seq[group])
         shapes = [list(s) for s in shapes]
-        where = f"{op} on group {group!r} (pg_seq {pg_seq}, phase {phase}) at step {step_id}"
-        self._beat(step_id, phase, f"{group} {op} #{pg_seq}")
+        if self._heartbeat is not None:
+            self._beat(step_id, phase, f"{group} {op} #{pg_seq}")
         if self._audit is not None:
             self._audit.collective(step_id, group, op, phase, shapes, pg_seq, "enqueue",
                                    **(enqueue_extra or {}))
+        if limiter is None:
+            result = fn(*args)
+        else:
+            result = await self._in_thread(limiter, fn, args, f"{op} on group {group!r} (pg_seq"
+                                           f" {pg_seq}, phase {phase}) at step {step_id}")
+        if self._audit is not None:
+            self._audit.collective(step_id, group, op, phase, shapes, pg_seq, "done",
+                                   **(done_extra(result) if done_extra else {}))
+        if self._heartbeat is not None:
+            self._beat(step_id, phase, "")
+        return result
+
+    async def _in_thread(self, limiter: anyio.CapacityLimiter, fn, args, where: str) -> Any:
         try:
             with anyio.fail_after(self.timeout_s):
-                result = await anyio.to_thread.run_sync(
-                    fn, *args, limiter=limiter, abandon_on_cancel=True
-                )
+                return await anyio.to_thread.run_sync(fn, *args, limiter=limiter, abandon_on_cancel=True)
         except TimeoutError:
             raise CollectiveTimeout(f"{where} did not finish within {self.timeout_s:g} s"
                                     + self._peers()) from None
@@ -71,11 +92,6 @@ class CollectiveRunner:
                 raise
             raise CollectiveTimeout(f"{where} failed: a peer is gone ({_first_line(exc)})"
                                     + self._peers()) from None
-        if self._audit is not None:
-            self._audit.collective(step_id, group, op, phase, shapes, pg_seq, "done",
-                                   **(done_extra(result) if done_extra else {}))
-        self._beat(step_id, phase, "")
-        return result
 
     def _beat(self, step_id, phase: int, collective: str) -> None:
         if self._heartbeat is not None and step_id is not None:

@@ -44,6 +44,13 @@ class ParallelLayout:
             raise ConfigError(
                 f"dcp_size must be 1 or equal to pcp_size={self.pcp_size}, got {self.dcp_size}"
             )
+        if self.dcp_size > 1:
+            # `pcp.kv.slot_mapping` computes DCP-sharded slots, but no cache here is sharded:
+            # accepting the setting would silently run without DCP.
+            raise ConfigError(
+                f"dcp_size={self.dcp_size} is not supported: the reference model keeps each rank's"
+                " whole KV cache (PCP gathers K/V, it does not shard it); use dcp_size=1"
+            )
         return self
 
     # Rank mapping: the PCP ranks of one replica are contiguous global ranks.
@@ -72,6 +79,11 @@ class ParallelLayout:
     def expert_group_ranks(self) -> list[int]:
         """Experts are parallel over every rank (DP x PCP)."""
         return list(range(self.world_size))
+
+    def groups_without_peers(self) -> tuple[str, ...]:
+        """The process groups ("dp", "pcp", "expert") of one rank: nothing in them can wait on a peer."""
+        sizes = {"dp": self.dp_size, "pcp": self.pcp_size, "expert": self.world_size}
+        return tuple(name for name, size in sizes.items() if size == 1)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -21,6 +21,9 @@ KINDS = (
     "wrong-dispatch-count",  # reports the global token count, not the PCP-local one
     "crash",  # the process exits at the start of the step
     "hang",  # the process stops before its next collective
+    "pcp-divergence",  # one PCP rank of the replica samples another token than its peers
+    "draft-count-mismatch",  # the replica runs one draft-decode forward fewer than agreed
+    "corrupt-agreement",  # the replica's copy of the agreed result is altered after the all-reduce
 )
 
 _SPEC = re.compile(r"^(?P<kind>[a-z-]+)@replica=(?P<replica>\d+),step=(?P<step>\d+)$")

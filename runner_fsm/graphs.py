@@ -17,8 +17,9 @@ from typing import Any, Callable, Mapping
 
 import torch
 
+from runner_fsm.audit.checks import moved_storage, stale_inputs
 from runner_fsm.errors import ConfigError, RunnerError, StaleBufferError
-from runner_fsm.pcp.buffers import BufferFingerprint, PersistentBuffers, stale_buffers
+from runner_fsm.pcp.buffers import BufferFingerprint, PersistentBuffers
 
 BACKENDS = ("static", "cuda", "npu")
 Fingerprints = Mapping[str, BufferFingerprint]
@@ -64,14 +65,16 @@ class GraphRunner:
                 self._audit.graph(step_id, "capture", num_tokens=size, backend=self.backend)
                 self._audit.buffers(step_id, "capture", fingerprint)
 
-    def replay(self, size: int, *, step_id: int, since: Fingerprints) -> torch.Tensor:
-        """Replay the graph of `size`; `since` is the fingerprint taken when the step began."""
+    def replay(self, size: int, *, step_id: int, since: Fingerprints,
+               last_real: Fingerprints | None = None) -> torch.Tensor:
+        """Replay the graph of `size`; `since` is the fingerprint taken when the step began,
+        `last_real` the inputs of the last real batch (with content digests)."""
         if size not in self._captured:
             raise RunnerError(f"step {step_id}: no graph captured for {size} tokens (have {self.sizes})")
-        now = self.buffers.fingerprint()
+        now = self.buffers.fingerprint(content=True)
         if self._audit is not None:  # before the check: a refused replay is on record too
             self._audit.buffers(step_id, "replay", now)
-        check_replay(self._captured[size], since, now, step_id=step_id)
+        check_replay(self._captured[size], since, now, step_id=step_id, last_real=last_real)
         if self._audit is not None:
             self._audit.graph(step_id, "replay", num_tokens=size, backend=self.backend)
         if self.backend == "static":
@@ -80,25 +83,26 @@ class GraphRunner:
         return self._outputs[size]
 
 
-def check_replay(captured: Fingerprints, since: Fingerprints, now: Fingerprints, *, step_id) -> None:
-    """Raise `StaleBufferError` when storage moved since capture or a buffer was not refreshed."""
-    moved = [n for n in captured if (now[n].ptr, now[n].shape) != (captured[n].ptr, captured[n].shape)]
+def check_replay(captured: Fingerprints, since: Fingerprints, now: Fingerprints, *, step_id,
+                 last_real: Fingerprints | None = None) -> None:
+    """Raise `StaleBufferError` when storage moved since capture or the inputs are stale
+    (the rules of `audit.checks`, which replay applies to the logged fingerprints too)."""
+    moved = moved_storage(captured, now)
     if moved:
         details = ", ".join(f"{n} {captured[n].ptr:#x}->{now[n].ptr:#x}" for n in moved)
         raise StaleBufferError(
             f"step {step_id}: graph replay refused: storage of {details} differs from capture"
         )
-    check_refreshed(since, now, step_id=step_id, what="graph replay")
+    check_refreshed(since, now, step_id=step_id, what="graph replay", last_real=last_real)
 
 
-def check_refreshed(since: Fingerprints, now: Fingerprints, *, step_id, what: str = "forward") -> None:
-    """Raise `StaleBufferError` unless every buffer was written since `since` (step start)."""
-    stale = stale_buffers(since, now)
-    if stale:
-        raise StaleBufferError(
-            f"step {step_id}: {what} refused: buffers {list(stale)} were not refreshed"
-            f" this step (versions {[now[n].version for n in stale]} unchanged)"
-        )
+def check_refreshed(since: Fingerprints, now: Fingerprints, *, step_id, what: str = "forward",
+                    last_real: Fingerprints | None = None) -> None:
+    """Raise `StaleBufferError` unless the inputs were written for this step (`since`: the
+    fingerprint at step start) and differ from the last real batch's (`last_real`)."""
+    problem = stale_inputs(now, since, last_real)
+    if problem:
+        raise StaleBufferError(f"step {step_id}: {what} refused: {problem}")
 
 
 def _capture_device_graph(backend: str, run: Callable[[], torch.Tensor]):

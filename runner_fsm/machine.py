@@ -1,17 +1,26 @@
-"""The replica state machine: `transitions`' AsyncMachine, made safe for collectives.
+"""The replica state machine: a synchronous `transitions.Machine` built from the table, with
+the step work run around it.
 
-Three changes to AsyncMachine (transitions 0.9.3) and why:
-- callbacks of one hook run one after another in the calling task: the stock machine runs
-  them concurrently with `asyncio.gather`, which would issue collectives in a racy order;
-- it never cancels a running transition: the stock machine cancels other tasks of the
-  model when a transition starts, and a task inside a collective must not be cancelled;
-- a `CancelledError` propagates: the stock machine turns it into a `False` result, which
-  would report a cancelled or timed-out trigger like a refused one and lose the cancel.
+`TransitionCore` is the bookkeeping alone: the states and edges of
+`runner_fsm.states.TRANSITIONS` in a plain `transitions.Machine` (public API only: no
+callbacks, no queue, nothing patched). It answers "where does this trigger go from here" and
+moves the state; it never runs work, so it costs a few microseconds and can be used from
+synchronous code.
 
 Work is attached per trigger as `Handler(before, after)`: `before` runs in the source state
 (validation, so a bad batch leaves everything untouched), `after` runs in the destination
-state (the step's work). Any exception moves the replica to `faulted` through the table's
-`fault` edge, with the cause kept and logged.
+state (the step's work). Two drivers share the same rules:
+- `ReplicaMachine` (async, the embedded runner): a handler may return an awaitable, which is
+  awaited in the calling task, so callbacks run one after another and a collective is never
+  raced; nothing here cancels a running transition;
+- `SyncReplicaMachine` (for synchronous callers such as vLLM's worker methods): handlers are
+  plain functions.
+
+Rules, both drivers: a trigger the table does not allow from the current state is refused
+(`TransitionRefused`, logged `refused`, nothing runs); any error takes the table's `fault`
+edge with the cause kept and logged; a `CancelledError` is logged `cancelled` and propagates
+(a cancelled or timed-out trigger is neither success nor a fault of this replica).
+One trigger runs at a time: a trigger fired while another is running is an error.
 """
 
 from __future__ import annotations
@@ -20,20 +29,15 @@ import asyncio
 import dataclasses
 from typing import Any, Awaitable, Callable, Mapping, Optional
 
-from transitions import MachineError
-from transitions.extensions import asyncio as _transitions_asyncio
-from transitions.extensions.asyncio import AsyncMachine
+import transitions
 
 from runner_fsm.errors import RunnerError
 from runner_fsm.states import TRANSITIONS, State, Trigger
 
 Callback = Callable[[Any], Optional[Awaitable[None]]]
-
-# transitions logs eight debug lines per trigger; on the per-step path even the disabled-level
-# checks cost several microseconds, so its asyncio module's debug calls become no-ops.
-# Errors and warnings still reach logging.
-_transitions_asyncio._LOGGER.debug = lambda *args, **kwargs: None
+Recorder = Callable[[Trigger, State, State, str], None]
 _STATES = {s.value: s for s in State}
+_ENDED = (State.FAULTED, State.STOPPED)
 
 
 class TransitionRefused(RunnerError):
@@ -48,128 +52,180 @@ class Handler:
     after: Callback | None = None
 
 
-class _SerialAsyncMachine(AsyncMachine):
-    """AsyncMachine whose callbacks run serially and whose cancellations propagate."""
+class _Model:
+    """The object whose `state` attribute `transitions` keeps (its trigger methods live here)."""
 
-    @staticmethod
-    async def await_all(callables):
-        return [await func() for func in callables]
-
-    async def callbacks(self, funcs, event_data):
-        # One after another; most hooks are empty, so skip building partials for them.
-        for func in funcs:
-            await self.callback(func, event_data)
-
-    async def cancel_running_transitions(self, model, msg=None):
-        return None
-
-    def __getattr__(self, name):
-        # transitions probes `hasattr(machine, "model_graphs")` on every state change; the
-        # stock __getattr__ parses callback-name patterns first, which costs more than the
-        # whole rest of a trigger.
-        if name == "model_graphs":
-            raise AttributeError(name)
-        return super().__getattr__(name)
-
-    async def process_context(self, func, model):
-        # The stock version records the running task (for the cancellation above, which is
-        # off) and turns CancelledError into False; here a cancel simply propagates.
-        return await self._process_async(func, model)
+    state: str
 
 
-class ReplicaMachine:
-    """One replica's states, driven only through `fire`, one trigger at a time.
+class TransitionCore:
+    """The replica's states and edges as a synchronous `transitions.Machine` from `TRANSITIONS`.
+
+    Bookkeeping only: `destination(trigger)` looks an edge up, `move(trigger)` takes it (or
+    raises `TransitionRefused`). No callbacks run here; whoever drives the core runs the work.
+    """
+
+    def __init__(self, initial: State = State.INIT):
+        self._model = _Model()
+        self._machine = transitions.Machine(
+            model=self._model,
+            states=[s.value for s in State],
+            initial=initial.value,
+            transitions=[{"trigger": t.trigger.value, "source": [s.value for s in t.sources],
+                          "dest": t.dest.value} for t in TRANSITIONS],
+            auto_transitions=False,
+            ignore_invalid_triggers=False,
+        )
+        # The edges, read back from the machine (not from the table a second time).
+        self._edges = {(State(src), Trigger(trigger)): State(t.dest)
+                       for trigger, event in self._machine.events.items()
+                       for src, edges in event.transitions.items() for t in edges}
+
+    @property
+    def state(self) -> State:
+        return _STATES[self._model.state]
+
+    def destination(self, trigger: Trigger) -> State | None:
+        """Where `trigger` leads from the current state; None when the table has no such edge."""
+        return self._edges.get((_STATES[self._model.state], trigger))
+
+    def move(self, trigger: Trigger) -> State:
+        """Take the edge of `trigger` from the current state."""
+        try:
+            self._model.trigger(trigger.value)
+        except transitions.MachineError:
+            raise TransitionRefused(
+                f"trigger {trigger.value!r} is not allowed from state {self._model.state!r}") from None
+        return _STATES[self._model.state]
+
+    def force(self, state: State) -> None:
+        """Put the machine in `state` without an edge (tests that start from any state)."""
+        self._machine.set_state(state.value, self._model)
+
+
+class _Driver:
+    """What both drivers share: the handlers, the records, the refusal and the fault edge."""
+
+    def __init__(self, handlers: Mapping[Trigger, Handler], *, on_record: Recorder,
+                 on_fault: Callable[[BaseException], None]):
+        if Trigger.FAULT in handlers:
+            raise ValueError("the fault edge runs no work: it must not be able to fail")
+        self._handlers = {t: h for t, h in handlers.items() if h.before or h.after}
+        self._on_record = on_record
+        self._on_fault = on_fault
+        self._running: Trigger | None = None
+        self.core = TransitionCore()
+        self.fault_cause: BaseException | None = None
+
+    @property
+    def state(self) -> State:
+        return self.core.state
+
+    def _start(self, trigger: Trigger) -> tuple[State, Handler | None]:
+        """Check `trigger` before any work: refused triggers are logged and raised."""
+        if not isinstance(trigger, Trigger):
+            raise TypeError(f"triggers are Trigger members, got {trigger!r}")
+        if self._running is not None:
+            raise RuntimeError(f"trigger {trigger.value!r} fired while {self._running.value!r}"
+                               " is running: a replica runs one trigger at a time")
+        src = self.core.state
+        if self.core.destination(trigger) is None:
+            self._on_record(trigger, src, src, "refused")
+            raise TransitionRefused(f"trigger {trigger.value!r} is not allowed from state {src.value!r}")
+        return src, self._handlers.get(trigger)
+
+    def _enter_fault(self, error: BaseException) -> None:
+        if self.core.state in _ENDED:
+            return
+        self.fault_cause = error
+        self._on_fault(error)
+        src = self.core.state
+        self.core.move(Trigger.FAULT)
+        self._on_record(Trigger.FAULT, src, self.core.state, "ok")
+
+    def _failed(self, trigger: Trigger, src: State, error: BaseException) -> None:
+        if isinstance(error, asyncio.CancelledError):
+            self._on_record(trigger, src, self.core.state, "cancelled")
+            return
+        self._on_record(trigger, src, self.core.state, "error")
+        self._enter_fault(error)
+
+
+class ReplicaMachine(_Driver):
+    """One replica's states, driven only through `fire`, one trigger at a time (async work).
 
     `on_record(trigger, src, dst, outcome)` receives one call per trigger; `on_fault(error)`
     one per fault, before the `fault` transition itself.
     """
 
-    def __init__(
-        self,
-        handlers: Mapping[Trigger, Handler],
-        *,
-        on_record: Callable[[Trigger, State, State, str], None] = lambda *a: None,
-        on_fault: Callable[[BaseException], None] = lambda e: None,
-    ):
-        self._handlers = dict(handlers)
-        self._on_record = on_record
-        self._on_fault = on_fault
-        self._error: BaseException | None = None
-        self._error_state: State | None = None
-        self.fault_cause: BaseException | None = None
-        self._machine = _SerialAsyncMachine(
-            model=self,
-            states=[s.value for s in State],
-            initial=State.INIT.value,
-            transitions=[self._edge(t) for t in TRANSITIONS],
-            auto_transitions=False,
-            queued=True,
-            ignore_invalid_triggers=False,
-            send_event=True,
-            on_exception=self._keep_error,
-            model_attribute="_fsm_state",
-        )
-
-    def _edge(self, t) -> dict:
-        handler = self._handlers.get(t.trigger, Handler())
-        edge = {"trigger": t.trigger.value, "source": [s.value for s in t.sources], "dest": t.dest.value}
-        if handler.before:
-            edge["before"] = [self._unwrap(handler.before)]
-        if handler.after:
-            edge["after"] = [self._unwrap(handler.after)]
-        return edge
-
-    @staticmethod
-    def _unwrap(callback: Callback):
-        async def call(event_data):
-            result = callback(event_data.kwargs.get("event"))
-            if asyncio.iscoroutine(result):
-                await result
-
-        return call
-
-    def _keep_error(self, event_data) -> None:
-        self._error = event_data.error
-        self._error_state = _STATES[self._fsm_state]
-
-    @property
-    def state(self) -> State:
-        return _STATES[self._fsm_state]
+    def __init__(self, handlers: Mapping[Trigger, Handler], *,
+                 on_record: Recorder = lambda *a: None,
+                 on_fault: Callable[[BaseException], None] = lambda e: None):
+        super().__init__(handlers, on_record=on_record, on_fault=on_fault)
 
     async def fire(self, trigger: Trigger, event: Any = None) -> State:
         """Run `trigger`; on error fault the replica and re-raise the cause."""
-        if not isinstance(trigger, Trigger):
-            raise TypeError(f"triggers are Trigger members, got {trigger!r}")
-        src = self.state
-        self._error, self._error_state = None, None
+        src, handler = self._start(trigger)
+        self._running = trigger
         try:
-            await self._machine.events[trigger.value].trigger(self, event=event)
-        except asyncio.CancelledError:
-            self._on_record(trigger, src, self.state, "cancelled")
+            if handler is not None and handler.before is not None:
+                pending = handler.before(event)
+                if asyncio.iscoroutine(pending):
+                    await pending
+            self.core.move(trigger)
+            if handler is not None and handler.after is not None:
+                pending = handler.after(event)
+                if asyncio.iscoroutine(pending):
+                    await pending
+        except BaseException as error:
+            self._running = None
+            self._failed(trigger, src, error)
             raise
-        error, reached = self._error, self._error_state
-        if isinstance(error, MachineError):
-            self._on_record(trigger, src, self.state, "refused")
-            raise TransitionRefused(
-                f"trigger {trigger.value!r} is not allowed from state {src.value!r}"
-            ) from None
-        if isinstance(error, asyncio.CancelledError):
-            self._on_record(trigger, src, reached, "cancelled")
-            raise error
-        if error is not None:
-            self._on_record(trigger, src, reached, "error")
-            await self.fault(error)
-            raise error
-        self._on_record(trigger, src, self.state, "ok")
-        return self.state
+        self._running = None
+        dst = self.core.state
+        self._on_record(trigger, src, dst, "ok")
+        return dst
 
     async def fault(self, error: BaseException) -> None:
         """Move to `faulted` keeping `error` as the cause (no-op when already ended)."""
-        if self.state in (State.FAULTED, State.STOPPED):
-            return
-        self.fault_cause = error
-        self._on_fault(error)
-        src = self.state
-        self._error = None
-        await self._machine.events[Trigger.FAULT.value].trigger(self, event=error)
-        self._on_record(Trigger.FAULT, src, self.state, "ok" if self._error is None else "error")
+        self._enter_fault(error)
+
+
+class SyncReplicaMachine(_Driver):
+    """`ReplicaMachine` for synchronous callers (vLLM's worker methods): the same table,
+    records, refusals and fault edge; handlers are plain functions, their results ignored."""
+
+    def __init__(self, handlers: Mapping[Trigger, Handler], *,
+                 on_record: Recorder = lambda *a: None,
+                 on_fault: Callable[[BaseException], None] = lambda e: None):
+        super().__init__(handlers, on_record=on_record, on_fault=on_fault)
+
+    def fire(self, trigger: Trigger, event: Any = None) -> State:
+        """Run `trigger`; on error fault the replica and re-raise the cause."""
+        src, handler = self._start(trigger)
+        self._running = trigger
+        try:
+            if handler is not None and handler.before is not None:
+                _no_coroutine(handler.before(event), trigger)
+            self.core.move(trigger)
+            if handler is not None and handler.after is not None:
+                _no_coroutine(handler.after(event), trigger)
+        except BaseException as error:
+            self._running = None
+            self._failed(trigger, src, error)
+            raise
+        self._running = None
+        dst = self.core.state
+        self._on_record(trigger, src, dst, "ok")
+        return dst
+
+    def fault(self, error: BaseException) -> None:
+        """Move to `faulted` keeping `error` as the cause (no-op when already ended)."""
+        self._enter_fault(error)
+
+
+def _no_coroutine(result: Any, trigger: Trigger) -> None:
+    if asyncio.iscoroutine(result):
+        result.close()
+        raise TypeError(f"a handler of {trigger.value!r} returned a coroutine: SyncReplicaMachine"
+                        " runs plain functions (use ReplicaMachine for async work)")

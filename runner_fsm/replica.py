@@ -21,25 +21,31 @@ from typing import Any
 
 import numpy as np
 
-from runner_fsm import dp
+from runner_fsm import dp, evidence
+from runner_fsm.audit.checks import context_problem, dispatch_inputs, output_digest, own_agreement_problem
 from runner_fsm.batch import ScheduledBatch, validate_batch
 from runner_fsm.collectives import CollectiveRunner
 from runner_fsm.components import Agreement, Drafter, ForwardStep, Model
 from runner_fsm.config import GraphMode, RunnerConfig
 from runner_fsm.events import RealStep
 from runner_fsm.faults import NO_FAULTS, Injector
-from runner_fsm.errors import StaleBufferError, StaleContextError
+from runner_fsm.errors import DesyncError, StaleBufferError, StaleContextError
 from runner_fsm.graphs import Fingerprints, GraphRunner, backend_for, check_refreshed
 from runner_fsm.machine import Handler, ReplicaMachine
 from runner_fsm.pcp.buffers import PersistentBuffers
 from runner_fsm.pcp.context import PCPAttentionContext, PCPContextState
-from runner_fsm.pcp.plan import num_tokens_for_dispatch, plan_batch
-from runner_fsm.request_table import RequestTable
+from runner_fsm.pcp.plan import plan_batch
 from runner_fsm.spec import tokens_per_request
 from runner_fsm.states import Trigger
+from runner_fsm.written_positions import WrittenPositions
 
 
 CRASH_EXIT_CODE = 17  # the exit status of an injected crash
+
+
+def _fields(value) -> dict:
+    """A frozen dataclass of plain fields as a dict for the log (`asdict` deep-copies)."""
+    return dict(vars(value))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -60,13 +66,17 @@ class Replica:
 
     def __init__(self, config: RunnerConfig, *, dp_rank: int, pcp_rank: int, model: Model,
                  agreement: Agreement, collectives: CollectiveRunner, audit=None,
-                 drafter: Drafter | None = None, device: str = "cpu", injector: Injector = NO_FAULTS):
+                 drafter: Drafter | None = None, device: str = "cpu", injector: Injector = NO_FAULTS,
+                 pcp_group=None):
+        """`pcp_group`: the replica's PCP process group, over which its PCP ranks compare the
+        digests of what they sampled every real step (None: no peers to compare with)."""
         self.config = config.validate()
         self.dp_rank, self.pcp_rank = dp_rank, pcp_rank
         self.model, self.agreement, self.drafter = model, agreement, drafter
         self.collectives, self.audit = collectives, audit
         self.injector = injector
-        self.requests = RequestTable()
+        self.pcp_group = pcp_group if config.layout.pcp_size > 1 else None
+        self.requests = WrittenPositions()  # per request, the positions written to the cache
         # Block ids must exist in the model's cache (unknown for fakes without one).
         cache = getattr(model, "cache", None)
         self.num_kv_blocks = getattr(cache, "num_blocks", None)
@@ -80,6 +90,8 @@ class Replica:
         self.num_agreements = 0
         self._batch: ScheduledBatch | None = None
         self._step_start_fingerprint = None
+        self._last_real_inputs = None  # fingerprint (with digests) of the last real batch's buffers
+        self._last_real_context_step = None  # the step the saved real PCP context was built for
         self.machine = ReplicaMachine(self._handlers(), on_record=self._record_transition,
                                       on_fault=self._record_fault)
 
@@ -142,16 +154,30 @@ class Replica:
         self._begin_step()
         self._batch = None
 
-    async def _agree(self, local: dp.LocalDispatch) -> dp.DPSyncState:
+    async def _agree(self, local: dp.LocalDispatch, inputs: dict | None = None) -> dp.DPSyncState:
+        """One DP agreement; `inputs` (the dispatch inputs of a real batch) go on its record so
+        that replay can recompute the count this replica must have sent."""
         if self.fault_due("hang"):
             await self.collectives.stall(self.step_id)  # injected: never reaches the agreement
         self.agreed_this_step = True
         self.num_agreements += 1
-        return await self.collectives.run(
-            "dp", "all_reduce", self.agreement.sync, local, step_id=self.step_id,
+        sync = self.agreement.sync
+        if local.phase == dp.TARGET and self.fault_due("corrupt-agreement"):
+            def sync(column, _sync=sync):  # injected: our copy altered after the all-reduce
+                return evidence.corrupted(_sync(column), self.dp_rank)
+        extra = {"sent": _fields(local)}
+        if inputs is not None:
+            extra["inputs"] = inputs
+        agreed = await self.collectives.run(
+            "dp", "all_reduce", sync, local, step_id=self.step_id,
             phase=local.phase, shapes=[(len(dp.ROWS), self.config.layout.dp_size)],
-            enqueue_extra={"sent": dataclasses.asdict(local)},
-            done_extra=lambda agreed: {"agreed": dataclasses.asdict(agreed)})
+            enqueue_extra=extra, done_extra=lambda agreed: {"agreed": _fields(agreed)})
+        problem = own_agreement_problem(self.step_id, local.phase, local.num_tokens, agreed.step_id,
+                                        agreed.phase, agreed.num_tokens_for(self.dp_rank), agreed.graph_mode)
+        if problem is not None:
+            raise DesyncError(f"replica {self.dp_rank}, step {self.step_id}, {dp.phase_name(local.phase)}:"
+                              f" its copy of the DP agreement is wrong: {problem}")
+        return agreed
 
     def _wants_graph(self, num_tokens: int, uniform: int) -> int:
         cfg = self.config
@@ -162,22 +188,34 @@ class Replica:
     async def _run_real(self, event: RealStep) -> None:
         batch, cfg = event.batch, self.config
         pcp = cfg.layout.pcp_size
-        n = num_tokens_for_dispatch(batch.num_scheduled, batch.is_prefilling, pcp, chunking=cfg.chunking)
+        # The plan's widest rank is the dispatch count (`num_tokens_for_dispatch`); planned
+        # once here, and again only when the agreement pads it (graph mode).
+        plan = plan_batch(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp,
+                          chunking=cfg.chunking)
+        n = plan.num_tokens_padded
         uniform = batch.uniform_query_len()
         reported = batch.num_tokens if self.fault_due("wrong-dispatch-count") else n
+        inputs = dispatch_inputs(batch.num_scheduled, batch.is_prefilling, pcp, cfg.chunking)
         agreed = await self._agree(dp.LocalDispatch(
             self.step_id, dp.TARGET, dp.STATUS_OK, reported, self._wants_graph(n, uniform), uniform,
-            batch.num_reqs))
+            batch.num_reqs), inputs)
         padded = agreed.num_tokens_for(self.dp_rank)
-        plan = plan_batch(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp,
-                          padded_num_tokens=padded, chunking=cfg.chunking)
+        if padded != n:
+            plan = plan_batch(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp,
+                              padded_num_tokens=padded, chunking=cfg.chunking)
         ctx = self.contexts.for_real(plan, batch.block_tables, cfg.block_size)
+        self._last_real_context_step = self.step_id
         self.buffers.write_real(plan, self.pcp_rank, batch.token_ids, batch.block_tables,
                                 ctx.gathered_slot_mapping)
         written = self._log_buffers("real")
-        local = await self._forward(ForwardStep(self.step_id, padded, agreed, n), written)
+        mine = evidence.identity(self.step_id, False, ctx.num_tokens_padded)
+        local = await self._forward(ForwardStep(self.step_id, padded, agreed, n), written, mine, mine)
+        self._last_real_inputs = written
         restored = self.model.restore(local, ctx)
         sampled = tokens_per_request(np.asarray(self.model.sample(restored)), batch)
+        if self.fault_due("pcp-divergence") and self.pcp_rank == cfg.layout.pcp_size - 1:
+            sampled = evidence.diverged(sampled)  # injected: one PCP rank samples another token
+        await self._compare_outputs(sampled)
         self.requests.record(batch)
         self.output = StepOutput(self.step_id, event.trigger, agreed, padded, agreed.use_graph, sampled)
 
@@ -189,46 +227,69 @@ class Replica:
         if not agreed.all_idle:
             # Eager peers keep their own counts (ours is 0): a one-row dummy joins them.
             rows = max(1, agreed.num_tokens_for(self.dp_rank))
-            ctx = self._dummy_context(rows)
+            ctx, ctx_id = self._dummy_context(rows)
             written = None
             if not self.fault_due("skip-buffer-refresh"):
                 self.buffers.write_dummy(1, rows)
                 written = self._log_buffers("dummy")
             if not self.fault_due("skip-dummy-forward"):
                 step = ForwardStep(self.step_id, rows, agreed, 0, is_dummy=True)
-                self.model.restore(await self._forward(step, written), ctx)
+                batch_id = evidence.identity(self.step_id, True, rows)
+                self.model.restore(await self._forward(step, written, ctx_id, batch_id), ctx)
         self.output = StepOutput(self.step_id, Trigger.IDLE, agreed, rows, agreed.use_graph)
 
-    def _dummy_context(self, rows: int) -> PCPAttentionContext:
-        """The dummy's own context; anything else (a saved real one) is refused."""
+    def _dummy_context(self, rows: int) -> tuple[PCPAttentionContext, dict]:
+        """The dummy's own context and its identity; anything else (a saved real one) is refused
+        by the rule replay applies too (`checks.context_problem`), with the evidence on record."""
         if self.fault_due("stale-pcp-context") and self.contexts.last_real is not None:
             ctx = self.contexts.last_real  # injected: the hand-off bug this runner prevents
+            built_for = self._last_real_context_step
         else:
             ctx = self.contexts.for_dummy(rows, num_reqs=1)
-        if not ctx.is_dummy or ctx.num_tokens_padded != rows:
-            raise StaleContextError(
-                f"replica {self.dp_rank}, step {self.step_id}: the dummy step got a PCP context"
-                f" {'of a real batch' if not ctx.is_dummy else 'of another size'}"
-                f" ({ctx.num_tokens_padded} rows, expected a dummy of {rows})")
-        return ctx
+            built_for = self.step_id
+        ctx_id = evidence.identity(built_for, ctx.is_dummy, ctx.num_tokens_padded)
+        batch_id = evidence.identity(self.step_id, True, rows)
+        problem = context_problem(self.step_id, batch_id, ctx_id)
+        if problem is not None:
+            if self.audit is not None:
+                self.audit.context(self.step_id, "refused", ctx=ctx_id, batch=batch_id)
+            raise StaleContextError(f"replica {self.dp_rank}, step {self.step_id}: {problem}")
+        return ctx, ctx_id
 
-    async def _forward(self, step: ForwardStep, written: Fingerprints | None = None):
+    async def _forward(self, step: ForwardStep, written: Fingerprints | None, ctx_id: dict, batch_id: dict):
         """The target forward (graph replay or eager), watched and logged as the expert
-        group's collective: every replica must run it whenever any replica has work."""
+        group's collective: every replica must run it whenever any replica has work.
+        Its record names the PCP context it uses and the batch it runs (`ctx`, `batch`)."""
         if step.agreed.use_graph:
             fn = functools.partial(self.graphs.replay, step.num_rows, step_id=self.step_id,
-                                   since=self._step_start_fingerprint)
+                                   since=self._step_start_fingerprint, last_real=self._last_real_inputs)
         else:
-            self._check_refreshed(written or self.buffers.fingerprint())
+            self._check_refreshed(written or self.buffers.fingerprint(content=True))
             fn = functools.partial(self.model.forward, self.buffers, step)
         return await self.collectives.run(
             "expert", "forward", fn, step_id=self.step_id, phase=dp.TARGET, shapes=[(step.num_rows,)],
             enqueue_extra={"rows": step.num_rows, "dispatch_count": step.dispatch_count,
-                           "graph": step.agreed.use_graph})
+                           "graph": step.agreed.use_graph, "ctx": ctx_id, "batch": batch_id})
+
+    async def _compare_outputs(self, sampled: dict[str, list[int]]) -> None:
+        """The PCP ranks of a replica must sample the same tokens: each logs the digest of its
+        output and, with PCP peers, compares it with theirs (one all_gather of two integers)."""
+        digest, count = output_digest(sampled)
+        if self.pcp_group is None:
+            return
+        gathered = await self.collectives.run(
+            "pcp", "all_gather", evidence.gather_output_digests, self.pcp_group, self.step_id, digest,
+            step_id=self.step_id, phase=dp.TARGET, shapes=[(2,)],
+            enqueue_extra={"output": {"digest": digest, "tokens": count}},
+            done_extra=lambda got: {"outputs": [d for _, d in got]})
+        if len({d for _, d in gathered}) > 1 or any(s != self.step_id for s, _ in gathered):
+            raise DesyncError(f"replica {self.dp_rank}, step {self.step_id}: its PCP ranks sampled"
+                              f" different tokens (output digest per PCP rank {[d for _, d in gathered]})")
 
     def _check_refreshed(self, now: Fingerprints) -> None:
         try:
-            check_refreshed(self._step_start_fingerprint, now, step_id=self.step_id)
+            check_refreshed(self._step_start_fingerprint, now, step_id=self.step_id,
+                            last_real=self._last_real_inputs)
         except StaleBufferError:
             self._log_buffers("refused", now)  # on record: the versions that did not move
             raise
@@ -248,7 +309,8 @@ class Replica:
             agreed = await self._agree(dp.LocalDispatch(self.step_id, dp.DRAFT_DECODE, 0, reqs, 0, 0, reqs))
             if not agreed.all_idle:
                 step = ForwardStep(self.step_id, max(1, reqs), agreed, reqs, is_dummy=batch is None)
-                for _ in range(k - 1):
+                # injected draft-count-mismatch: one draft forward fewer than agreed (vLLM #26086)
+                for _ in range(k - 1 - int(self.fault_due("draft-count-mismatch"))):
                     await self.collectives.run("expert", "draft_decode", drafter.decode, step,
                                                step_id=self.step_id, phase=dp.DRAFT_DECODE,
                                                shapes=[(step.num_rows,)])
@@ -257,7 +319,7 @@ class Replica:
 
     def _log_buffers(self, reason: str, fingerprint: Fingerprints | None = None) -> Fingerprints:
         """Log the buffers' fingerprint; returned so the forward's check need not take it again."""
-        fingerprint = fingerprint or self.buffers.fingerprint()
+        fingerprint = fingerprint or self.buffers.fingerprint(content=True)
         if self.audit is not None:
             self.audit.buffers(self.step_id, reason, fingerprint)
         return fingerprint

@@ -9,10 +9,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runner_fsm.errors import BatchError
+from runner_fsm.config import ParallelLayout, RunnerConfig
+from runner_fsm.errors import BatchError, ConfigError
 from runner_fsm.pcp.context import (
-    DSAGlobalView,
-    DSALocalView,
     PCPAttentionContext,
     PCPContextState,
     build_dummy_context,
@@ -185,32 +184,15 @@ def test_state_rejects_plan_of_another_size():
     assert state.last_real is None
 
 
-# -- DSA views -----------------------------------------------------------------------------
+# -- DCP: refused by the configuration until the reference model shards its cache -------------
 
 
-@pytest.mark.parametrize("rank", [0, 1])
-def test_dsa_views_of_a_real_context(rank):
-    ctx = build_real_context(worked_plan(), rank, WORKED_TABLES, 16)
-    glob, local = ctx.dsa_global_view(), ctx.dsa_local_view()
-    assert isinstance(glob, DSAGlobalView) and isinstance(local, DSALocalView)
-    assert glob.num_tokens == 11
-    assert np.array_equal(glob.slot_mapping, ctx.global_slot_mapping)
-    assert (local.pcp_rank, local.num_tokens) == (rank, 7)
-    want = [[117, 41, 32, 33, 34, -1, -1], [-1, 35, 36, 37, 38, 39, 40]][rank]
-    assert local.slot_mapping.tolist() == want
-    # Both views read the one context; nothing is recomputed or copied.
-    assert np.shares_memory(local.slot_mapping, ctx.gathered_slot_mapping)
-    assert glob.slot_mapping is ctx.global_slot_mapping
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        local.num_tokens = 3
-
-
-def test_dsa_views_of_a_dummy_context():
-    ctx = build_dummy_context(5, 4, 3)
-    glob, local = ctx.dsa_global_view(), ctx.dsa_local_view()
-    assert glob.num_tokens == 5 and glob.slot_mapping.tolist() == [-1] * 5
-    assert (local.pcp_rank, local.num_tokens) == (3, 5)
-    assert local.slot_mapping.tolist() == [-1] * 5
+@pytest.mark.parametrize("pcp_size", [2, 4])
+def test_dcp_beyond_one_is_refused_with_the_reason(pcp_size):
+    layout = ParallelLayout(pcp_size=pcp_size, dcp_size=pcp_size)
+    with pytest.raises(ConfigError, match=f"dcp_size={pcp_size} is not supported: the reference model"
+                                          " keeps each rank's whole KV cache"):
+        RunnerConfig(layout=layout).validate()
 
 
 def test_same_as_detects_array_differences():

@@ -5,10 +5,9 @@ import asyncio
 import anyio
 import pytest
 
-from runner_fsm.machine import Handler, ReplicaMachine, TransitionRefused
+from runner_fsm.machine import Handler, ReplicaMachine, SyncReplicaMachine, TransitionCore, TransitionRefused
 from runner_fsm.states import TRANSITIONS, State, Trigger, next_state
 
-pytestmark = pytest.mark.asyncio
 
 
 def _recording_machine(handlers=None):
@@ -18,10 +17,11 @@ def _recording_machine(handlers=None):
 
 
 def _force(machine: ReplicaMachine, state: State) -> None:
-    machine._machine.set_state(state.value, machine)  # test-only: start from any state
+    machine.core.force(state)  # test-only: start from any state
 
 
 @pytest.mark.parametrize("src, trigger", [(s, t.trigger) for t in TRANSITIONS for s in t.sources])
+@pytest.mark.asyncio
 async def test_every_legal_transition(src, trigger):
     machine, records = _recording_machine()
     _force(machine, src)
@@ -38,6 +38,7 @@ async def test_every_legal_transition(src, trigger):
     (State.DRAFT_SYNC, Trigger.DRAFT), (State.FAULTED, Trigger.DECODE), (State.STOPPED, Trigger.CAPTURE),
     (State.DECODE, Trigger.SHUTDOWN),
 ])
+@pytest.mark.asyncio
 async def test_illegal_triggers_are_refused_and_logged(src, trigger):
     machine, records = _recording_machine()
     _force(machine, src)
@@ -47,12 +48,14 @@ async def test_illegal_triggers_are_refused_and_logged(src, trigger):
     assert records == [(trigger, src, src, "refused")]
 
 
+@pytest.mark.asyncio
 async def test_bare_strings_are_not_triggers():
     machine, _ = _recording_machine()
     with pytest.raises(TypeError):
         await machine.fire("capture")
 
 
+@pytest.mark.asyncio
 async def test_callbacks_run_in_order_in_one_task():
     seen = []
 
@@ -71,6 +74,7 @@ async def test_callbacks_run_in_order_in_one_task():
     assert all(s[2] is task for s in seen)
 
 
+@pytest.mark.asyncio
 async def test_error_in_callback_faults_with_cause():
     def boom(event):
         raise ValueError("bad block table")
@@ -85,6 +89,7 @@ async def test_error_in_callback_faults_with_cause():
                        (Trigger.FAULT, State.PREFILL, State.FAULTED, "ok")]
 
 
+@pytest.mark.asyncio
 async def test_error_in_before_faults_from_source_state():
     def invalid(event):
         raise ValueError("negative count")
@@ -97,6 +102,7 @@ async def test_error_in_before_faults_from_source_state():
     assert machine.state is State.FAULTED
 
 
+@pytest.mark.asyncio
 async def test_timed_out_trigger_is_not_reported_as_success():
     async def hang(event):
         await anyio.sleep(30)
@@ -109,6 +115,7 @@ async def test_timed_out_trigger_is_not_reported_as_success():
     assert records == [(Trigger.IDLE, State.READY, State.IDLE_DUMMY, "cancelled")]
 
 
+@pytest.mark.asyncio
 async def test_cancelled_trigger_propagates_cancellation():
     async def hang(event):
         await anyio.sleep(30)
@@ -122,9 +129,72 @@ async def test_cancelled_trigger_propagates_cancellation():
     assert records[-1][3] == "cancelled"
 
 
+@pytest.mark.asyncio
 async def test_fault_after_stop_is_a_no_op():
     machine, records = _recording_machine()
     await machine.fire(Trigger.SHUTDOWN)
     await machine.fault(RuntimeError("late"))
     assert machine.state is State.STOPPED
     assert machine.fault_cause is None
+
+
+@pytest.mark.asyncio
+async def test_a_second_trigger_while_one_runs_is_refused_and_the_first_completes():
+    gate = anyio.Event()
+
+    async def slow(event):
+        await gate.wait()
+
+    machine, records = _recording_machine({Trigger.CAPTURE: Handler(after=slow)})
+    first = asyncio.ensure_future(machine.fire(Trigger.CAPTURE))
+    await asyncio.sleep(0.01)
+    with pytest.raises(RuntimeError, match="'captured' fired while 'capture' is running"):
+        await machine.fire(Trigger.CAPTURED)
+    gate.set()
+    assert await first is State.CAPTURING
+    assert records == [(Trigger.CAPTURE, State.INIT, State.CAPTURING, "ok")]
+
+
+def test_core_edges_are_the_table():
+    core = TransitionCore()
+    for t in TRANSITIONS:
+        for src in t.sources:
+            core.force(src)
+            assert core.destination(t.trigger) is t.dest
+            assert core.move(t.trigger) is t.dest
+    core.force(State.READY)
+    assert core.destination(Trigger.CAPTURE) is None
+    with pytest.raises(TransitionRefused, match="'capture' is not allowed from state 'ready'"):
+        core.move(Trigger.CAPTURE)
+    assert core.state is State.READY
+
+
+def test_sync_machine_runs_handlers_in_order_and_faults_with_cause():
+    seen, records = [], []
+
+    def boom(event):
+        seen.append(("after", event))
+        raise ValueError("bad slot")
+
+    machine = SyncReplicaMachine({Trigger.CAPTURE: Handler(before=lambda e: seen.append(("before", e)),
+                                                           after=boom)},
+                                 on_record=lambda *r: records.append(r))
+    with pytest.raises(ValueError, match="bad slot"):
+        machine.fire(Trigger.CAPTURE, "E")
+    assert seen == [("before", "E"), ("after", "E")]
+    assert machine.state is State.FAULTED and isinstance(machine.fault_cause, ValueError)
+    assert records == [(Trigger.CAPTURE, State.INIT, State.CAPTURING, "error"),
+                       (Trigger.FAULT, State.CAPTURING, State.FAULTED, "ok")]
+    with pytest.raises(TransitionRefused):
+        machine.fire(Trigger.CAPTURED)
+    assert records[-1] == (Trigger.CAPTURED, State.FAULTED, State.FAULTED, "refused")
+
+
+def test_sync_machine_refuses_a_coroutine_handler():
+    async def work(event):
+        return None
+
+    machine = SyncReplicaMachine({Trigger.CAPTURE: Handler(after=work)})
+    with pytest.raises(TypeError, match="returned a coroutine"):
+        machine.fire(Trigger.CAPTURE)
+    assert machine.state is State.FAULTED

@@ -15,7 +15,7 @@ import pytest
 
 from runner_fsm.audit.perfetto import export_perfetto
 from runner_fsm.audit.replay import replay
-from runner_fsm.audit.synth import Defect, SynthSpec, write_run
+from runner_fsm.testing.synth import Defect, SynthSpec, write_run
 from runner_fsm.cli import main
 from runner_fsm.config import ParallelLayout
 from runner_fsm.engine.api import run_engine

@@ -6,9 +6,9 @@ import tracemalloc
 
 import pytest
 
+from runner_fsm.audit.checks import TransitionChecker
 from runner_fsm.audit.replay import replay
-from runner_fsm.audit.synth import SynthSpec, truncate_last_line, write_run
-from runner_fsm.audit.transitions import TransitionChecker
+from runner_fsm.testing.synth import SynthSpec, truncate_last_line, write_run
 from runner_fsm.cli import main
 
 SPEC = SynthSpec(dp_size=2, pcp_size=2, steps=6)
@@ -114,7 +114,7 @@ def test_plot_without_matplotlib_exits_2_telling_how_to_install(tmp_path, capsys
 
 def test_plot_writes_a_picture(tmp_path):
     pytest.importorskip("matplotlib")
-    from runner_fsm.audit.synth import Defect
+    from runner_fsm.testing.synth import Defect
 
     run = write_run(tmp_path / "run", SPEC, [Defect("fault", 1, 4)])
     assert main(["replay", str(run), "--plot", str(tmp_path / "t.png")]) == 1

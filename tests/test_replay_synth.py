@@ -3,7 +3,7 @@
 import pytest
 
 from runner_fsm.audit.replay import replay
-from runner_fsm.audit.synth import Defect, SynthSpec, write_run
+from runner_fsm.testing.synth import Defect, SynthSpec, write_run
 
 SPEC = SynthSpec(dp_size=3, pcp_size=2, steps=10, spec_tokens=2)
 
@@ -71,8 +71,9 @@ def test_a_skipped_collective_is_one_verdict_not_one_per_later_step(tmp_path):
     (verdict,) = report.verdicts
     assert (verdict.kind, verdict.replica, verdict.step, verdict.ranks) == ("collective_mismatch", 1, 4, (2, 3))
     assert verdict.detail == (
-        "replica 1 skipped all_reduce DRAFT_PREFILL [[7, 2]] that its peers issued in group 'dp';"
-        " and skipped draft_prefill DRAFT_PREFILL that its peers issued in group 'expert' at step 4")
+        "replica 1 skipped all_reduce DRAFT_PREFILL [[7, 2]] that its peers issued (DRAFT_PREFILL: 0"
+        " collectives where its peers ran 1) in group 'dp'; and skipped draft_prefill DRAFT_PREFILL that its"
+        " peers issued (DRAFT_PREFILL: 0 collectives where its peers ran 1) in group 'expert' at step 4")
 
 
 def test_tie_between_two_replicas_names_the_one_that_skipped(tmp_path):

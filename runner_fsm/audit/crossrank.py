@@ -1,21 +1,28 @@
-"""The checks across ranks, run once per step on the merged step summaries.
+"""The checks across ranks, run once per merged step: collective sequences and hangs
+(`sequences`), agreements that differ between ranks (`agreed_mismatch`), PCP ranks that
+sampled different tokens (`pcp_divergence`), and ranks missing from a step others agreed on
+(`missing_replica`).
 
-`missing_replica` lives here: a step that some replicas agreed on (a `dp` collective reached
-`done`) while a rank has no record of it at all. Consecutive missed steps of one rank make
-one finding, so a replica that died early is one verdict, not one per step.
+`DPSyncState` is identical on every replica by contract (DESIGN section 5), and the PCP ranks
+of a replica send the same column, so for one step and phase every rank of the run must have
+agreed on the same state (ties go to the lowest rank's value, as `dp.agree` breaks ties).
+A step that some replicas agreed on while a rank has no record of it at all is a missed step;
+consecutive missed steps of one rank make one finding, so a replica that died early is one
+verdict, not one per step.
 """
 
 from __future__ import annotations
 
+from typing import Callable
+import collections
 import dataclasses
 
-from runner_fsm.audit.agreed import check_agreed
-from runner_fsm.audit.groups import Groups
-from runner_fsm.audit.hangs import check_hangs
-from runner_fsm.audit.merge import StepMerger
-from runner_fsm.audit.sequences import SequenceChecker
-from runner_fsm.audit.stepsummary import RankStep
-from runner_fsm.audit.verdicts import Verdict
+import orjson
+
+from runner_fsm.audit.checks import divergent_outputs
+from runner_fsm.audit.read import Groups, RankStep, StepMerger
+from runner_fsm.audit.report import Verdict, phase_label
+from runner_fsm.audit.sequences import SequenceChecker, check_hangs
 
 
 @dataclasses.dataclass
@@ -57,6 +64,7 @@ class CrossRankChecker:
                 self.missed.append(self._open.pop(rank))
         self.sequences.check(step, present)
         check_agreed(step, present, self.groups, self.emit)
+        check_outputs(step, present, self.groups, self.emit)
         check_hangs(step, present, self.groups, self.merger, self.emit)
 
     def finish(self) -> list[MissedSteps]:
@@ -84,6 +92,20 @@ class CrossRankChecker:
                 missed.agreed_by |= agreed_by
 
 
+def check_outputs(step: int, present: dict[int, RankStep], groups: Groups, emit) -> None:
+    """`pcp_divergence`: the PCP ranks of a replica logged digests of different sampled tokens."""
+    by_replica: dict[int, dict[int, int]] = {}
+    for rank, summary in present.items():
+        if summary.output is not None:
+            by_replica.setdefault(groups.replica(rank), {})[rank] = summary.output
+    for replica, digests in by_replica.items():
+        if divergent_outputs(digests) is None:
+            continue
+        each = ", ".join(f"rank {rank}: {digest:#010x}" for rank, digest in sorted(digests.items()))
+        emit(Verdict("pcp_divergence", replica, step, f"the PCP ranks of replica {replica} sampled different"
+                     f" tokens at step {step} (output digests {each})", tuple(sorted(digests))))
+
+
 def join_missed(runs: list[MissedSteps]) -> list[Verdict]:
     """One verdict per run; a run open at the end of one range of steps and continued at the
     start of the next is one run."""
@@ -96,3 +118,43 @@ def join_missed(runs: list[MissedSteps]) -> list[Verdict]:
         else:
             joined.append(dataclasses.replace(run, agreed_by=set(run.agreed_by)))
     return [run.verdict() for run in joined]
+
+
+AGREED_FIELDS = ("step_id", "phase", "num_tokens_across_dp", "graph_mode", "uniform_token_count",
+                 "num_reqs", "all_idle")
+
+
+def check_agreed(step: int, present: dict[int, RankStep], groups: Groups,
+                 emit: Callable[[Verdict], None]) -> None:
+    payloads = {rank: summary.agreed for rank, summary in present.items() if summary.agreed}
+    if len(payloads) < 2:
+        return
+    values = iter(payloads.values())
+    first = next(values)
+    if all(value == first for value in values):
+        return  # the common case costs one comparison per rank
+    per_phase: dict[int, dict[int, dict]] = collections.defaultdict(dict)
+    for rank, got in payloads.items():
+        for phase, agreed in got:
+            per_phase[phase].setdefault(rank, agreed)
+    for phase, per_rank in per_phase.items():
+        _compare_phase(step, phase, per_rank, groups, emit)
+
+
+def _compare_phase(step, phase, per_rank: dict[int, dict], groups: Groups, emit) -> None:
+    canonical = {rank: orjson.dumps(agreed, option=orjson.OPT_SORT_KEYS) for rank, agreed in per_rank.items()}
+    counts = collections.Counter(canonical.values())
+    lowest = {}
+    for rank in sorted(canonical, reverse=True):
+        lowest[canonical[rank]] = rank
+    reference = max(counts, key=lambda key: (counts[key], -lowest[key]))
+    expected = per_rank[lowest[reference]]
+    for rank, key in canonical.items():
+        if key == reference:
+            continue
+        got = per_rank[rank]
+        fields = [f for f in dict.fromkeys([*AGREED_FIELDS, *got, *expected]) if got.get(f) != expected.get(f)]
+        diffs = "; ".join(f"{f}={got.get(f)!r} where its peers agreed {f}={expected.get(f)!r}" for f in fields)
+        replica = groups.replica(rank)
+        emit(Verdict("agreed_mismatch", replica, step,
+                     f"replica {replica} agreed at step {step} {phase_label('dp', phase)}: {diffs}", (rank,)))

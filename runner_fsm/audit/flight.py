@@ -19,7 +19,7 @@ import os
 import re
 from pathlib import Path
 
-from runner_fsm.audit.verdicts import ReplayInputError, ReplayReport, RunSummary, Verdict, sort_verdicts
+from runner_fsm.audit.report import ReplayInputError, ReplayReport, RunSummary, Verdict, sort_verdicts
 
 DUMP_FILE = re.compile(r"^fr-rank-(\d+)\.json$")
 EVIDENCE = ("flight_recorder",)

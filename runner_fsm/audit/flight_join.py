@@ -26,8 +26,8 @@ from collections.abc import Iterable
 import orjson
 
 from runner_fsm.audit.flight import RankDump, describe, group_views, in_flight, read_dumps
-from runner_fsm.audit.reader import RankInfo, discover
-from runner_fsm.audit.verdicts import ReplayReport, Verdict, sort_verdicts
+from runner_fsm.audit.read import RankInfo, discover
+from runner_fsm.audit.report import ReplayReport, Verdict, sort_verdicts
 
 SEQ_JOINED_GROUPS = ("dp",)  # groups whose every torch collective is one audited collective
 BOTH = ("audit", "flight_recorder")

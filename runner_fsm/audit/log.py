@@ -207,6 +207,14 @@ class AuditLog:
             raise ValueError(f"graph record: extra fields {sorted(reserved)} are reserved")
         self._write("graph", step_id, action=action, **extra)
 
+    def context(self, step_id: int | None, reason: str, **evidence: Any) -> None:
+        """The PCP attention context a forward was about to use (`ctx`) and the step's batch
+        (`batch`), each as {step, dummy, rows}; written when the forward is refused."""
+        reserved = evidence.keys() & _RESERVED
+        if reserved:
+            raise ValueError(f"context record: fields {sorted(reserved)} are reserved")
+        self._write("context", step_id, reason=reason, **evidence)
+
     def fault(self, step_id: int | None, error: str | BaseException, message: str) -> None:
         error_name = type(error).__name__ if isinstance(error, BaseException) else str(error)
         self._write("fault", step_id, error=error_name, message=str(message))
@@ -249,16 +257,26 @@ class AuditLog:
 
 
 def _fingerprint(fp: Any) -> dict[str, Any]:
-    """{ptr, shape, version} from a dict, an object with those attributes, or a tensor."""
+    """{ptr, shape, version[, digest]} from a dict, an object with those attributes, or a tensor.
+
+    `digest` (a hash of the bytes, DESIGN section 7) is written when the fingerprint has one.
+    """
     if type(fp) is BufferFingerprint:  # the common case first: no protocol checks
-        return {"ptr": fp.ptr, "shape": list(fp.shape), "version": fp.version}
+        out = {"ptr": fp.ptr, "shape": list(fp.shape), "version": fp.version}
+        if fp.digest is not None:
+            out["digest"] = fp.digest
+        return out
+    digest = None
     if isinstance(fp, Mapping):
-        ptr, shape, version = fp["ptr"], fp["shape"], fp["version"]
+        ptr, shape, version, digest = fp["ptr"], fp["shape"], fp["version"], fp.get("digest")
     elif hasattr(fp, "data_ptr"):  # a torch tensor: its storage address and in-place counter
         ptr, shape, version = fp.data_ptr(), fp.shape, fp._version
     else:
-        ptr, shape, version = fp.ptr, fp.shape, fp.version
-    return {"ptr": int(ptr), "shape": [int(d) for d in shape], "version": int(version)}
+        ptr, shape, version, digest = fp.ptr, fp.shape, fp.version, getattr(fp, "digest", None)
+    out = {"ptr": int(ptr), "shape": [int(d) for d in shape], "version": int(version)}
+    if digest is not None:
+        out["digest"] = int(digest)
+    return out
 
 
 # ---------------------------------------------------------------- reading back

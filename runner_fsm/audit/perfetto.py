@@ -18,7 +18,6 @@ are written as they are made, so memory is flat in the size of the logs.
 from __future__ import annotations
 
 import dataclasses
-import heapq
 import itertools
 import os
 from collections.abc import Iterator
@@ -26,9 +25,8 @@ from pathlib import Path
 
 import orjson
 
-from runner_fsm.audit.groups import instance_key
-from runner_fsm.audit.reader import RankInfo, discover
-from runner_fsm.audit.verdicts import ReplayReport, Verdict
+from runner_fsm.audit.read import RankInfo, StepMerger, discover, instance_key
+from runner_fsm.audit.report import ReplayReport, Verdict
 
 STATE_TRIGGERS = {"prefill": "prefill", "decode": "decode", "idle": "idle_dummy", "draft": "draft_sync",
                   "capture": "capturing"}
@@ -157,9 +155,18 @@ class _RankTrack:
                        {"step": self.step, "detail": "the log ends before the state's transition record"})
 
 
-def _rank_steps(info: RankInfo) -> Iterator[tuple[int, int, list[dict]]]:
-    """(step, rank, records) of one rank's log, step by step; unreadable lines are skipped
-    (replay reports them); a record without a step belongs to the step around it."""
+class _StepRecords:
+    """One rank's records of one step (what `StepMerger` merges by `step`)."""
+
+    __slots__ = ("step", "records")
+
+    def __init__(self, step: int, records: list[dict]):
+        self.step, self.records = step, records
+
+
+def _rank_steps(info: RankInfo) -> Iterator[_StepRecords]:
+    """One rank's log, step by step; unreadable lines are skipped (replay reports them); a
+    record without a step belongs to the step around it."""
     loads, bad = orjson.loads, orjson.JSONDecodeError
     step, records = None, []
     with open(info.path, "rb") as lines:
@@ -172,11 +179,11 @@ def _rank_steps(info: RankInfo) -> Iterator[tuple[int, int, list[dict]]]:
                 continue
             if isinstance(current, int) and current != step:
                 if records:
-                    yield (step if step is not None else current), info.global_rank, records
+                    yield _StepRecords(step if step is not None else current, records)
                 step, records = current, []
             records.append(rec)
     if records:
-        yield (step if step is not None else -1), info.global_rank, records
+        yield _StepRecords(step if step is not None else -1, records)
 
 
 def _first_t(info: RankInfo) -> int | None:
@@ -213,17 +220,16 @@ def export_perfetto(run_dir: str | os.PathLike[str], trace_path: str | os.PathLi
         by_step.setdefault(verdict.step, []).append(verdict)
     flows = itertools.count(1)
     records = steps = 0
-    merged = heapq.merge(*(_rank_steps(info) for info in infos), key=lambda item: (item[0], item[1]))
-    for step, group in itertools.groupby(merged, key=lambda item: item[0]):
+    for step, ranks in StepMerger({info.global_rank: _rank_steps(info) for info in infos}):
         steps += 1
         collectives: dict[tuple, list] = {}
         present: dict[int, int] = {}
-        for _, rank, recs in group:
+        for rank, part in ranks.items():
             track = tracks[rank]
             track.step = step
-            for rec in recs:
+            for rec in part.records:
                 track.record(rec, collectives)
-            records += len(recs)
+            records += len(part.records)
             present[rank] = track.last_t
         _flows(out, tracks, collectives, flows, us)
         for verdict in by_step.pop(step, ()):

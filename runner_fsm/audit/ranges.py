@@ -13,16 +13,15 @@ import dataclasses
 import multiprocessing
 import os
 import traceback
+from collections.abc import Iterator
 from pathlib import Path
 
 import orjson
 
 from runner_fsm.audit.crossrank import CrossRankChecker, MissedSteps
-from runner_fsm.audit.groups import Groups
-from runner_fsm.audit.merge import StepMerger
-from runner_fsm.audit.rankscan import scan_rank
-from runner_fsm.audit.reader import RankInfo
-from runner_fsm.audit.verdicts import ReplayInputError, Verdict
+from runner_fsm.audit.read import Groups, RankInfo, RankStep, StepMerger
+from runner_fsm.audit.report import ReplayInputError, Verdict
+from runner_fsm.audit.scan import RankScanner
 
 WARMUP_STEPS = 8
 _TAIL = 1 << 16
@@ -37,6 +36,40 @@ class RangeResult:
     records: int
     first_step: int | None
     last_step: int | None
+
+
+def scan_rank(info: RankInfo, verdicts: list[Verdict], counter: dict[int, int], cut: set[int] | None = None,
+              *, offset: int = 0, count_from: int | None = None, stop_step: int | None = None
+              ) -> Iterator[RankStep]:
+    """The steps of one rank's log, in order; `counter[rank]` ends as its record count.
+
+    A range of steps (see `ranges`): from byte `offset` (a line start past the head) up to
+    `stop_step`; a rank stopped there goes into `cut` (its log goes on, in another range).
+    The captures at the head of the file are read first, since every replay is checked
+    against them. Line numbers in verdicts count from `offset`; `counter` counts the records
+    of steps from `count_from` on (earlier ones, read to warm up, are another range's)."""
+    scanner = RankScanner(info, verdicts)
+    scanner.count_from = count_from
+    try:
+        with open(info.path, "rb") as lines:
+            if offset > 0:
+                for _ in scanner.scan(lines, stop_step=0):  # the head: captures at step -1
+                    pass
+                scanner.resume_mid_file()
+                lines.seek(offset)
+            scanner.stopped = False
+            yield from scanner.scan(lines, stop_step=stop_step)
+    except OSError as err:
+        raise ReplayInputError(f"cannot read {info.path}: {err}") from err
+    if scanner.stopped:
+        if cut is not None:
+            cut.add(info.global_rank)
+        counter[info.global_rank] = scanner.records_counted
+        return
+    last = scanner.finish()
+    counter[info.global_rank] = scanner.records_counted
+    if last is not None:
+        yield last
 
 
 def judge_range(infos: list[RankInfo], lo: int | None = None, hi: int | None = None, *,

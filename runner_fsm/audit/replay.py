@@ -1,14 +1,20 @@
 """`runner-fsm replay RUN_DIR`: judge a run from its audit logs alone (DESIGN section 7).
 
-One streaming pass: each rank's file is scanned in order (`rankscan`: gaps, transitions, stale
-replays, faults), the per-step summaries are merged by step id across ranks (`merge`), and
-each merged step is checked across ranks (`crossrank`: missing replicas, collective and
-agreement mismatches, hangs). Only one step per rank is held at a time. Large runs are
-judged in ranges of steps side by side, one process each (`ranges`).
+The package, in the order a replay uses it:
+- `log`: writing the records (the runner's side);
+- `read`: the rank files, the layout and its groups, per-step summaries merged by step id;
+- `scan`: one pass over each rank's file, the checks that need no peer;
+- `crossrank` and `sequences`: the checks across the ranks of each merged step;
+- `checks`: every rule, written once, shared with the runner's online checks;
+- `report`: the verdicts, their text and JSON, the timeline picture;
+- `ranges`: large runs judged in ranges of steps side by side, one process each.
+Only one step per rank is held at a time, so memory stays flat however long the run.
 
 Verdict kinds: the contract's `gap`, `missing_replica`, `agreed_mismatch`, `collective_mismatch`,
-`illegal_transition`, `stale_buffer_replay`, `hang`, and two more: `fault` (a fault the run
-logged itself) and `unfinished` (a log that stops with no shutdown, fault or hang to say why).
+`illegal_transition`, `stale_buffer_replay`, `hang`, and, recomputed from logged evidence,
+`dispatch_mismatch`, `stale_context`, `pcp_divergence`; then `fault` (what the runner said about
+itself: listed, never the evidence of another verdict) and `unfinished` (a log that stops with
+no shutdown, fault or hang to say why).
 
 API: `replay(run_dir, *, timeline=None, jobs=None) -> ReplayReport`; `report.exit_code` is 0 when
 the run is sound and 1 otherwise; unreadable input raises `ReplayInputError` (exit code 2).
@@ -22,9 +28,9 @@ from runner_fsm.audit.crossrank import join_missed
 from runner_fsm.audit.flight import flight_only, replay_flight_only
 from runner_fsm.audit.flight_join import join_flight_recorder
 from runner_fsm.audit.ranges import cpu_count, judge_in_ranges, judge_range
-from runner_fsm.audit.reader import RankInfo, discover, layout_of
-from runner_fsm.audit.timeline import Timeline
-from runner_fsm.audit.verdicts import ReplayInputError, ReplayReport, RunSummary, Verdict, sort_verdicts
+from runner_fsm.audit.read import RankInfo, discover, layout_of
+from runner_fsm.audit.report import (ReplayInputError, ReplayReport, RunSummary, Timeline, Verdict,
+                                     sort_verdicts)
 
 __all__ = ["ReplayInputError", "ReplayReport", "Verdict", "replay", "replay_with_plot"]
 
@@ -66,7 +72,7 @@ def auto_jobs(infos: list[RankInfo]) -> int:
 def replay_with_plot(run_dir: str | os.PathLike[str], plot_path: str | os.PathLike[str],
                      *, jobs: int | None = None) -> ReplayReport:
     """`replay`, then the timeline picture at `plot_path` (matplotlib is checked first)."""
-    from runner_fsm.audit.timeline import plot, require_matplotlib
+    from runner_fsm.audit.report import plot, require_matplotlib
 
     require_matplotlib()  # fail before the long pass, not after it
     infos = discover(run_dir)

@@ -13,7 +13,7 @@ from runner_fsm.errors import ConfigError
 class EngineConfig:
     """An engine run; identical on every rank (each derives its parts from it)."""
 
-    model_dir: str | None  # None: the fake model (tests only)
+    model_dir: str | None  # the target model; None is refused when a rank builds its runner
     run_dir: str
     layout: ParallelLayout = dataclasses.field(default_factory=ParallelLayout)
     draft_dir: str | None = None

@@ -26,6 +26,7 @@ from runner_fsm.dp import GlooAgreement
 from runner_fsm.engine.config import EngineConfig
 from runner_fsm.engine.requests import Request, assign
 from runner_fsm.engine.scheduler import Scheduler
+from runner_fsm.errors import ConfigError
 from runner_fsm.events import Capture, DummyStep, Event, RealStep, Shutdown
 from runner_fsm.faults import Injection, Injector
 from runner_fsm.heartbeat import Heartbeat
@@ -53,11 +54,9 @@ class RankResult:
 
 
 def _model_and_drafter(cfg: EngineConfig, groups):
-    if cfg.model_dir is None:
-        from runner_fsm.testing.fakes import FakeDrafter, FakeModel
-
-        drafter = FakeDrafter(cfg.num_speculative_tokens) if cfg.num_speculative_tokens else None
-        return FakeModel(groups.pcp if groups else None), drafter
+    if cfg.model_dir is None:  # fakes live in runner_fsm.testing, which production never imports
+        raise ConfigError("the embedded engine runs a model directory (model_dir); for fakes, build"
+                          " a runner with runner_fsm.testing.harness.make_runner")
     from runner_fsm.model import load_drafter, load_model, model_groups
 
     mg = model_groups(groups, cfg.device)
@@ -94,9 +93,11 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
     replica = Replica(
         rc, dp_rank=dp_rank, pcp_rank=pcp_rank, model=model, drafter=drafter,
         agreement=_agreement(groups, rc.capture_sizes), audit=audit,
-        collectives=CollectiveRunner(audit, rc.collective_timeout_s, heartbeat=_heartbeat(cfg, groups)),
+        collectives=CollectiveRunner(audit, rc.collective_timeout_s, heartbeat=_heartbeat(cfg, groups),
+                                     inline_groups=cfg.layout.groups_without_peers()),
         device=cfg.device,
         injector=Injector(Injection.parse(i) for i in cfg.injections),
+        pcp_group=groups.pcp if groups else None,
     )
     return ReplicaRunner(replica)
 

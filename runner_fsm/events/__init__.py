@@ -1,7 +1,8 @@
 """The closed vocabulary of events a replica consumes.
 
 Each event is a small frozen dataclass. The driver turns an event into triggers of the
-transition table; nothing else in the code triggers a transition.
+transition table (a step's `draft` trigger comes from the configuration, not from an event);
+nothing else in the code triggers a transition.
 """
 
 from __future__ import annotations
@@ -44,13 +45,6 @@ class DummyStep:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftStep:
-    """The replicated draft of a step: its own DP agreements on every replica."""
-
-    trigger: ClassVar[Trigger] = Trigger.DRAFT
-
-
-@dataclasses.dataclass(frozen=True)
 class Shutdown:
     """Stop: refuse pending events with `reason`, destroy groups, flush logs."""
 
@@ -66,7 +60,6 @@ class Fault:
     trigger: ClassVar[Trigger] = Trigger.FAULT
 
 
-Event = Union[Capture, RealStep, DummyStep, DraftStep, Shutdown, Fault]
-StepEvent = Union[RealStep, DummyStep]
+Event = Union[Capture, RealStep, DummyStep, Shutdown, Fault]
 
-__all__ = ["Capture", "DraftStep", "DummyStep", "Event", "Fault", "RealStep", "Shutdown", "StepEvent"]
+__all__ = ["Capture", "DummyStep", "Event", "Fault", "RealStep", "Shutdown"]

@@ -9,6 +9,7 @@ move the versions would read the previous batch.
 
 from __future__ import annotations
 
+import zlib
 from typing import Mapping, Sequence
 
 import numpy as np
@@ -39,6 +40,35 @@ def stale_buffers(
 ) -> tuple[str, ...]:
     """Names of the buffers a write did not touch (version unchanged)."""
     return tuple(name for name in before if after[name].version == before[name].version)
+
+
+def content_digest(buf: torch.Tensor) -> int:
+    """crc32 of the buffer's bytes on the host; on an accelerator, a position-weighted sum
+    computed on the device (no copy of the buffer to the host every step)."""
+    if buf.device.type == "cpu":
+        return zlib.crc32(buf.numpy())  # the buffers are contiguous: no copy
+    return device_digest(buf)
+
+
+def device_digest(buf: torch.Tensor) -> int:
+    """sum(value_i * w_i) mod 2**64 with fixed odd weights: any change of one value, and any
+    swap of two different values, changes it (torch.hash_tensor's xor would miss the swap)."""
+    values = buf.reshape(-1).to(torch.int64)
+    weights = _weights(values.numel(), values.device)
+    return int((values * weights).sum().item()) & 0xFFFFFFFFFFFFFFFF
+
+
+_WEIGHTS: dict = {}
+
+
+def _weights(n: int, device: torch.device) -> torch.Tensor:
+    found = _WEIGHTS.get(device)
+    if found is None or found.numel() < n:
+        gen = torch.Generator().manual_seed(0x5EED)
+        found = torch.randint(-(2**62), 2**62, (max(n, 1024),), generator=gen, dtype=torch.int64)
+        found = (found | 1).to(device)
+        _WEIGHTS[device] = found
+    return found[:n]
 
 
 def _fits_int32(name: str, arr: np.ndarray) -> None:
@@ -133,9 +163,13 @@ class PersistentBuffers:
         self.num_segments = int(num_segments)
         self.is_dummy = is_dummy
 
-    def fingerprint(self) -> dict[str, BufferFingerprint]:
-        """Address, shape and write count of every buffer (read on every step: kept lean)."""
-        return {name: BufferFingerprint(buf.data_ptr(), tuple(buf.shape), buf._version)
+    def fingerprint(self, *, content: bool = False) -> dict[str, BufferFingerprint]:
+        """Address, shape and write count of every buffer (read on every step: kept lean);
+        with `content`, also a hash of the bytes each one holds (what the audit log records)."""
+        if not content:
+            return {name: BufferFingerprint(buf.data_ptr(), tuple(buf.shape), buf._version)
+                    for name, buf in zip(BUFFER_NAMES, self._buffers())}
+        return {name: BufferFingerprint(buf.data_ptr(), tuple(buf.shape), buf._version, content_digest(buf))
                 for name, buf in zip(BUFFER_NAMES, self._buffers())}
 
     def _buffers(self) -> tuple[torch.Tensor, ...]:

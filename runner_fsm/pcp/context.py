@@ -25,23 +25,6 @@ def _frozen(arr: np.ndarray, dtype: type = np.int64) -> np.ndarray:
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
-class DSAGlobalView:
-    """Sparse-attention view over all global tokens; identical on every PCP rank."""
-
-    num_tokens: int
-    slot_mapping: np.ndarray  # [T] global slots
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class DSALocalView:
-    """Sparse-attention view over this rank's gathered rows; a slice of the gathered slots."""
-
-    pcp_rank: int
-    num_tokens: int  # N
-    slot_mapping: np.ndarray  # [N] gathered slots rank*N .. (rank+1)*N
-
-
-@dataclasses.dataclass(frozen=True, eq=False)
 class PCPAttentionContext:
     """Read-only step metadata; equal on all PCP ranks except pcp_rank (and slots under DCP)."""
 
@@ -61,16 +44,6 @@ class PCPAttentionContext:
         """This rank's rows of the gathered layout."""
         n = self.num_tokens_padded
         return slice(self.pcp_rank * n, (self.pcp_rank + 1) * n)
-
-    def dsa_global_view(self) -> DSAGlobalView:
-        return DSAGlobalView(num_tokens=self.num_tokens, slot_mapping=self.global_slot_mapping)
-
-    def dsa_local_view(self) -> DSALocalView:
-        return DSALocalView(
-            pcp_rank=self.pcp_rank,
-            num_tokens=self.num_tokens_padded,
-            slot_mapping=self.gathered_slot_mapping[self.local_rows()],
-        )
 
     def same_as(self, other: "PCPAttentionContext") -> bool:
         """Field-by-field equality (arrays compared by value, dtype and shape included)."""

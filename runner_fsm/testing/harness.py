@@ -8,6 +8,7 @@ from runner_fsm.audit import AuditLog
 from runner_fsm.batch import ScheduledBatch
 from runner_fsm.collectives import CollectiveRunner
 from runner_fsm.config import RunnerConfig
+from runner_fsm.dp import SingleReplicaAgreement
 from runner_fsm.replica import Replica
 from runner_fsm.runner import ReplicaRunner
 from runner_fsm.testing.fakes import FakeDrafter, FakeModel
@@ -21,9 +22,11 @@ def make_runner(config: RunnerConfig, agreement, *, run_dir=None, run_id: str = 
     audit = AuditLog(run_dir, run_id, global_rank, dp_rank, pcp_rank) if run_dir is not None else None
     if drafter is None and config.num_speculative_tokens > 0:
         drafter = FakeDrafter(config.num_speculative_tokens)
+    # Only the single-replica agreement is known to have no peers; other fakes may act one out.
+    inline = layout.groups_without_peers() if isinstance(agreement, SingleReplicaAgreement) else ()
     replica = Replica(
-        config, dp_rank=dp_rank, pcp_rank=pcp_rank, model=model or FakeModel(),
-        agreement=agreement, collectives=CollectiveRunner(audit, config.collective_timeout_s),
+        config, dp_rank=dp_rank, pcp_rank=pcp_rank, model=model or FakeModel(), agreement=agreement,
+        collectives=CollectiveRunner(audit, config.collective_timeout_s, inline_groups=inline),
         audit=audit, drafter=drafter, **({"injector": injector} if injector else {}),
     )
     return ReplicaRunner(replica, on_close=on_close)

@@ -1,9 +1,12 @@
 """One pass over one rank's log: the checks that need no peer, and a summary per step.
 
-Checked here: `seq` runs gapless from 0 (`gap`); every transition follows from the table and
-chains onto the previous one (`illegal_transition`); every graph replay reads buffers that
-were written since the previous step and still have their capture storage
-(`stale_buffer_replay`); faults and logs that just stop (`fault`, `unfinished`).
+Checked here, by the rules of `checks`: `seq` runs gapless from 0 (`gap`); every transition
+follows from the table and chains onto the previous one (`illegal_transition`); every forward,
+eager or graph, reads inputs written for its step (`stale_buffer_replay`) through the PCP
+context built for its batch (`stale_context`); the count sent to each agreement is the one the
+logged batch yields (`dispatch_mismatch`) and the agreement gives it back (`agreed_mismatch`);
+faults (`fault`: what the runner said, listed, never evidence) and logs that just stop
+(`unfinished`).
 What peers must agree on (collectives, agreements) goes into a `RankStep` per step, which
 `crossrank` merges across ranks. Only the current step is held, so memory does not grow
 with the log.
@@ -15,13 +18,10 @@ from collections.abc import Iterator
 
 import orjson
 
-from runner_fsm.audit.agreed import check_own_agreement
-from runner_fsm.audit.collective_labels import label
-from runner_fsm.audit.reader import RankInfo
-from runner_fsm.audit.stale import BufferTracker
-from runner_fsm.audit.stepsummary import RankStep, StepBuilder
-from runner_fsm.audit.transitions import TransitionChecker
-from runner_fsm.audit.verdicts import ReplayInputError, Verdict
+from runner_fsm.audit.checks import (BufferTracker, TransitionChecker, check_own_agreement, context_problem,
+                                     dispatch_problem)
+from runner_fsm.audit.read import RankInfo, RankStep, StepBuilder
+from runner_fsm.audit.report import Verdict, label
 
 TERMINAL_STATES = ("stopped", "faulted")
 STEP_TRIGGERS = frozenset({"prefill", "decode", "idle"})
@@ -76,7 +76,8 @@ class RankScanner:
         # the header checks are inlined here; each event goes to one handler, rare cases to helpers.
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
         handlers = {"collective": self._collective, "transition": self._transition,
-                    "buffers": self._buffers, "graph": self._graph, "fault": self._fault}
+                    "buffers": self._buffers, "graph": self._graph, "fault": self._fault,
+                    "context": self._context}
         for line_no, raw in enumerate(lines, 1):
             self._line = line_no
             try:
@@ -138,9 +139,11 @@ class RankScanner:
                               line=0)
             return None
         hang, timed_out = self._dangling, False
-        if hang is None and last.fault is not None and last.fault[0] in TIMEOUT_ERRORS:
+        if hang is None:
+            # The log ends in a step with a collective that never reached `done`: the rank
+            # stopped in it, whatever it logged afterwards (a timeout, its own fault).
             hang = self._open_collective(last)
-            timed_out = hang is not None
+            timed_out = hang is not None and last.fault is not None and last.fault[0] in TIMEOUT_ERRORS
         state = self.transitions.state
         if hang is None and not self._truncated and state not in TERMINAL_STATES:
             self._verdict("unfinished", f"the log ends in state {state!r} at step {last.step} without"
@@ -198,6 +201,8 @@ class RankScanner:
     def _transition(self, record) -> None:
         trigger, outcome = record["trigger"], record["outcome"]
         self.transitions.check(trigger, record["src"], record["dst"], outcome, self._line)
+        if record["dst"] == "faulted":
+            self.current.faulted = True
         if outcome == "ok":
             if trigger in STEP_TRIGGERS:
                 self.current.kind = trigger
@@ -242,6 +247,12 @@ class RankScanner:
             step.open[group] = []
         # the layout of StepBuilder.open
         sent = record.get("sent")
+        if op == "forward":
+            self._forward_evidence(record)
+        elif group == "dp" and "inputs" in record:
+            self._dispatch_evidence(record["inputs"], sent)
+        elif group == "pcp" and "output" in record:
+            step.output = record["output"]["digest"]
         pending = (group, len(keys), op, phase, pg_seq, self._line, sent if isinstance(sent, dict) else None)
         keys.append((op, phase, shapes))
         step.open[group].append(pending)
@@ -287,6 +298,36 @@ class RankScanner:
         self._verdict("gap", f"`done` of {label(group, op, phase)} (pg_seq {pg_seq}) has no `enqueue`"
                       " in its step: the enqueue record is lost")
 
+    # -- evidence: recomputed, never taken on the runner's word ------------------------
+
+    def _forward_evidence(self, record) -> None:
+        """A target forward: the PCP context it used is its batch's; eager, its inputs are fresh."""
+        ctx, batch = record.get("ctx"), record.get("batch")
+        if ctx is not None and batch is not None:
+            self._context_evidence(ctx, batch)
+        if record.get("graph") is False:
+            for detail in self.buffers.eager_forward(self.current.step):
+                self._verdict("stale_buffer_replay", detail)
+
+    def _context(self, record) -> None:
+        self._context_evidence(record["ctx"], record["batch"])
+
+    def _context_evidence(self, ctx, batch) -> None:
+        problem = context_problem(self.current.step, batch, ctx)
+        if problem is not None:
+            self._verdict("stale_context", f"replica {self.info.dp_rank}: {problem}")
+
+    def _dispatch_evidence(self, inputs, sent) -> None:
+        """The count the replica sent against the count its logged batch yields."""
+        if not isinstance(sent, dict):
+            return
+        told = sent["num_tokens"]
+        if not inputs["prefill"] and told == inputs["decode"]:
+            return  # decode only: the count is the decode tokens, replicated on every PCP rank
+        problem = dispatch_problem(inputs, told)
+        if problem is not None:
+            self._verdict("dispatch_mismatch", f"replica {self.info.dp_rank} {problem}")
+
     def _fault(self, record) -> None:
         error, message = str(record["error"]), str(record["message"])
         if self.current.fault is None:
@@ -294,7 +335,8 @@ class RankScanner:
         self._verdict("fault", f"{error}: {message}", error=error)
 
     def _buffers(self, record) -> None:
-        self.buffers.buffers(record)
+        for detail in self.buffers.buffers(record, self.current.step):
+            self._verdict("stale_buffer_replay", detail)
 
     def _graph(self, record) -> None:
         for detail in self.buffers.graph(record, self.current.step):
@@ -306,37 +348,3 @@ class RankScanner:
     def _open_collective(step: StepBuilder) -> tuple | None:
         """The last collective of the step still awaiting its `done`."""
         return max((p for pending in step.open.values() for p in pending), key=lambda p: p[5], default=None)
-
-
-def scan_rank(info: RankInfo, verdicts: list[Verdict], counter: dict[int, int], cut: set[int] | None = None,
-              *, offset: int = 0, count_from: int | None = None, stop_step: int | None = None
-              ) -> Iterator[RankStep]:
-    """The steps of one rank's log, in order; `counter[rank]` ends as its record count.
-
-    A range of steps (see `ranges`): from byte `offset` (a line start past the head) up to
-    `stop_step`; a rank stopped there goes into `cut` (its log goes on, in another range).
-    The captures at the head of the file are read first, since every replay is checked
-    against them. Line numbers in verdicts count from `offset`; `counter` counts the records
-    of steps from `count_from` on (earlier ones, read to warm up, are another range's)."""
-    scanner = RankScanner(info, verdicts)
-    scanner.count_from = count_from
-    try:
-        with open(info.path, "rb") as lines:
-            if offset > 0:
-                for _ in scanner.scan(lines, stop_step=0):  # the head: captures at step -1
-                    pass
-                scanner.resume_mid_file()
-                lines.seek(offset)
-            scanner.stopped = False
-            yield from scanner.scan(lines, stop_step=stop_step)
-    except OSError as err:
-        raise ReplayInputError(f"cannot read {info.path}: {err}") from err
-    if scanner.stopped:
-        if cut is not None:
-            cut.add(info.global_rank)
-        counter[info.global_rank] = scanner.records_counted
-        return
-    last = scanner.finish()
-    counter[info.global_rank] = scanner.records_counted
-    if last is not None:
-        yield last

@@ -12,7 +12,7 @@ from runner_fsm.batch import ScheduledBatch
 from runner_fsm.errors import BatchError
 
 
-class RequestTable:
+class WrittenPositions:
     """Per request id, how many leading positions this replica has written to its cache."""
 
     def __init__(self):

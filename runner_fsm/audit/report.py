@@ -1,0 +1,311 @@
+"""What replay reports: one `Verdict` per finding, the `ReplayReport` listing them (text and
+JSON), the names it gives collectives, and the run as a picture (`Timeline`, `plot`).
+
+Verdicts are ordered so that the first one printed is the likeliest root cause: by step, then
+by kind (a skipped collective before the hang or desync fault it caused), then by replica.
+Collectives are named like `dp all_reduce DRAFT_PREFILL` or `pcp all_gather phase 0`.
+The picture has one lane per rank, each step coloured by its state and findings marked;
+steps are counted into bins whose width doubles whenever there are too many, so a run of
+any length costs the same memory (`MAX_BINS` per rank). matplotlib is an optional extra
+(`pip install matplotlib`), imported only to draw.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+import collections
+import dataclasses
+import os
+from typing import TYPE_CHECKING
+
+from runner_fsm.errors import RunnerError
+
+if TYPE_CHECKING:
+    from runner_fsm.audit.read import RankStep
+
+
+# Kinds in the order a root cause precedes its consequences within one step.
+KINDS = (
+    "gap",  # a missing, repeated or unreadable record: everything after it is suspect
+    "illegal_transition",
+    "missing_replica",
+    "collective_mismatch",
+    "agreed_mismatch",
+    "dispatch_mismatch",  # a replica sent another count than its logged batch yields
+    "stale_context",  # a forward on a PCP context built for another batch
+    "stale_buffer_replay",
+    "pcp_divergence",  # the PCP ranks of a replica sampled different tokens
+    "hang",
+    "source_disagreement",  # the audit log and the Flight Recorder tell different stories
+    "fault",  # a fault the run logged itself
+    "unfinished",  # a log that just stops: no shutdown, no fault, no hang to explain it
+)
+_KIND_ORDER = {kind: index for index, kind in enumerate(KINDS)}
+
+# Faults that only relay a peer's fault: listed after the fault that caused them.
+RELAYED_FAULTS = frozenset({"ReplicaFault", "DesyncError", "CollectiveTimeout", "EventRefused"})
+
+
+class ReplayInputError(RunnerError):
+    """The run directory cannot be judged at all (missing, unreadable, no rank files)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Verdict:
+    """One finding; `replica` is the DP rank to blame, `ranks` the global ranks involved."""
+
+    kind: str
+    replica: int | None
+    step: int | None
+    detail: str
+    ranks: tuple[int, ...] = ()
+    file: str | None = None
+    line: int | None = None
+    error: str | None = None  # fault verdicts: the logged error type
+    evidence: tuple[str, ...] = ("audit",)  # sources the verdict rests on (audit, flight_recorder)
+
+    def __post_init__(self) -> None:
+        if self.kind not in _KIND_ORDER:
+            raise ValueError(f"unknown verdict kind {self.kind!r}; known: {', '.join(KINDS)}")
+
+    def sort_key(self) -> tuple:
+        relayed = self.error in RELAYED_FAULTS
+        return (
+            -2 if self.step is None else self.step,
+            _KIND_ORDER[self.kind],
+            relayed,
+            -1 if self.replica is None else self.replica,
+            self.ranks,
+            self.line or 0,
+        )
+
+    def as_dict(self) -> dict[str, Any]:
+        out = {"kind": self.kind, "replica": self.replica, "step": self.step, "detail": self.detail,
+               "ranks": list(self.ranks)}
+        if self.file is not None:
+            out["file"], out["line"] = self.file, self.line
+        if self.error is not None:
+            out["error"] = self.error
+        out["evidence"] = list(self.evidence)
+        return out
+
+    def __str__(self) -> str:
+        where = [f"step {self.step}" if self.step is not None else "no step"]
+        if self.replica is not None:
+            where.append(f"replica {self.replica}")
+        if self.ranks:
+            where.append(f"rank{'s' if len(self.ranks) > 1 else ''} {_join(self.ranks)}")
+        if self.file is not None:
+            where.append(f"{self.file}:{self.line}" if self.line else self.file)
+        return f"{self.kind} [{', '.join(where)}]: {self.detail}"
+
+
+@dataclasses.dataclass(frozen=True)
+class RunSummary:
+    """What was read: identical however often the same run directory is judged."""
+
+    run_dir: str
+    ranks: int
+    replicas: int
+    pcp_size: int
+    records: int
+    first_step: int | None
+    last_step: int | None
+
+
+@dataclasses.dataclass(frozen=True)
+class ReplayReport:
+    """The verdicts of one run, sorted root cause first; sound when there are none."""
+
+    summary: RunSummary
+    verdicts: tuple[Verdict, ...]
+
+    @property
+    def sound(self) -> bool:
+        return not self.verdicts
+
+    @property
+    def exit_code(self) -> int:
+        return 0 if self.sound else 1
+
+    def counts(self) -> dict[str, int]:
+        counted = collections.Counter(v.kind for v in self.verdicts)
+        return {kind: counted[kind] for kind in KINDS if counted[kind]}
+
+    def as_dict(self) -> dict[str, Any]:
+        summary = dataclasses.asdict(self.summary)
+        summary.update(sound=self.sound, findings=len(self.verdicts), counts=self.counts())
+        return {"summary": summary, "verdicts": [v.as_dict() for v in self.verdicts]}
+
+    def format(self, *, limit: int = 20) -> str:
+        s = self.summary
+        steps = "no steps" if s.first_step is None else f"steps {s.first_step}..{s.last_step}"
+        head = (f"replay {s.run_dir}: {s.ranks} ranks ({s.replicas} replicas x {s.pcp_size} PCP),"
+                f" {steps}, {s.records} records")
+        if self.sound:
+            return f"{head}\nSOUND: no findings"
+        lines = [head, f"UNSOUND: {len(self.verdicts)} finding(s); first: {self.verdicts[0]}"]
+        lines += [f"  {index}. {v}" for index, v in enumerate(self.verdicts[:limit], start=1)]
+        if len(self.verdicts) > limit:
+            lines.append(f"  ... {len(self.verdicts) - limit} more (use --json for all)")
+        lines.append("counts: " + ", ".join(f"{kind} {n}" for kind, n in self.counts().items()))
+        return "\n".join(lines)
+
+
+def sort_verdicts(verdicts: Iterable[Verdict]) -> tuple[Verdict, ...]:
+    return tuple(sorted(verdicts, key=Verdict.sort_key))
+
+
+def _join(values: Iterable[int]) -> str:
+    return ", ".join(map(str, values))
+
+
+def phase_label(group: str, phase) -> str:
+    # Phases are the step phases of DESIGN section 5 in every group that logs them (the
+    # expert group's forward runs in TARGET, its draft forwards in DRAFT_*). Imported here,
+    # on the path that formats a finding, so that a sound replay never loads torch (dp's import).
+    from runner_fsm.dp import PHASE_NAMES
+
+    if group in ("dp", "expert") and phase in PHASE_NAMES:
+        return PHASE_NAMES[phase]
+    return f"phase {phase}"
+
+
+def label(group: str, op: str, phase) -> str:
+    return f"{group} {op} {phase_label(group, phase)}"
+
+
+def key_label(group: str, key: tuple) -> str:
+    """A sequence key (op, phase, shapes) as text."""
+    op, phase, shapes = key
+    text = f"{op} {phase_label(group, phase)}"
+    return text if shapes is None else f"{text} {_shapes_text(shapes)}"
+
+
+def sequence_label(group: str, keys) -> str:
+    return "[" + ", ".join(key_label(group, key) for key in keys) + "]" if keys else "nothing"
+
+
+def _shapes_text(shapes) -> str:
+    if isinstance(shapes, tuple):
+        return "[" + ", ".join(_shapes_text(s) for s in shapes) + "]"
+    return str(shapes)
+
+
+STATES = ("prefill", "decode", "idle_dummy", "no step")
+_STATE_INDEX = {"prefill": 0, "decode": 1, "idle": 2}
+COLOURS = ("tab:blue", "tab:green", "lightgrey", "white")
+MAX_BINS = 2048
+MAX_MARKS = 500  # more marks than this draw as noise, not information
+MARK_STYLES = {"fault": ("X", "red"), "hang": ("v", "darkred"), "gap": ("s", "black"),
+               "stale_buffer_replay": ("D", "purple"), "illegal_transition": ("P", "brown")}
+MARKED_KINDS = ("fault", "hang", "gap", "missing_replica", "collective_mismatch", "agreed_mismatch",
+                "illegal_transition", "stale_buffer_replay")
+
+
+def require_matplotlib():
+    """The pyplot module, or `ReplayInputError` telling how to install it (exit code 2)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")  # files only: no display needed
+        import matplotlib.pyplot as pyplot
+    except ImportError as err:
+        raise ReplayInputError(
+            f"--plot needs matplotlib, which is not installed ({err});"
+            " run `pip install matplotlib` (or `pip install 'runner-fsm[plot]'`)") from err
+    return pyplot
+
+
+class Timeline:
+    """Per-rank counts of step states in adaptive bins of `width` steps."""
+
+    def __init__(self, ranks):
+        self.ranks = tuple(sorted(ranks))
+        self.origin: int | None = None
+        self.width = 1
+        self.bins: dict[int, dict[int, list[int]]] = {rank: {} for rank in self.ranks}
+        self.last_step: int | None = None
+
+    def add(self, step: int, present: dict[int, RankStep]) -> None:
+        if self.origin is None:
+            self.origin = step
+        self.last_step = step
+        index = (step - self.origin) // self.width
+        if index >= MAX_BINS:
+            self._coarsen()
+            index = (step - self.origin) // self.width
+        for rank, summary in present.items():
+            counts = self.bins[rank].get(index)
+            if counts is None:
+                counts = self.bins[rank][index] = [0, 0, 0]
+            state = _STATE_INDEX.get(summary.kind)
+            if state is not None:
+                counts[state] += 1
+
+    def _coarsen(self) -> None:
+        self.width *= 2
+        for rank, bins in self.bins.items():
+            merged: dict[int, list[int]] = {}
+            for index, counts in bins.items():
+                into = merged.setdefault(index // 2, [0, 0, 0])
+                for state, count in enumerate(counts):
+                    into[state] += count
+            self.bins[rank] = merged
+
+    def lanes(self):
+        """Per rank: [(first_step, steps, state_index)] runs of bins of one dominant state."""
+        out = {}
+        for rank, bins in self.bins.items():
+            runs: list[list[int]] = []
+            for index in sorted(bins):
+                counts = bins[index]
+                state = max(range(3), key=counts.__getitem__) if any(counts) else 3
+                start = self.origin + index * self.width
+                if runs and runs[-1][2] == state and runs[-1][0] + runs[-1][1] == start:
+                    runs[-1][1] += self.width
+                else:
+                    runs.append([start, self.width, state])
+            out[rank] = runs
+        return out
+
+
+def plot(timeline: Timeline, verdicts: tuple[Verdict, ...], path: str | os.PathLike[str], title: str) -> None:
+    pyplot = require_matplotlib()
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    lanes = timeline.lanes()
+    figure, axes = pyplot.subplots(figsize=(12, 1.6 + 0.45 * len(lanes)))
+    for row, rank in enumerate(timeline.ranks):
+        for state in range(len(STATES) - 1):  # "no step" stays blank
+            spans = [(start, width) for start, width, s in lanes[rank] if s == state]
+            if spans:
+                axes.broken_barh(spans, (row - 0.4, 0.8), facecolors=COLOURS[state], edgecolor="none",
+                                 linewidth=0, antialiased=False)  # no seams between bins
+    marked = _mark_findings(axes, timeline, verdicts)
+    axes.set_yticks(range(len(timeline.ranks)), [f"rank {r}" for r in timeline.ranks])
+    axes.invert_yaxis()
+    axes.set_xlabel(f"step (one bin = {timeline.width} step{'s' if timeline.width > 1 else ''})")
+    axes.set_title(title)
+    handles = [Patch(facecolor=COLOURS[i], label=STATES[i]) for i in range(len(STATES) - 1)]
+    handles += [Line2D([], [], marker=marker, color=colour, linestyle="none", label=kind)
+                for kind, (marker, colour) in marked.items()]
+    axes.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.35 if len(lanes) < 4 else -0.15),
+                ncol=min(len(handles), 6), fontsize="small", frameon=False)
+    figure.tight_layout()
+    figure.savefig(path, dpi=100)
+    pyplot.close(figure)
+
+
+def _mark_findings(axes, timeline: Timeline, verdicts) -> dict[str, tuple[str, str]]:
+    """Mark each finding on the lanes of its ranks; the styles used, by kind, for the legend."""
+    rows = {rank: row for row, rank in enumerate(timeline.ranks)}
+    used: dict[str, tuple[str, str]] = {}
+    for verdict in [v for v in verdicts if v.kind in MARKED_KINDS and v.step is not None][:MAX_MARKS]:
+        style = used[verdict.kind] = MARK_STYLES.get(verdict.kind, ("o", "orange"))
+        for rank in verdict.ranks:
+            if rank in rows:
+                axes.plot(verdict.step, rows[rank], marker=style[0], color=style[1], markersize=9,
+                          linestyle="none")
+    return used
