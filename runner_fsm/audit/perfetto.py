@@ -280,7 +280,7 @@ def _finding(tracks, verdict: Verdict, present: dict[int, int]) -> None:
     ranks = [r for r in verdict.ranks if r in tracks] or [min(present)]
     fallback = max(present.values())
     args = {"kind": verdict.kind, "detail": verdict.detail, "step": verdict.step, "replica": verdict.replica,
-            "evidence": list(getattr(verdict, "evidence", ("audit",)))}
+            "evidence": list(verdict.evidence)}
     for rank in ranks:
         track = tracks[rank]
         track.instant(f"finding: {verdict.kind}", "finding", present.get(rank, fallback), args)
