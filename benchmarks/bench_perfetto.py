@@ -1,10 +1,9 @@
 """The Flight Recorder's cost per step, and the speed and memory of `replay --perfetto`.
 
-- Flight Recorder: the same engine run (DP=2 x PCP=2, K=1 drafting, the fake model so that the
-  step is mostly the runner's own work and collectives: the worst case for a per-collective
-  cost) with the recorder on and off, alternated in one run of this script. A rank's time per
-  step is its `elapsed_s` over its steps; a run's is its slowest rank's. Outputs must be equal
-  and the dumps present only when on.
+- Flight Recorder: the same engine run (DP=2 x PCP=2, K=1 drafting, the tiny random model of
+  `runner-fsm demo`: 8 requests x 16 new tokens) with the recorder on and off, alternated in one
+  run of this script. A rank's time per step is its `elapsed_s` over its steps; a run's is its
+  slowest rank's. Outputs must be equal and the dumps present only when on.
 - Export: a synthetic sound run of 8 ranks (DP=4 x PCP=2) x STEPS steps (`runner_fsm.testing.synth`,
   the records the runner writes) and one of STEPS / 10, each exported in a fresh process:
   records/s of the export pass (replay's own cost is the replay row), the trace's size, and
@@ -85,11 +84,12 @@ def _fr_run(root: Path, on: bool, rep: int) -> tuple[float, dict, bool]:
     from runner_fsm.engine.api import run_engine
     from runner_fsm.engine.config import EngineConfig
     from runner_fsm.engine.requests import synthetic_requests
-    from runner_fsm.testing.fakes import VOCAB
 
     run_dir = root / f"{'on' if on else 'off'}-{rep}"
-    cfg = EngineConfig(model_dir=None, run_dir=str(run_dir), layout=ParallelLayout(2, 2), num_speculative_tokens=1)
-    requests = synthetic_requests(16, vocab_size=VOCAB, seed=3, max_new_tokens=24, arrival_every=2)
+    cfg = EngineConfig(model_dir=str(root / "model"), draft_dir=str(root / "draft"), run_dir=str(run_dir),
+                       layout=ParallelLayout(2, 2), num_speculative_tokens=1)
+    vocab = json.loads((root / "model" / "config.json").read_text())["vocab_size"]
+    requests = synthetic_requests(8, vocab_size=vocab, seed=3, max_new_tokens=16, arrival_every=2)
     saved = os.environ.get(flight_recorder.DISABLE_ENV)
     os.environ[flight_recorder.DISABLE_ENV] = "1" if on else "0"
     try:
@@ -108,7 +108,11 @@ def _fr_run(root: Path, on: bool, rep: int) -> tuple[float, dict, bool]:
 
 def fr_rows(repeats: int) -> list[Row]:
     times: dict[bool, list[float]] = {True: [], False: []}
+    from runner_fsm.model import DRAFT_SPEC, TARGET_SPEC, make_random_model
+
     with tempfile.TemporaryDirectory(prefix="bench-fr-") as root:
+        make_random_model(f"{root}/model", TARGET_SPEC, seed=0)
+        make_random_model(f"{root}/draft", DRAFT_SPEC, seed=1)
         reference = None
         for rep in range(repeats):
             for on in ((False, True) if rep % 2 == 0 else (True, False)):
@@ -121,7 +125,7 @@ def fr_rows(repeats: int) -> list[Row]:
                 times[on].append(per_step)
     on, off = Spread.of(times[True]), Spread.of(times[False])
     ratio = on.median / off.median
-    return [Row("Flight Recorder on vs off, per step (DP=2 x PCP=2, K=1, fake model)", on.fmt(" ms", 1e3),
+    return [Row("Flight Recorder on vs off, per step (DP=2 x PCP=2, K=1, tiny model)", on.fmt(" ms", 1e3),
                 f"off: {off.fmt(' ms', 1e3)}", f"{ratio:.3f}x", "<= 1.05x", "pass" if ratio <= 1.05 else "miss",
                 note=f"{repeats} runs each, alternated; +{(on.median - off.median) * 1e6:,.0f} us per step")]
 

@@ -113,6 +113,7 @@ class GroupView:
     name: str  # the audit name (dp, pcp, expert) or the pg name
     members: tuple[int, ...]
     enqueued: dict[int, int]  # rank -> last seq it issued (0: none)
+    undumped: tuple[int, ...] = ()  # members (per the runner's dumps) that left no dump
 
     def first_difference(self) -> int | None:
         """The first seq some members issued and others did not (None when they agree)."""
@@ -141,7 +142,8 @@ def group_views(dumps: dict[int, RankDump]) -> list[GroupView]:
     for pg, ranks in sorted(members.items(), key=lambda item: (len(item[0]), item[0])):
         present = tuple(sorted(r for r in ranks if r in dumps))
         views.append(GroupView(pg, names.get(pg, f"pg {pg}"), present,
-                               {r: dumps[r].enqueued.get(pg, 0) for r in present}))
+                               {r: dumps[r].enqueued.get(pg, 0) for r in present},
+                               tuple(sorted(r for r in ranks if r not in dumps))))
     return views
 
 
@@ -170,7 +172,9 @@ def describe(dumps: dict[int, RankDump], view: GroupView, seq: int) -> str:
     behind = view.behind(seq)
     if behind:
         lasts = ", ".join(f"rank {r} at #{view.enqueued[r]}" for r in behind)
-        parts.append(f"never started by rank(s) {_ids(behind)} (last issued: {lasts})")
+        parts.append(f"never started by rank(s) {_ids(behind)} (last issued: {lasts});")
+    if view.undumped:
+        parts.append(f"no dump from rank(s) {_ids(view.undumped)} (the process ended without writing one)")
     return " ".join(parts).rstrip(";")
 
 
