@@ -187,3 +187,21 @@ def test_missing_dump_api_fails_clearly(monkeypatch):
     monkeypatch.delenv(flight_recorder.DISABLE_ENV, raising=False)
     with pytest.raises(flight_recorder.FlightRecorderUnavailable, match="RUNNER_FSM_FLIGHT_RECORDER=0"):
         flight_recorder.enable()
+
+
+@pytest.mark.multiproc
+def test_hang_in_the_trace(hang_run, tmp_path):
+    from runner_fsm.audit.perfetto import export_perfetto
+
+    export_perfetto(hang_run, tmp_path / "t.json")
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    step4 = [e for e in events if e["ph"] == "X" and e["args"].get("step") == 4]
+    # the culprit's ranks stalled in their step's transition for the whole timeout
+    stalled = {e["tid"]: e["dur"] for e in step4 if e["name"] == "idle_dummy (failed)"}
+    assert sorted(stalled) == [2, 3] and min(stalled.values()) >= 0.9 * TIMEOUT_S * 1e6
+    # its peers' agreement never completed
+    waiting = [e for e in step4 if e["name"] == "dp all_reduce TARGET"]
+    assert sorted(e["tid"] for e in waiting) == [0, 1] and not any(e["args"]["completed"] for e in waiting)
+    findings = [e for e in events if e["name"] == "finding: hang"]
+    assert sorted(e["tid"] for e in findings) == [2, 3]
+    assert all(e["args"]["evidence"] == ["audit", "flight_recorder"] for e in findings)

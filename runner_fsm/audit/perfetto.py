@@ -33,7 +33,6 @@ STATE_TRIGGERS = {"prefill": "prefill", "decode": "decode", "idle": "idle_dummy"
 PHASES = {1: "TARGET", 2: "DRAFT_PREFILL", 3: "DRAFT_DECODE"}
 _HEADER = frozenset({"schema", "run_id", "seq", "t_ns", "dp_rank", "pcp_rank", "event", "step_id",
                      "phase", "stage", "pg_seq"})
-_DONE_HEADER_SIZE = 14  # a `done` record with no more fields than these carries nothing new
 
 
 @dataclasses.dataclass
@@ -96,7 +95,7 @@ class _RankTrack:
     def record(self, rec: dict, collectives: dict) -> None:
         t = rec["t_ns"]
         self.last_t, event = t, rec.get("event")
-        if self.state_begin is None:
+        if self.state_begin is None and event != "transition":
             self.state_begin = t
         if event == "collective":
             self._collective(rec, t, collectives)
@@ -122,7 +121,7 @@ class _RankTrack:
         phase = enq.get("phase")
         phase = PHASES.get(phase, phase)
         args = {k: v for k, v in enq.items() if k not in _HEADER}  # sent, rows, shapes...
-        if done is not None and len(done) > _DONE_HEADER_SIZE:
+        if done is not None:
             args.update({k: v for k, v in done.items() if k not in _HEADER})  # agreed
         args["step"], args["phase"], args["pg_seq"] = enq.get("step_id"), phase, enq.get("pg_seq")
         args["completed"] = completed
