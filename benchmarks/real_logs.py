@@ -1,7 +1,8 @@
 """Audit logs written by a real run, and the same logs grown to any length by tiling.
 
 `write_real_run` serves a workload with the embedded engine (DP x PCP processes on gloo, the
-fake model, drafting, graph replays on uniform decode steps): every record is the runner's own.
+tiny random Mixtral of the tests with its drafter, graph replays on uniform decode steps):
+every record is the runner's own.
 `tile_run` repeats the run's complete steps until the logs hold `steps` steps: step ids,
 `seq`, `pg_seq` and the step ids inside the records are shifted, everything else is kept as
 the runner wrote it, so a replay of the tiled logs reads the real records, at any length.
@@ -24,9 +25,14 @@ def write_real_run(run_dir: Path, *, dp: int = 4, pcp: int = 2, requests: int = 
     from runner_fsm.engine.api import run_engine
     from runner_fsm.engine.config import EngineConfig
     from runner_fsm.engine.requests import synthetic_requests
+    from runner_fsm.model import DRAFT_SPEC, TARGET_SPEC, make_random_model
 
-    cfg = EngineConfig(model_dir=None, run_dir=str(run_dir), layout=ParallelLayout(dp, pcp),
-                       num_speculative_tokens=1, collective_timeout_s=60,
+    models = Path(run_dir).parent / "models"
+    if not models.exists():  # the tiny random Mixtral target and draft of the tests
+        make_random_model(models / "target", TARGET_SPEC, seed=11)
+        make_random_model(models / "draft", DRAFT_SPEC, seed=12)
+    cfg = EngineConfig(model_dir=str(models / "target"), draft_dir=str(models / "draft"), run_dir=str(run_dir),
+                       layout=ParallelLayout(dp, pcp), num_speculative_tokens=1, collective_timeout_s=60,
                        graph_mode=GraphMode.FULL_DECODE_ONLY if graphs else GraphMode.NONE)
     work = synthetic_requests(requests, vocab_size=64, max_new_tokens=12, arrival_every=1)
     result = run_engine(cfg, work, timeout_s=600)

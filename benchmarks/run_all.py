@@ -48,6 +48,7 @@ SUITE = {
     "plan": "bench_plan",  # planning speed, scaling, padding waste
     "dp": "bench_dp_sync",  # DP agreement latency
     "bookkeeping": "bench_bookkeeping",  # bookkeeping per step
+    "evidence": "bench_evidence",  # what the replay evidence costs a step (on vs off), records per step
     "prefill": "bench_prefill",  # 4096-token prefill, PCP=2 vs PCP=1
     "engine": "bench_engine",  # end-to-end tokens/s, drafting on/off
     "perfetto": "bench_perfetto",  # Flight Recorder on vs off; replay --perfetto export speed

@@ -87,12 +87,14 @@ def validate_batch(batch: ScheduledBatch, config: RunnerConfig, *, num_kv_blocks
             fail(f"{name} must have one entry per request ({r}), got shape {arr.shape}")
     if len(set(batch.req_ids)) != r:
         fail(f"request ids must be unique, got {list(batch.req_ids)}")
+    # Each check looks for the culprit only once it knows there is one: the common, valid
+    # batch pays one reduction per rule.
     for name in ("num_scheduled", "num_computed"):
-        bad = np.flatnonzero(arrays[name] < 0)
-        if bad.size:
+        if r and arrays[name].min() < 0:
+            bad = np.flatnonzero(arrays[name] < 0)
             fail(f"{name} must be >= 0, got {arrays[name][bad[0]]} for request {batch.req_ids[bad[0]]!r}")
-    zero = np.flatnonzero(batch.num_scheduled == 0)
-    if zero.size:
+    if r and batch.num_scheduled.min() == 0:
+        zero = np.flatnonzero(batch.num_scheduled == 0)
         fail(f"request {batch.req_ids[zero[0]]!r} is scheduled with 0 tokens")
     if batch.token_ids.shape != (batch.num_tokens,):
         fail(f"token_ids must hold {batch.num_tokens} ids (the scheduled total), got shape {batch.token_ids.shape}")
@@ -109,8 +111,8 @@ def _validate_drafts(batch: ScheduledBatch, config: RunnerConfig, fail) -> None:
     drafts = batch.num_draft_tokens
     if drafts is None:
         return
-    bad = np.flatnonzero(drafts < 0)
-    if bad.size:
+    if drafts.size and drafts.min() < 0:
+        bad = np.flatnonzero(drafts < 0)
         fail(f"num_draft_tokens must be >= 0, got {drafts[bad[0]]} for request {batch.req_ids[bad[0]]!r}")
     on_prefill = np.flatnonzero((drafts > 0) & batch.is_prefilling)
     if on_prefill.size:
@@ -134,17 +136,18 @@ def _validate_blocks(batch: ScheduledBatch, config: RunnerConfig, num_kv_blocks,
         fail(f"block_tables must be [num_reqs={batch.num_reqs}, max_blocks], got shape {tables.shape}")
     if tables.shape[1] > config.max_blocks_per_req:
         fail(f"block_tables has {tables.shape[1]} columns, more than max_blocks_per_req={config.max_blocks_per_req}")
+    if batch.num_reqs == 0:
+        return
     needed = -(-(batch.num_computed + batch.num_scheduled) // config.block_size)
-    short = np.flatnonzero(needed > tables.shape[1])
-    if short.size:
-        i = short[0]
+    if needed.max() > tables.shape[1]:
+        i = np.flatnonzero(needed > tables.shape[1])[0]
         fail(f"request {batch.req_ids[i]!r} needs {needed[i]} KV blocks for position"
              f" {batch.num_computed[i] + batch.num_scheduled[i] - 1}, its block table holds {tables.shape[1]}")
-    cols = np.arange(tables.shape[1])[None, :]
-    used = cols < needed[:, None]
     upper = num_kv_blocks if num_kv_blocks is not None else np.iinfo(np.int64).max
-    bad = np.argwhere(used & ((tables < 0) | (tables >= upper)))
-    if bad.size:
-        i, j = bad[0]
-        fail(f"request {batch.req_ids[i]!r} uses block id {tables[i, j]} (table column {j}),"
-             f" outside [0, {upper})")
+    if tables.size and (tables.min() < 0 or tables.max() >= upper):  # only then: are the bad ids used?
+        used = np.arange(tables.shape[1])[None, :] < needed[:, None]
+        bad = np.argwhere(used & ((tables < 0) | (tables >= upper)))
+        if bad.size:
+            i, j = bad[0]
+            fail(f"request {batch.req_ids[i]!r} uses block id {tables[i, j]} (table column {j}),"
+                 f" outside [0, {upper})")

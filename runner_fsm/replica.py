@@ -259,12 +259,14 @@ class Replica:
     async def _forward(self, step: ForwardStep, written: Fingerprints | None, ctx_id: dict, batch_id: dict):
         """The target forward (graph replay or eager), watched and logged as the expert
         group's collective: every replica must run it whenever any replica has work.
-        Its record names the PCP context it uses and the batch it runs (`ctx`, `batch`)."""
+        Its record names the PCP context it uses and the batch it runs (`ctx`, `batch`).
+        A dummy must not run on the bytes of the last real batch (`last_real`)."""
+        last_real = self._last_real_inputs if step.is_dummy else None
         if step.agreed.use_graph:
             fn = functools.partial(self.graphs.replay, step.num_rows, step_id=self.step_id,
-                                   since=self._step_start_fingerprint, last_real=self._last_real_inputs)
+                                   since=self._step_start_fingerprint, last_real=last_real)
         else:
-            self._check_refreshed(written or self.buffers.fingerprint(content=True))
+            self._check_refreshed(written or self.buffers.fingerprint(content=True), last_real)
             fn = functools.partial(self.model.forward, self.buffers, step)
         return await self.collectives.run(
             "expert", "forward", fn, step_id=self.step_id, phase=dp.TARGET, shapes=[(step.num_rows,)],
@@ -274,9 +276,9 @@ class Replica:
     async def _compare_outputs(self, sampled: dict[str, list[int]]) -> None:
         """The PCP ranks of a replica must sample the same tokens: each logs the digest of its
         output and, with PCP peers, compares it with theirs (one all_gather of two integers)."""
-        digest, count = output_digest(sampled)
         if self.pcp_group is None:
-            return
+            return  # no PCP peers: nothing to compare with
+        digest, count = output_digest(sampled)
         gathered = await self.collectives.run(
             "pcp", "all_gather", evidence.gather_output_digests, self.pcp_group, self.step_id, digest,
             step_id=self.step_id, phase=dp.TARGET, shapes=[(2,)],
@@ -286,10 +288,9 @@ class Replica:
             raise DesyncError(f"replica {self.dp_rank}, step {self.step_id}: its PCP ranks sampled"
                               f" different tokens (output digest per PCP rank {[d for _, d in gathered]})")
 
-    def _check_refreshed(self, now: Fingerprints) -> None:
+    def _check_refreshed(self, now: Fingerprints, last_real: Fingerprints | None) -> None:
         try:
-            check_refreshed(self._step_start_fingerprint, now, step_id=self.step_id,
-                            last_real=self._last_real_inputs)
+            check_refreshed(self._step_start_fingerprint, now, step_id=self.step_id, last_real=last_real)
         except StaleBufferError:
             self._log_buffers("refused", now)  # on record: the versions that did not move
             raise

@@ -51,8 +51,9 @@ def stale_inputs(now: Mapping[str, Sequence], since: Mapping[str, Sequence] | No
 
     `since`: the fingerprint when the step began (or the previous step's last snapshot);
     a buffer whose write count did not move was not written for this step.
-    `last_real`: the inputs of the last real batch; inputs whose bytes all equal those were
-    not refreshed, whatever the counters say (`buf.copy_(buf)` moves the counter, not the data).
+    `last_real`: for a dummy forward, the inputs of the last real batch; a dummy whose bytes
+    all equal those was not refreshed, whatever the counters say (`buf.copy_(buf)` moves the
+    counter, not the data). None for a real forward: its own batch may repeat the last one.
     """
     if since:
         unwritten = [name for name, fp in now.items()
@@ -148,12 +149,9 @@ def dispatch_problem(inputs: Mapping, sent_tokens: int) -> str | None:
 
 def output_digest(sampled: Mapping[str, Sequence[int]]) -> tuple[int, int]:
     """(crc32, token count) of a step's sampled tokens, in the batch's request order."""
-    crc, count = 0, 0
-    for request, tokens in sampled.items():
-        crc = zlib.crc32(request.encode(), crc)
-        crc = zlib.crc32(b"".join(int(t).to_bytes(8, "little", signed=True) for t in tokens), crc)
-        count += len(tokens)
-    return crc, count
+    import orjson  # the audit log's encoder: loaded already wherever this runs
+
+    return zlib.crc32(orjson.dumps(sampled)), sum(map(len, sampled.values()))
 
 
 def divergent_outputs(digests: Mapping[int, int]) -> dict[int, int] | None:
@@ -181,6 +179,7 @@ class BufferTracker:
         self._current = None  # last snapshot of the current step
         self._last_real = None  # last snapshot written for a real batch of an earlier step
         self._step_real = None  # the current step's real batch snapshot
+        self._step_dummy = False  # the current step wrote a dummy: its inputs must not be the real ones
         self._last_replay = self._last_replay_step = None
 
     def new_step(self) -> None:
@@ -188,6 +187,7 @@ class BufferTracker:
             self._last_real, self._step_real = self._step_real, None
         if self._current is not None:
             self._previous, self._current = self._current, None
+        self._step_dummy = False
 
     def buffers(self, record, step: int) -> list[str]:
         """Problems of a `buffers` record: those taken at a forward point (a graph replay's
@@ -199,13 +199,15 @@ class BufferTracker:
             reference = self._last_replay if self._last_replay_step == step else self._previous
             captured = next(reversed(self._captured.values()), None)  # one set of buffers for every size
             self._last_replay, self._last_replay_step = snapshot, step
-            problems = check_replay(step, snapshot, reference, captured, self._last_real)
+            problems = check_replay(step, snapshot, reference, captured, self._dummy_reference())
         elif reason == "refused":
-            problem = stale_inputs(snapshot, self._previous, self._last_real)
+            problem = stale_inputs(snapshot, self._previous, self._dummy_reference())
             if problem:
                 problems.append(f"forward at step {step} on stale inputs: {problem}")
         elif reason == "real":
             self._step_real = snapshot
+        elif reason == "dummy":
+            self._step_dummy = True
         elif reason == "capture":
             self._captured[self._capture_size] = snapshot
         self._current = snapshot
@@ -219,8 +221,12 @@ class BufferTracker:
                 return []
             return [f"eager forward at step {step} has no buffers record in its step: nothing shows"
                     " its inputs were written"]
-        problem = stale_inputs(now, self._previous, self._last_real)
+        problem = stale_inputs(now, self._previous, self._dummy_reference())
         return [f"eager forward at step {step} reads stale inputs: {problem}"] if problem else []
+
+    def _dummy_reference(self):
+        """The last real batch's inputs when this step's forward is a dummy, else None."""
+        return self._last_real if self._step_dummy else None
 
     def graph(self, record, step: int) -> list[str]:
         """Problems of a graph record: a replay whose inputs were never logged (the inputs

@@ -97,9 +97,12 @@ class _LineFile:
             ) from err
 
     def msg(self, line: bytes) -> None:
-        view = memoryview(line + b"\n")
-        while view:
-            view = view[self._raw.write(view) :]
+        line += b"\n"
+        written = self._raw.write(line)
+        if written != len(line):  # a short write (rare): finish the line before returning
+            view = memoryview(line)[written:]
+            while view:
+                view = view[self._raw.write(view) :]
 
     def close(self) -> None:
         self._raw.close()

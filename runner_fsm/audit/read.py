@@ -137,7 +137,7 @@ class StepBuilder:
     """The step a scanner is reading; sealed into a `RankStep` when the next one starts."""
 
     __slots__ = ("step", "line", "keys", "first_pg", "open", "agreed", "fault", "kind", "drafted", "output",
-                 "faulted")
+                 "faulted", "aborted")
 
     def __init__(self, step: int, line: int):
         self.step, self.line = step, line
@@ -153,6 +153,7 @@ class StepBuilder:
         self.drafted = False
         self.output: int | None = None  # digest of what this rank sampled, when logged
         self.faulted = False  # its state machine took the `faulted` edge in this step
+        self.aborted = False  # it sent a non-ok status to a DP agreement: the step is aborted
 
     def seal(self, rank: int, interned: dict, *, ended=False, hang: tuple | None = None,
              timed_out=False) -> RankStep:
@@ -166,17 +167,17 @@ class StepBuilder:
         hung = (hang[0], hang[1], hang[4]) if hang is not None else None
         return RankStep(rank, self.step, self.line, signature, first_pg, open_ or None, self.agreed,
                         self.fault, self.kind, self.drafted, ended, hung, timed_out, self.output,
-                        self.faulted)
+                        self.faulted, self.aborted)
 
 
 class RankStep:
     """What one rank did in one step, as far as its peers must match it; read-only."""
 
     __slots__ = ("rank", "step", "line", "signature", "first_pg", "open", "agreed", "fault", "kind",
-                 "drafted", "ended", "hang", "hang_timed_out", "output", "faulted")
+                 "drafted", "ended", "hang", "hang_timed_out", "output", "faulted", "aborted")
 
     def __init__(self, rank, step, line, signature, first_pg, open_, agreed, fault, kind, drafted,
-                 ended, hang, hang_timed_out, output=None, faulted=False):
+                 ended, hang, hang_timed_out, output=None, faulted=False, aborted=False):
         self.rank, self.step, self.line = rank, step, line
         self.signature = signature  # ((group, ((op, phase, shapes), ...)), ...) in issue order
         self.first_pg = first_pg  # per group of the signature: pg_seq of its first collective
@@ -188,11 +189,12 @@ class RankStep:
         self.hang_timed_out = hang_timed_out
         self.output = output  # digest of the tokens this rank sampled, or None
         self.faulted = faulted  # its transitions show it faulted in this step
+        self.aborted = aborted  # it sent a non-ok status to a DP agreement in this step
 
     def __reduce__(self):
         return (RankStep, (self.rank, self.step, self.line, self.signature, self.first_pg, self.open,
                            self.agreed, self.fault, self.kind, self.drafted, self.ended, self.hang,
-                           self.hang_timed_out, self.output, self.faulted))
+                           self.hang_timed_out, self.output, self.faulted, self.aborted))
 
     def keys(self, group: str) -> tuple:
         for name, keys in self.signature:

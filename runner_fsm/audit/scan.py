@@ -77,7 +77,7 @@ class RankScanner:
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
         handlers = {"collective": self._collective, "transition": self._transition,
                     "buffers": self._buffers, "graph": self._graph, "fault": self._fault,
-                    "context": self._context}
+                    "context": lambda record: self._context_evidence(record["ctx"], record["batch"])}
         for line_no, raw in enumerate(lines, 1):
             self._line = line_no
             try:
@@ -249,8 +249,11 @@ class RankScanner:
         sent = record.get("sent")
         if op == "forward":
             self._forward_evidence(record)
-        elif group == "dp" and "inputs" in record:
-            self._dispatch_evidence(record["inputs"], sent)
+        elif group == "dp":
+            if "inputs" in record:
+                self._dispatch_evidence(record["inputs"], sent)
+            elif isinstance(sent, dict) and sent.get("status"):
+                step.aborted = True  # an abort: the agreement fails on every member by design
         elif group == "pcp" and "output" in record:
             step.output = record["output"]["digest"]
         pending = (group, len(keys), op, phase, pg_seq, self._line, sent if isinstance(sent, dict) else None)
@@ -308,9 +311,6 @@ class RankScanner:
         if record.get("graph") is False:
             for detail in self.buffers.eager_forward(self.current.step):
                 self._verdict("stale_buffer_replay", detail)
-
-    def _context(self, record) -> None:
-        self._context_evidence(record["ctx"], record["batch"])
 
     def _context_evidence(self, ctx, batch) -> None:
         problem = context_problem(self.current.step, batch, ctx)

@@ -203,8 +203,11 @@ class _Hang:
 def check_hangs(step: int, present: dict[int, RankStep], groups: Groups, merger: StepMerger,
                 emit: Callable[[Verdict], None]) -> None:
     hangs: dict[tuple, _Hang] = {}
+    # A replica that sent a non-ok status aborts the step's agreement on every member: the
+    # agreement ends in an error there, by design, not in a hang.
+    aborted = any(summary.aborted for summary in present.values())
     for rank, summary in present.items():
-        if summary.hang is not None:
+        if summary.hang is not None and not (aborted and summary.hang[0] == "dp"):
             _add_waiter(hangs, step, rank, summary, present, groups, merger)
     by_culprit: dict[tuple[int, ...], list[_Hang]] = {}
     for hang in hangs.values():

@@ -42,11 +42,13 @@ def stale_buffers(
     return tuple(name for name in before if after[name].version == before[name].version)
 
 
-def content_digest(buf: torch.Tensor) -> int:
-    """crc32 of the buffer's bytes on the host; on an accelerator, a position-weighted sum
-    computed on the device (no copy of the buffer to the host every step)."""
+def content_digest(buf: np.ndarray | torch.Tensor) -> int:
+    """crc32 of the bytes of a host array (or CPU tensor); for a tensor on an accelerator, a
+    position-weighted sum computed on the device (no copy to the host every step)."""
+    if isinstance(buf, np.ndarray):
+        return zlib.crc32(np.ascontiguousarray(buf))
     if buf.device.type == "cpu":
-        return zlib.crc32(buf.numpy())  # the buffers are contiguous: no copy
+        return zlib.crc32(buf.contiguous().numpy())
     return device_digest(buf)
 
 
@@ -76,9 +78,11 @@ def _fits_int32(name: str, arr: np.ndarray) -> None:
         raise BatchError(f"{name} holds {arr.max()}, beyond the int32 range of its buffer")
 
 
-def _host(arr: np.ndarray, dtype: type = np.int64) -> torch.Tensor:
-    """A CPU tensor over ``arr`` (copied only when it is read-only, strided or another dtype)."""
-    return torch.from_numpy(np.require(arr, dtype=dtype, requirements=("C", "W")))
+def _copy_whole(buf: torch.Tensor, head: np.ndarray, dtype: type, fill: int) -> None:
+    """`buf` := `head`, then `fill` to its end, in one copy."""
+    whole = np.full(buf.shape[0], fill, dtype=dtype)
+    whole[: head.shape[0]] = head
+    buf.copy_(torch.from_numpy(whole))
 
 
 def dummy_query_lens(num_reqs: int, num_tokens: int) -> np.ndarray:
@@ -121,6 +125,8 @@ class PersistentBuffers:
         self.num_tokens = 0  # N: rows this rank executes
         self.num_segments = 0
         self.is_dummy = False
+        self._rows_high = self._segments_high = 0  # the furthest any write reached
+        self._views = None  # (tensors, their host views) for content digests
 
     # -- public writes ----------------------------------------------------------------
 
@@ -162,6 +168,8 @@ class PersistentBuffers:
         self.num_tokens = int(num_tokens)
         self.num_segments = int(num_segments)
         self.is_dummy = is_dummy
+        self._rows_high = max(self._rows_high, self.num_tokens)
+        self._segments_high = max(self._segments_high, self.num_segments)
 
     def fingerprint(self, *, content: bool = False) -> dict[str, BufferFingerprint]:
         """Address, shape and write count of every buffer (read on every step: kept lean);
@@ -169,8 +177,23 @@ class PersistentBuffers:
         if not content:
             return {name: BufferFingerprint(buf.data_ptr(), tuple(buf.shape), buf._version)
                     for name, buf in zip(BUFFER_NAMES, self._buffers())}
-        return {name: BufferFingerprint(buf.data_ptr(), tuple(buf.shape), buf._version, content_digest(buf))
-                for name, buf in zip(BUFFER_NAMES, self._buffers())}
+        return {name: BufferFingerprint(buf.data_ptr(), tuple(buf.shape), buf._version, content_digest(written))
+                for name, buf, written in zip(BUFFER_NAMES, self._buffers(), self._ever_written())}
+
+    def _ever_written(self) -> tuple:
+        """Each buffer up to the furthest row any write reached: beyond it every buffer still
+        holds its initial fill (every write resets what it does not use to that same fill), so
+        hashing this much hashes the whole content, at the cost of the largest batch so far
+        rather than of the capacity. `query_start_loc` is filled with the last offset, so it is
+        hashed whole (it is small). On the host the numpy views are made once per storage."""
+        rows, segs = self._rows_high, self._segments_high
+        tensors, views = self._buffers(), self._views
+        if views is None or any(a is not b for a, b in zip(views[0], tensors)):  # made, or rebound
+            arrays = tuple(t.numpy() for t in tensors) if self.device.type == "cpu" else tensors
+            views = self._views = (tensors, arrays)
+        ids, pos, pad, qsl, seq, tables, slots = views[1]
+        return (ids[:rows], pos[:rows], pad[:rows], qsl, seq[:segs], tables[:segs],
+                slots[:self.pcp_size * rows])
 
     def _buffers(self) -> tuple[torch.Tensor, ...]:
         # Looked up by name each time: a rebound tensor must show up as moved storage.
@@ -242,29 +265,29 @@ class PersistentBuffers:
 
     # -- in-place writes --------------------------------------------------------------
 
+    # Each buffer is assembled whole on the host and written with one copy: a torch op per
+    # slice (data, then padding) costs more than the bytes, and on a device one transfer per
+    # buffer replaces several small kernels. Every write still moves the buffer's version.
+
     def _write_rows(self, input_ids: np.ndarray, positions: np.ndarray) -> None:
         """Real rows first, every later row padding (id 0, position 0)."""
-        n = input_ids.shape[0]
-        self.input_ids[:n].copy_(_host(input_ids))
-        self.input_ids[n:].zero_()
-        self.positions[:n].copy_(_host(positions))
-        self.positions[n:].zero_()
-        self.is_padding[:n].fill_(False)
-        self.is_padding[n:].fill_(True)
+        n, rows = input_ids.shape[0], self.max_num_tokens
+        _copy_whole(self.input_ids, input_ids, np.int64, 0)
+        _copy_whole(self.positions, positions, np.int64, 0)
+        padding = np.ones(rows, dtype=bool)
+        padding[:n] = False
+        self.is_padding.copy_(torch.from_numpy(padding))
 
     def _write_segments(
         self, query_start_loc: np.ndarray, seq_lens: np.ndarray, seg_tables: np.ndarray
     ) -> None:
         """Segments first; later segments are empty (start = end, seq_len 0, zero table)."""
         s, width = seq_lens.shape[0], seg_tables.shape[1]
-        self.query_start_loc[: s + 1].copy_(_host(query_start_loc, np.int32))
-        self.query_start_loc[s + 1 :].fill_(int(query_start_loc[-1]))
-        self.seq_lens[:s].copy_(_host(seq_lens, np.int32))
-        self.seq_lens[s:].zero_()
-        self.block_tables.zero_()
-        self.block_tables[:s, :width].copy_(_host(seg_tables, np.int32))
+        _copy_whole(self.query_start_loc, query_start_loc, np.int32, int(query_start_loc[-1]))
+        _copy_whole(self.seq_lens, seq_lens, np.int32, 0)
+        tables = np.zeros(tuple(self.block_tables.shape), dtype=np.int32)
+        tables[:s, :width] = seg_tables
+        self.block_tables.copy_(torch.from_numpy(tables))
 
     def _write_slots(self, slots: np.ndarray) -> None:
-        g = slots.shape[0]
-        self.gathered_slot_mapping[:g].copy_(_host(slots))
-        self.gathered_slot_mapping[g:].fill_(PAD_SLOT_ID)
+        _copy_whole(self.gathered_slot_mapping, slots, np.int64, PAD_SLOT_ID)

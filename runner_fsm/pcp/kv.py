@@ -33,8 +33,9 @@ def _check_layout(block_size: int, dcp_size: int, dcp_rank: int, interleave: int
 
 
 def _first(mask: np.ndarray) -> int | None:
-    hits = np.flatnonzero(mask)
-    return int(hits[0]) if hits.size else None
+    if not mask.any():  # the common case: one reduction, no index array
+        return None
+    return int(np.flatnonzero(mask)[0])
 
 
 def _check_tokens(

@@ -89,11 +89,11 @@ def _validate(
             f" got lengths {scheduled.shape[0]}, {prefilling.shape[0]}, {computed.shape[0]}"
         )
     for name, arr in (("num_scheduled", scheduled), ("num_computed", computed)):
-        bad = np.flatnonzero(arr < 0)
-        if bad.size:
+        if arr.size and arr.min() < 0:
+            bad = np.flatnonzero(arr < 0)
             raise BatchError(f"{name} must be >= 0, got {arr[bad[0]]} for request {bad[0]}")
-    empty = np.flatnonzero(scheduled == 0)
-    if empty.size and empty.size != scheduled.size:
+    empty = np.flatnonzero(scheduled == 0) if scheduled.size and scheduled.min() == 0 else ()
+    if len(empty) and len(empty) != scheduled.size:
         kind = "prefill" if prefilling[empty[0]] else "decode"
         raise BatchError(
             f"request {empty[0]} ({kind}) has 0 scheduled tokens in a batch with real ones;"
@@ -210,6 +210,15 @@ def _segments(batch: _Batch, pcp_size: int, chunking: str) -> _Segments:
     num_chunks = 2 * pcp_size
     # With one rank there is nothing to cut: a prefill is one whole segment, like a decode.
     whole = ~prefilling if pcp_size > 1 else np.ones_like(prefilling)
+    if whole.all():
+        return _whole_segments(batch, pcp_size)
+    return _cut_segments(batch, pcp_size, chunking, whole)
+
+
+def _cut_segments(batch: _Batch, pcp_size: int, chunking: str, whole: np.ndarray) -> _Segments:
+    """Whole segments for the requests marked `whole`, head and tail chunks for the others."""
+    lengths, prefilling = batch.num_scheduled, batch.is_prefilling
+    num_chunks = 2 * pcp_size
     decode_req = np.flatnonzero(whole)
     prefill_req = np.flatnonzero(~whole)
     ranks = np.arange(pcp_size)
@@ -245,6 +254,19 @@ def _segments(batch: _Batch, pcp_size: int, chunking: str) -> _Segments:
     keep = length > 0
     order = np.lexsort((sub[keep], req[keep], pure[keep], rank[keep]))
     return _Segments(rank[keep][order], req[keep][order], off[keep][order], length[keep][order])
+
+
+def _whole_segments(batch: _Batch, pcp_size: int) -> _Segments:
+    """No request is cut (decodes only, or one rank): every rank holds every request whole,
+    in request order with pure prefills last (the order `_segments` sorts into)."""
+    lengths = batch.num_scheduled
+    req = np.flatnonzero(lengths > 0)
+    pure = batch.is_prefilling[req] & (batch.num_computed[req] == 0)
+    if pure.any():
+        req = np.concatenate([req[~pure], req[pure]])
+    n = req.size
+    return _Segments(np.repeat(np.arange(pcp_size), n), np.tile(req, pcp_size),
+                     np.zeros(n * pcp_size, dtype=np.int64), np.tile(lengths[req], pcp_size))
 
 
 @dataclasses.dataclass(frozen=True)
