@@ -28,6 +28,7 @@ Buffer fingerprints are tuples `(ptr, shape, version, digest)` (`BufferFingerpri
 
 from __future__ import annotations
 
+import functools
 import zlib
 from typing import Callable, Mapping, Sequence
 
@@ -125,14 +126,18 @@ def dispatch_inputs(num_scheduled, is_prefilling, pcp_size: int, chunking: str) 
 
 def recomputed_dispatch_count(inputs: Mapping) -> int:
     """The dispatch count N the logged `inputs` yield (`pcp.plan.num_tokens_for_dispatch`)."""
+    return _dispatch_count(int(inputs["decode"]), tuple(inputs["prefill"]), int(inputs["pcp"]), inputs["chunking"])
+
+
+@functools.lru_cache(maxsize=4096)  # replay meets the same batch shapes again and again
+def _dispatch_count(decode: int, prefills: tuple, pcp: int, chunking: str) -> int:
     from runner_fsm.pcp.plan import num_tokens_for_dispatch  # numpy only, loaded on first use
 
-    decode, prefills = int(inputs["decode"]), list(inputs["prefill"])
-    lengths = ([decode] if decode else []) + prefills
+    lengths = ([decode] if decode else []) + list(prefills)
     flags = ([False] if decode else []) + [True] * len(prefills)
     if not lengths:
         return 0
-    return num_tokens_for_dispatch(lengths, flags, int(inputs["pcp"]), chunking=inputs["chunking"])
+    return num_tokens_for_dispatch(lengths, flags, pcp, chunking=chunking)
 
 
 def dispatch_problem(inputs: Mapping, sent_tokens: int) -> str | None:
@@ -151,7 +156,7 @@ def output_digest(sampled: Mapping[str, Sequence[int]]) -> tuple[int, int]:
     """(crc32, token count) of a step's sampled tokens, in the batch's request order."""
     import orjson  # the audit log's encoder: loaded already wherever this runs
 
-    return zlib.crc32(orjson.dumps(sampled)), sum(map(len, sampled.values()))
+    return zlib.crc32(orjson.dumps(sampled, option=orjson.OPT_SERIALIZE_NUMPY)), sum(map(len, sampled.values()))
 
 
 def divergent_outputs(digests: Mapping[int, int]) -> dict[int, int] | None:

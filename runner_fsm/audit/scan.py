@@ -52,7 +52,7 @@ class RankScanner:
         self._dangling: tuple | None = None  # the collective of the last record, if an enqueue
         self._truncated = False
         self._line = 0
-        self._raw_shapes = self._frozen_shapes = None
+        self._shapes: dict = {}  # group -> (shapes as logged, frozen): each group's repeat
         # stale-buffer bookkeeping: snapshots are the raw `buffers` dicts of the records
         self.buffers = BufferTracker()
         self.stopped = False  # the scan ended at `stop_step`, not at the end of the file
@@ -139,11 +139,11 @@ class RankScanner:
                               line=0)
             return None
         hang, timed_out = self._dangling, False
-        if hang is None:
-            # The log ends in a step with a collective that never reached `done`: the rank
-            # stopped in it, whatever it logged afterwards (a timeout, its own fault).
+        if hang is None and (last.fault is None or last.fault[0] in TIMEOUT_ERRORS):
+            # The log ends with a collective open: the rank stopped in it. A fault of another
+            # error only explains it away (the collective ran, its rule refused the result).
             hang = self._open_collective(last)
-            timed_out = hang is not None and last.fault is not None and last.fault[0] in TIMEOUT_ERRORS
+            timed_out = hang is not None and last.fault is not None
         state = self.transitions.state
         if hang is None and not self._truncated and state not in TERMINAL_STATES:
             self._verdict("unfinished", f"the log ends in state {state!r} at step {last.step} without"
@@ -235,9 +235,10 @@ class RankScanner:
         shapes = None
         if group in SHAPE_MATCHED_GROUPS:
             shapes = record["shapes"]
-            if shapes != self._raw_shapes:  # shapes repeat: freeze each distinct value once
-                self._raw_shapes, self._frozen_shapes = shapes, _freeze(shapes)
-            shapes = self._frozen_shapes
+            cached = self._shapes.get(group)
+            if cached is None or cached[0] != shapes:  # shapes repeat: freeze a new value once
+                cached = self._shapes[group] = (shapes, _freeze(shapes))
+            shapes = cached[1]
         op, phase = record["op"], record["phase"]
         step = self.current
         keys = step.keys.get(group)
@@ -245,7 +246,6 @@ class RankScanner:
             keys = step.keys[group] = []
             step.first_pg[group] = pg_seq
             step.open[group] = []
-        # the layout of StepBuilder.open
         sent = record.get("sent")
         if op == "forward":
             self._forward_evidence(record)
