@@ -108,6 +108,7 @@ class ReplicaRunner:
 
     async def close(self) -> None:
         """Destroy groups and flush the log (idempotent)."""
+        self.replica.collectives.close()
         if self.replica.audit is not None:
             self.replica.audit.close()
         if self._on_close is not None:

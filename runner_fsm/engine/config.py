@@ -9,11 +9,15 @@ from runner_fsm.engine.scheduler import SchedulerConfig
 from runner_fsm.errors import ConfigError
 
 
+MISSING_MODEL = ("the embedded engine needs a model directory (model_dir) or a model_factory"
+                 " ('module:function' returning (model, drafter))")
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """An engine run; identical on every rank (each derives its parts from it)."""
 
-    model_dir: str | None  # the target model; None is refused when a rank builds its runner
+    model_dir: str | None  # the target model (or None with a model_factory)
     run_dir: str
     layout: ParallelLayout = dataclasses.field(default_factory=ParallelLayout)
     draft_dir: str | None = None
@@ -32,6 +36,9 @@ class EngineConfig:
     run_id: str = "run"
     injections: tuple[str, ...] = ()
     progress_every: int = 0  # print a progress line every N steps from rank 0 (0: never)
+    # "module:function" building (model, drafter) from (config, groups) in each rank, instead
+    # of loading model_dir: how tests and benchmarks run the engine with fakes.
+    model_factory: str | None = None
 
     def runner_config(self) -> RunnerConfig:
         # A rank never executes more rows than the global budget, or a capture size above it.
@@ -52,6 +59,8 @@ class EngineConfig:
 
     def validate(self) -> "EngineConfig":
         self.runner_config()
+        if self.model_dir is None and self.model_factory is None:
+            raise ConfigError(MISSING_MODEL)
         if self.num_speculative_tokens > 0 and self.model_dir is not None and self.draft_dir is None:
             raise ConfigError("num_speculative_tokens > 0 needs a draft model (draft_dir)")
         if self.token_budget < 1 + self.num_speculative_tokens:

@@ -8,6 +8,7 @@ none with requests still to come.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import sys
 import time
 
@@ -23,7 +24,7 @@ from runner_fsm import flight_recorder
 from runner_fsm.audit import AuditLog
 from runner_fsm.collectives import CollectiveRunner
 from runner_fsm.dp import GlooAgreement
-from runner_fsm.engine.config import EngineConfig
+from runner_fsm.engine.config import MISSING_MODEL, EngineConfig
 from runner_fsm.engine.requests import Request, assign
 from runner_fsm.engine.scheduler import Scheduler
 from runner_fsm.errors import ConfigError
@@ -54,9 +55,11 @@ class RankResult:
 
 
 def _model_and_drafter(cfg: EngineConfig, groups):
-    if cfg.model_dir is None:  # fakes live in runner_fsm.testing, which production never imports
-        raise ConfigError("the embedded engine runs a model directory (model_dir); for fakes, build"
-                          " a runner with runner_fsm.testing.harness.make_runner")
+    if cfg.model_factory is not None:  # named by the caller: production imports no fakes itself
+        module, _, name = cfg.model_factory.partition(":")
+        return getattr(importlib.import_module(module), name)(cfg, groups)
+    if cfg.model_dir is None:
+        raise ConfigError(MISSING_MODEL)
     from runner_fsm.model import load_drafter, load_model, model_groups
 
     mg = model_groups(groups, cfg.device)

@@ -13,6 +13,8 @@ ArrayLike = Sequence[int] | np.ndarray
 
 def int_array(name: str, values: ArrayLike, ndim: int = 1, *, allow_bool: bool = False) -> np.ndarray:
     """`values` as an int64 array of `ndim` dimensions (bools too when `allow_bool`)."""
+    if type(values) is np.ndarray and values.dtype == np.int64 and values.ndim == ndim:
+        return values  # already what is asked for (the per-step case): no dtype probing
     arr = np.asarray(values)
     if arr.ndim != ndim:
         raise BatchError(f"{name} must be {ndim}-dimensional, got shape {arr.shape}")

@@ -24,6 +24,12 @@ def _frozen(arr: np.ndarray, dtype: type = np.int64) -> np.ndarray:
     return out
 
 
+def _sealed(arr: np.ndarray) -> np.ndarray:
+    """`arr`, made here and held by no one else, read-only from now on (no copy needed)."""
+    arr.setflags(write=False)
+    return arr
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class PCPAttentionContext:
     """Read-only step metadata; equal on all PCP ranks except pcp_rank (and slots under DCP)."""
@@ -107,8 +113,8 @@ def build_real_context(
         num_tokens=plan.num_tokens,
         num_tokens_padded=plan.num_tokens_padded,
         block_tables=_frozen(block_tables),
-        global_slot_mapping=_frozen(global_slots),
-        gathered_slot_mapping=_frozen(gathered_slot_mapping(global_slots, plan)),
+        global_slot_mapping=_sealed(global_slots),
+        gathered_slot_mapping=_sealed(gathered_slot_mapping(global_slots, plan)),
         hidden_restore_idx=_frozen(plan.hidden_restore_idx),
         padded_gather_idx=_frozen(plan.padded_gather_idx),
         kv_write_mask=_frozen(plan.kv_write_mask, dtype=bool),

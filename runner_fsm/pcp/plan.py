@@ -264,9 +264,10 @@ def _whole_segments(batch: _Batch, pcp_size: int) -> _Segments:
     pure = batch.is_prefilling[req] & (batch.num_computed[req] == 0)
     if pure.any():
         req = np.concatenate([req[~pure], req[pure]])
-    n = req.size
-    return _Segments(np.repeat(np.arange(pcp_size), n), np.tile(req, pcp_size),
-                     np.zeros(n * pcp_size, dtype=np.int64), np.tile(lengths[req], pcp_size))
+    n, length = req.size, lengths[req]
+    if pcp_size > 1:  # the same segments on every rank
+        req, length = np.tile(req, pcp_size), np.tile(length, pcp_size)
+    return _Segments(np.repeat(np.arange(pcp_size), n), req, np.zeros(n * pcp_size, dtype=np.int64), length)
 
 
 @dataclasses.dataclass(frozen=True)

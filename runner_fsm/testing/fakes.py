@@ -33,7 +33,8 @@ class FakeModel:
         self.calls.append(("forward", num_tokens, step.agreed.num_tokens_across_dp))
         ids = buffers.input_ids[:num_tokens]
         self.last_input_ids = ids.clone()
-        return ((ids * 31 + buffers.positions[:num_tokens]) % VOCAB).unsqueeze(1)
+        out = torch.add(buffers.positions[:num_tokens], ids, alpha=31)
+        return out.remainder_(VOCAB).unsqueeze(1)
 
     def restore(self, local: torch.Tensor, ctx: PCPAttentionContext) -> torch.Tensor:
         if ctx.pcp_size > 1 and self.pcp_group is not None:
@@ -102,3 +103,9 @@ def busy_peer(num_tokens: int, graph_mode: int = dp.GRAPH_EAGER, uniform: int = 
     def peers(local: dp.LocalDispatch) -> list[dp.LocalDispatch]:
         return [dp.LocalDispatch(local.step_id, local.phase, dp.STATUS_OK, num_tokens, graph_mode, uniform, 1)]
     return peers
+
+
+def engine_model_and_drafter(cfg, groups):
+    """`EngineConfig.model_factory` for the fakes: "runner_fsm.testing.fakes:engine_model_and_drafter"."""
+    drafter = FakeDrafter(cfg.num_speculative_tokens) if cfg.num_speculative_tokens else None
+    return FakeModel(groups.pcp if groups else None), drafter
