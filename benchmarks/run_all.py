@@ -55,6 +55,7 @@ SUITE = {
     "engine": "bench_engine",  # end-to-end tokens/s, drafting on/off
     "exchange": "bench_moe_exchange",  # expert exchange bytes/step: routed vs all-gather
     "load": "bench_load_rss",  # peak RSS of a rank loading its weights
+    "perfetto": "bench_perfetto",  # Flight Recorder on vs off; replay --perfetto export speed
     "replay": None,  # hook: benchmarks/bench_replay.py (owned elsewhere)
     "vllm": None,  # hook: benchmarks/bench_vllm_worker.py with .venv-vllm (owned elsewhere)
 }

@@ -123,6 +123,8 @@ def _add_replay(sub) -> None:
     p.add_argument("--limit", type=int, default=20, help="verdicts listed in the human report (default 20)")
     p.add_argument("--jobs", type=int, default=None,
                    help="processes, each judging a range of steps (default: 1 for small runs, else one per CPU)")
+    p.add_argument("--perfetto", metavar="TRACE.json",
+                   help="also write the run as a trace for ui.perfetto.dev / chrome://tracing")
     p.set_defaults(func=_cmd_replay)
 
 
@@ -133,6 +135,10 @@ def _cmd_replay(args) -> int:
         report = replay_with_plot(args.run_dir, args.plot, jobs=args.jobs)
     else:
         report = replay(args.run_dir, jobs=args.jobs)
+    if args.perfetto:  # the same verdicts, as instants on the ranks' timelines
+        from runner_fsm.audit.perfetto import export_perfetto
+
+        export_perfetto(args.run_dir, args.perfetto, report)
     if args.json:
         print(json.dumps(report.as_dict(), indent=1))
     else:

@@ -25,6 +25,8 @@ from __future__ import annotations
 import os
 
 from runner_fsm.audit.crossrank import join_missed
+from runner_fsm.audit.flight import flight_only, replay_flight_only
+from runner_fsm.audit.flight_join import join_flight_recorder
 from runner_fsm.audit.ranges import cpu_count, judge_in_ranges, judge_range
 from runner_fsm.audit.read import RankInfo, discover, layout_of
 from runner_fsm.audit.report import (ReplayInputError, ReplayReport, RunSummary, Timeline, Verdict,
@@ -43,6 +45,8 @@ def replay(run_dir: str | os.PathLike[str], *, timeline: Timeline | None = None,
     `jobs`: processes, each judging a range of steps (None: one for small runs, else one per
     CPU up to MAX_JOBS). A timeline needs every step in one process, so it implies one.
     """
+    if flight_only(run_dir):  # a plain PyTorch job: Flight Recorder dumps and no audit log
+        return replay_flight_only(run_dir)
     infos = discover(run_dir)
     jobs = auto_jobs(infos) if jobs is None else max(1, jobs)
     if jobs > 1 and timeline is None:
@@ -53,7 +57,8 @@ def replay(run_dir: str | os.PathLike[str], *, timeline: Timeline | None = None,
     replicas, pcp_size = layout_of(infos)
     summary = RunSummary(str(run_dir), len(infos), replicas, pcp_size, result.records,
                          result.first_step, result.last_step)
-    return ReplayReport(summary, sort_verdicts(drop_explained(merge_same_findings(verdicts))))
+    report = ReplayReport(summary, sort_verdicts(drop_explained(merge_same_findings(verdicts))))
+    return join_flight_recorder(report, run_dir)  # Flight Recorder dumps, when the run left them
 
 
 def auto_jobs(infos: list[RankInfo]) -> int:

@@ -36,6 +36,7 @@ KINDS = (
     "stale_buffer_replay",
     "pcp_divergence",  # the PCP ranks of a replica sampled different tokens
     "hang",
+    "source_disagreement",  # the audit log and the Flight Recorder tell different stories
     "fault",  # a fault the run logged itself
     "unfinished",  # a log that just stops: no shutdown, no fault, no hang to explain it
 )
@@ -61,6 +62,7 @@ class Verdict:
     file: str | None = None
     line: int | None = None
     error: str | None = None  # fault verdicts: the logged error type
+    evidence: tuple[str, ...] = ("audit",)  # sources the verdict rests on (audit, flight_recorder)
 
     def __post_init__(self) -> None:
         if self.kind not in _KIND_ORDER:
@@ -84,6 +86,7 @@ class Verdict:
             out["file"], out["line"] = self.file, self.line
         if self.error is not None:
             out["error"] = self.error
+        out["evidence"] = list(self.evidence)
         return out
 
     def __str__(self) -> str:

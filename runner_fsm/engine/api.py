@@ -6,6 +6,7 @@ import dataclasses
 import json
 import os
 
+from runner_fsm import flight_recorder
 from runner_fsm.engine.config import EngineConfig
 import torch.distributed as dist
 
@@ -57,10 +58,11 @@ def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float =
     elif in_process:
         ranks = [run_rank(None, cfg, requests)]
     else:
-        ranks = [_as_result(r, cfg) for r in spawn(
-            run_rank, cfg.layout, cfg, requests, timeout_s=timeout_s,
-            pg_timeout_s=cfg.collective_timeout_s + 30, collect_failures=True, host=cfg.listen_address,
-            failed=lambda rank: rank.error is not None)]
+        with flight_recorder.enabled_for_children():  # on by default; see flight_recorder
+            ranks = [_as_result(r, cfg) for r in spawn(
+                run_rank, cfg.layout, cfg, requests, timeout_s=timeout_s,
+                pg_timeout_s=cfg.collective_timeout_s + 30, collect_failures=True, host=cfg.listen_address,
+                failed=lambda rank: rank.error is not None)]
     outputs: dict[str, list[int]] = {}
     for rank in ranks:
         if rank.pcp_rank == 0:
@@ -70,6 +72,7 @@ def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float =
 
 def _run_under_torchrun(cfg: EngineConfig, requests: list[Request]) -> list[RankResult]:
     """This process is one rank of a `torchrun` job: serve, then share every rank's report."""
+    flight_recorder.enable()  # before the first process group: torch reads it then
     groups = init_process_groups_from_env(cfg.layout, timeout_s=cfg.collective_timeout_s + 30)
     try:
         mine = run_rank(groups, cfg, requests)

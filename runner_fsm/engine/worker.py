@@ -20,6 +20,7 @@ try:
 except NameError:  # Python 3.10: anyio depends on the backport
     from exceptiongroup import BaseExceptionGroup
 
+from runner_fsm import flight_recorder
 from runner_fsm.audit import AuditLog
 from runner_fsm.collectives import CollectiveRunner
 from runner_fsm.dp import GlooAgreement
@@ -180,6 +181,9 @@ def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
         error = {"type": type(exc).__name__, "message": str(exc), "step": runner.replica.step_id}
     finally:
         anyio.run(runner.close)
+        if groups is not None:  # the Flight Recorder's buffer, beside the audit log
+            flight_recorder.dump_beside(cfg.run_dir, cfg.layout.global_rank(dp_rank, pcp_rank),
+                                        flight_recorder.groups_of(groups), flight_recorder.reason_of(error))
     return RankResult(cfg.layout.global_rank(dp_rank, pcp_rank), dp_rank, pcp_rank, sched.results(),
                       counts["steps"], counts["real"], sched.num_preemptions, counts["tokens"],
                       time.perf_counter() - start, counts["states"], counts["handoffs"],

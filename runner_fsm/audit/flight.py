@@ -1,0 +1,232 @@
+"""Reading Flight Recorder dumps (`fr-rank-<global_rank>.json`) and matching ranks by group and seq.
+
+A dump is either the runner's (`runner_fsm.flight_recorder`: the torch trace plus the audit
+names and members of this rank's groups) or torch's own JSON (`_dump_fr_trace_json`) written
+by any PyTorch job. Groups are identified across ranks by their process-group name (the same
+on every member, since every rank creates the groups in the same order), and collectives by
+their sequence number in that group, never by their position in the ring buffer: PyTorch's
+`fr_trace` matches by position, which cannot tell a skipped collective from a late one.
+
+`divergence_verdicts(dumps)` is the Flight-Recorder-only judgement (a plain PyTorch job):
+per group, the first sequence number at which the members differ and the ranks behind.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+from pathlib import Path
+
+from runner_fsm.audit.report import ReplayInputError, ReplayReport, RunSummary, Verdict, sort_verdicts
+
+DUMP_FILE = re.compile(r"^fr-rank-(\d+)\.json$")
+EVIDENCE = ("flight_recorder",)
+
+
+@dataclasses.dataclass(frozen=True)
+class FlightEntry:
+    """One collective in a rank's ring buffer."""
+
+    seq: int  # collective_seq_id: 1 for the group's first collective
+    op: str  # profiling_name, e.g. gloo:all_reduce
+    sizes: tuple
+    retired: bool  # completed (or waited on); False: still in flight when dumped
+    t_ns: int  # time_created_ns (wall clock)
+
+    @property
+    def label(self) -> str:
+        return f"{self.op} {list(map(list, self.sizes))}"
+
+
+@dataclasses.dataclass
+class RankDump:
+    """One rank's dump: per process-group name, what it issued."""
+
+    rank: int
+    file: str
+    reason: str | None = None  # runner dumps: end, fault or timeout
+    names: dict[str, str] = dataclasses.field(default_factory=dict)  # pg name -> audit name
+    members: dict[str, tuple[int, ...]] = dataclasses.field(default_factory=dict)  # pg name -> ranks
+    enqueued: dict[str, int] = dataclasses.field(default_factory=dict)  # pg name -> last seq issued
+    entries: dict[str, dict[int, FlightEntry]] = dataclasses.field(default_factory=dict)
+
+    def entry(self, pg: str, seq: int) -> FlightEntry | None:
+        return self.entries.get(pg, {}).get(seq)
+
+    def pg_of(self, audit_name: str) -> str | None:
+        return next((pg for pg, name in self.names.items() if name == audit_name), None)
+
+
+def dump_paths(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
+    directory = Path(run_dir)
+    if not directory.is_dir():
+        return []
+    return sorted((int(m[1]), directory / name) for name in os.listdir(directory) if (m := DUMP_FILE.match(name)))
+
+
+def read_dumps(run_dir: str | os.PathLike[str]) -> dict[int, RankDump]:
+    """Every dump of `run_dir` by global rank ({} when there is none)."""
+    return {rank: read_dump(path, rank) for rank, path in dump_paths(run_dir)}
+
+
+def read_dump(path: Path, rank: int) -> RankDump:
+    try:
+        document = json.loads(path.read_bytes())
+    except (OSError, ValueError) as err:
+        raise ReplayInputError(f"cannot read Flight Recorder dump {path}: {err}") from err
+    if not isinstance(document, dict):
+        raise ReplayInputError(f"{path}: a Flight Recorder dump is a JSON object")
+    dump = RankDump(rank, path.name)
+    trace = document
+    if "trace" in document:  # the runner's dump: torch's trace plus the audit names of its groups
+        trace, dump.reason = document["trace"], document.get("reason")
+        for name, group in (document.get("groups") or {}).items():
+            dump.names[str(group["pg_name"])] = name
+            dump.members[str(group["pg_name"])] = tuple(group["ranks"])
+    if not isinstance(trace, dict) or not isinstance(trace.get("entries", []), list):
+        raise ReplayInputError(f"{path}: no Flight Recorder `entries` list (is it a torch FR JSON dump?)")
+    pg_names: dict[str, str] = {}  # pg_status is keyed by pg_id, entries name their group
+    for raw in trace.get("entries", []):
+        if raw.get("is_p2p"):
+            continue
+        pg = str(raw["process_group"][0])
+        pg_names[str(raw["pg_id"])] = pg
+        entry = FlightEntry(int(raw["collective_seq_id"]), str(raw["profiling_name"]),
+                            tuple(tuple(s) for s in raw.get("input_sizes", ())), bool(raw.get("retired")),
+                            int(raw.get("time_created_ns", 0)))
+        dump.entries.setdefault(pg, {})[entry.seq] = entry
+        dump.enqueued[pg] = max(dump.enqueued.get(pg, 0), entry.seq)
+    for pg_id, status in (trace.get("pg_status") or {}).items():
+        pg = pg_names.get(str(pg_id))
+        if pg is not None:  # the counter outlives entries evicted from the ring buffer
+            dump.enqueued[pg] = max(dump.enqueued[pg], int(status.get("last_enqueued_collective", 0)))
+    return dump
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupView:
+    """One process group across its members, as their Flight Recorders saw it."""
+
+    pg: str
+    name: str  # the audit name (dp, pcp, expert) or the pg name
+    members: tuple[int, ...]
+    enqueued: dict[int, int]  # rank -> last seq it issued (0: none)
+    undumped: tuple[int, ...] = ()  # members (per the runner's dumps) that left no dump
+
+    def first_difference(self) -> int | None:
+        """The first seq some members issued and others did not (None when they agree)."""
+        counts = set(self.enqueued.values())
+        return min(counts) + 1 if len(counts) > 1 else None
+
+    def behind(self, seq: int) -> tuple[int, ...]:
+        return tuple(r for r in self.members if self.enqueued[r] < seq)
+
+    def started(self, seq: int) -> tuple[int, ...]:
+        return tuple(r for r in self.members if self.enqueued[r] >= seq)
+
+
+def group_views(dumps: dict[int, RankDump]) -> list[GroupView]:
+    """Every process group seen in the dumps; members from the runner's dumps when given, else
+    the ranks whose dump shows the group."""
+    members: dict[str, set[int]] = {}
+    names: dict[str, str] = {}
+    for rank, dump in dumps.items():
+        for pg, ranks in dump.members.items():
+            members.setdefault(pg, set()).update(ranks)
+        for pg in dump.enqueued:
+            members.setdefault(pg, set()).add(rank)
+        names.update(dump.names)
+    views = []
+    for pg, ranks in sorted(members.items(), key=lambda item: (len(item[0]), item[0])):
+        present = tuple(sorted(r for r in ranks if r in dumps))
+        views.append(GroupView(pg, names.get(pg, f"pg {pg}"), present,
+                               {r: dumps[r].enqueued.get(pg, 0) for r in present},
+                               tuple(sorted(r for r in ranks if r not in dumps))))
+    return views
+
+
+def entry_text(dumps: dict[int, RankDump], view: GroupView, seq: int) -> str:
+    """`gloo:all_reduce [[7, 2]]` as the members that issued collective `seq` recorded it."""
+    labels = {e.label for r in view.started(seq) if (e := dumps[r].entry(view.pg, seq)) is not None}
+    return " / ".join(sorted(labels)) or "a collective"
+
+
+def in_flight(dumps: dict[int, RankDump], view: GroupView, seq: int) -> tuple[int, ...]:
+    """Members whose collective `seq` was still in flight (not completed) when they dumped."""
+    return tuple(r for r in view.started(seq)
+                 if (e := dumps[r].entry(view.pg, seq)) is not None and not e.retired)
+
+
+def describe(dumps: dict[int, RankDump], view: GroupView, seq: int) -> str:
+    """Who started, completed or never started collective `seq` of `view`, in words."""
+    started, waiting = view.started(seq), in_flight(dumps, view, seq)
+    parts = [f"group {view.name} (pg {view.pg}, ranks {_ids(view.members)}) collective #{seq}"
+             f" ({entry_text(dumps, view, seq)}):"]
+    if waiting:
+        parts.append(f"started and never completed by rank(s) {_ids(waiting)};")
+    done = [r for r in started if r not in waiting]
+    if done:
+        parts.append(f"completed by rank(s) {_ids(done)};")
+    behind = view.behind(seq)
+    if behind:
+        lasts = ", ".join(f"rank {r} at #{view.enqueued[r]}" for r in behind)
+        parts.append(f"never started by rank(s) {_ids(behind)} (last issued: {lasts});")
+    if view.undumped:
+        parts.append(f"no dump from rank(s) {_ids(view.undumped)} (the process ended without writing one)")
+    return " ".join(parts).rstrip(";")
+
+
+def first_op_difference(dumps: dict[int, RankDump], view: GroupView) -> tuple[int, dict] | None:
+    """The first seq that every member recorded but not as the same op and sizes."""
+    common = set.intersection(*(set(dumps[r].entries.get(view.pg, {})) for r in view.members)) \
+        if view.members else set()
+    for seq in sorted(common):
+        labels = {r: dumps[r].entry(view.pg, seq).label for r in view.members}
+        if len(set(labels.values())) > 1:
+            return seq, labels
+    return None
+
+
+def divergence_verdicts(dumps: dict[int, RankDump]) -> list[Verdict]:
+    """The Flight-Recorder-only judgement: per group, where its members part ways."""
+    verdicts = []
+    for view in group_views(dumps):
+        seq = view.first_difference()
+        if seq is not None:
+            behind = view.behind(seq)
+            verdicts.append(Verdict(
+                "hang", None, None, f"first difference at #{seq}: {describe(dumps, view, seq)}; ranks behind:"
+                f" {_ids(behind)}", behind, evidence=EVIDENCE))
+            continue
+        differing = first_op_difference(dumps, view)
+        if differing is not None:
+            seq, labels = differing
+            by_label: dict[str, list[int]] = {}
+            for rank, text in labels.items():
+                by_label.setdefault(text, []).append(rank)
+            odd = min(by_label.values(), key=len)
+            verdicts.append(Verdict(
+                "collective_mismatch", None, None, f"group {view.name} (pg {view.pg}) collective #{seq} differs"
+                f" between ranks: " + "; ".join(f"{text} on rank(s) {_ids(rs)}" for text, rs in by_label.items()),
+                tuple(odd), evidence=EVIDENCE))
+    return verdicts
+
+
+def flight_only(run_dir: str | os.PathLike[str]) -> bool:
+    """A directory of Flight Recorder dumps and no audit log: a plain PyTorch job."""
+    directory = Path(run_dir)
+    return bool(dump_paths(directory)) and not any(directory.glob("rank-*.jsonl"))
+
+
+def replay_flight_only(run_dir: str | os.PathLike[str]) -> ReplayReport:
+    """Judge a run from its Flight Recorder dumps alone (no replicas known: `replica` is None)."""
+    dumps = read_dumps(run_dir)
+    entries = sum(len(seqs) for dump in dumps.values() for seqs in dump.entries.values())
+    summary = RunSummary(str(run_dir), len(dumps), 0, 0, entries, None, None)
+    return ReplayReport(summary, sort_verdicts(divergence_verdicts(dumps)))
+
+
+def _ids(ranks) -> str:
+    return ", ".join(map(str, ranks))

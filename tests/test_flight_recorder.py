@@ -1,0 +1,207 @@
+"""PyTorch's Flight Recorder in runs and in replay.
+
+- A plain PyTorch job (3 gloo processes, no runner) that leaves only its Flight Recorder dumps:
+  replay names, per group, the first sequence number at which the ranks differ and the ranks
+  behind, for a rank that stops early and for a rank that skips one collective.
+- Real DP=2 x PCP=2 runs of the embedded engine with the `hang` and `skip-draft-sync`
+  injections: every rank leaves `fr-rank-<r>.json`; replay's verdict names the culprit replica
+  and step with evidence from both sources; the dumps alone name the same ranks for the hang.
+- The two sources disagreeing is a finding; turning the recorder off is honoured.
+"""
+
+import json
+import shutil
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from runner_fsm import flight_recorder
+from runner_fsm.audit.flight import read_dumps
+from runner_fsm.audit.replay import replay
+from runner_fsm.config import ParallelLayout
+from runner_fsm.engine.api import run_engine
+from runner_fsm.engine.config import EngineConfig
+from runner_fsm.engine.requests import Request
+
+TIMEOUT_S = 3.0
+WORKLOAD = [  # replica 1 owns one short request and idles from step 2 on (as in test_faults)
+    Request("long", tuple(range(5, 41)), 14, 0, replica=0),
+    Request("mid", tuple(range(50, 62)), 10, 1, replica=0),
+    Request("short", tuple(range(70, 75)), 2, 0, replica=1),
+]
+
+# One rank of a plain gloo job: `counts[rank]` all_reduces on a group of every rank, each
+# waited for only while every rank still joins; then its Flight Recorder dump, raw as torch
+# renders it, and a wait until every rank has dumped (so no pending collective is broken
+# by a peer leaving first).
+_PLAIN_JOB = textwrap.dedent("""
+    import json, os, sys, time
+    os.environ["TORCH_FR_BUFFER_SIZE"] = "100"
+    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
+    import torch, torch.distributed as dist
+    rank, world, port, out = int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+    counts = json.loads(sys.argv[5])
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    group = dist.new_group(list(range(world)))
+    tensor = torch.ones(4)
+    works = [dist.all_reduce(tensor, group=group, async_op=True) for _ in range(counts[rank])]
+    for work in works[:min(counts)]:
+        work.wait()
+    time.sleep(0.5)
+    dump = torch._C._distributed_c10d._dump_fr_trace_json(True, False)
+    with open(os.path.join(out, f"fr-rank-{rank}.json.tmp"), "wb") as f:
+        f.write(dump)
+    os.replace(os.path.join(out, f"fr-rank-{rank}.json.tmp"), os.path.join(out, f"fr-rank-{rank}.json"))
+    while len([n for n in os.listdir(out) if n.endswith(".json")]) < world:
+        time.sleep(0.05)
+    os._exit(0)
+""")
+
+
+def _plain_job(out_dir, counts):
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    procs = [subprocess.Popen([sys.executable, "-c", _PLAIN_JOB, str(rank), str(len(counts)), str(port),
+                               str(out_dir), json.dumps(counts)]) for rank in range(len(counts))]
+    for proc in procs:
+        assert proc.wait(timeout=120) == 0
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("counts, behind", [([3, 3, 2], (2,)),  # rank 2 stops before its 3rd
+                                            ([4, 3, 4], (1,))])  # rank 1 skips one of four
+def test_flight_recorder_only_names_the_rank_behind(tmp_path, counts, behind):
+    _plain_job(tmp_path, counts)
+    report = replay(tmp_path)
+    assert report.exit_code == 1
+    [verdict] = report.verdicts
+    first = min(counts) + 1
+    assert verdict.kind == "hang" and verdict.ranks == behind
+    assert verdict.evidence == ("flight_recorder",)
+    assert verdict.detail.startswith(f"first difference at #{first}:")
+    ahead = [r for r in range(len(counts)) if r not in behind]
+    assert f"started and never completed by rank(s) {', '.join(map(str, ahead))}" in verdict.detail
+
+
+def _run(models, run_dir, injection):
+    target, draft = models
+    cfg = EngineConfig(model_dir=target, draft_dir=draft, run_dir=str(run_dir), layout=ParallelLayout(2, 2),
+                       num_speculative_tokens=1, collective_timeout_s=TIMEOUT_S, injections=(injection,))
+    result = run_engine(cfg, WORKLOAD, timeout_s=120)
+    assert not result.ok
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def hang_run(models, tmp_path_factory):
+    return _run(models, tmp_path_factory.mktemp("hang"), "hang@replica=1,step=4")
+
+
+@pytest.mark.multiproc
+def test_every_rank_dumps_beside_its_log(hang_run):
+    dumps = read_dumps(hang_run)
+    assert sorted(dumps) == [0, 1, 2, 3]
+    assert {d.reason for d in dumps.values()} == {"timeout"}
+    assert dumps[0].names[dumps[0].pg_of("dp")] == "dp" and dumps[0].members[dumps[0].pg_of("dp")] == (0, 2)
+
+
+@pytest.mark.multiproc
+def test_hang_verdict_joins_the_flight_recorder(hang_run):
+    report = replay(hang_run)
+    [hang] = [v for v in report.verdicts if v.kind == "hang"]
+    assert (hang.replica, hang.step, hang.ranks) == (1, 4, (2, 3))
+    assert hang.evidence == ("audit", "flight_recorder")
+    # per the Flight Recorder: who never started the agreement; per the audit log: where each rank was
+    assert "never started by rank(s) 2" in hang.detail and "never started by rank(s) 3" in hang.detail
+    assert "started and never completed by rank(s) 0" in hang.detail
+    assert "rank 2: in idle (ready -> idle_dummy) at step 4, which failed" in hang.detail
+    assert not [v for v in report.verdicts if v.kind == "source_disagreement"]
+
+
+@pytest.mark.multiproc
+def test_flight_recorder_alone_names_the_same_ranks(hang_run, tmp_path):
+    for dump in hang_run.glob("fr-rank-*.json"):
+        shutil.copy(dump, tmp_path)
+    report = replay(tmp_path)
+    assert sorted(r for v in report.verdicts if v.kind == "hang" for r in v.ranks) == [2, 3]
+    assert all(v.evidence == ("flight_recorder",) for v in report.verdicts)
+
+
+@pytest.mark.multiproc
+def test_sources_that_disagree_are_a_finding(hang_run, tmp_path):
+    shutil.copytree(hang_run, tmp_path / "run")
+    path = tmp_path / "run" / "fr-rank-0.json"
+    dump = json.loads(path.read_text())
+    pg = dump["groups"]["dp"]["pg_name"]
+    for entry in dump["trace"]["entries"]:  # as if rank 0 had run one more unlogged agreement
+        if entry["process_group"][0] == pg:
+            entry["collective_seq_id"] += 1
+    for status in dump["trace"]["pg_status"].values():
+        status["last_enqueued_collective"] = str(int(status["last_enqueued_collective"]) + 1)
+    path.write_text(json.dumps(dump))
+    report = replay(tmp_path / "run")
+    found = [v for v in report.verdicts if v.kind == "source_disagreement" and v.ranks == (0,)]
+    assert found and "a collective ran unlogged" in found[0].detail
+    assert found[0].evidence == ("audit", "flight_recorder")
+
+
+@pytest.mark.multiproc
+def test_skip_draft_sync_verdict_joins_the_flight_recorder(models, tmp_path):
+    _run(models, tmp_path, "skip-draft-sync@replica=1,step=4")
+    report = replay(tmp_path)
+    named = [v for v in report.verdicts if v.kind == "collective_mismatch" and (v.replica, v.step) == (1, 4)]
+    assert named, report.format()
+    assert named[0].evidence == ("audit", "flight_recorder")
+    # gloo matched the culprit's next agreement with its peers' draft agreement (same seq):
+    assert "matched by gloo as one collective, but the audit log says rank 0 as step 4 DRAFT_PREFILL;" \
+           " rank 2 as step 5 TARGET" in named[0].detail
+
+
+def test_turned_off_by_environment(monkeypatch, tmp_path):
+    monkeypatch.setenv(flight_recorder.DISABLE_ENV, "0")
+    monkeypatch.delenv(flight_recorder.BUFFER_ENV, raising=False)
+    assert flight_recorder.enable() is False
+    assert flight_recorder.BUFFER_ENV not in __import__("os").environ
+    assert flight_recorder.dump_beside(tmp_path, 0, {}, "end") is None
+    assert not list(tmp_path.iterdir())
+
+
+def test_enable_sets_the_buffer_for_children_only(monkeypatch):
+    monkeypatch.delenv(flight_recorder.DISABLE_ENV, raising=False)
+    monkeypatch.delenv(flight_recorder.BUFFER_ENV, raising=False)
+    import os
+
+    with flight_recorder.enabled_for_children() as on:
+        assert on and os.environ[flight_recorder.BUFFER_ENV] == str(flight_recorder.DEFAULT_BUFFER_SIZE)
+    assert flight_recorder.BUFFER_ENV not in os.environ
+
+
+def test_missing_dump_api_fails_clearly(monkeypatch):
+    import torch
+
+    monkeypatch.delattr(torch._C._distributed_c10d, "_dump_fr_trace_json")
+    monkeypatch.delenv(flight_recorder.DISABLE_ENV, raising=False)
+    with pytest.raises(flight_recorder.FlightRecorderUnavailable, match="RUNNER_FSM_FLIGHT_RECORDER=0"):
+        flight_recorder.enable()
+
+
+@pytest.mark.multiproc
+def test_hang_in_the_trace(hang_run, tmp_path):
+    from runner_fsm.audit.perfetto import export_perfetto
+
+    export_perfetto(hang_run, tmp_path / "t.json")
+    events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]
+    step4 = [e for e in events if e["ph"] == "X" and e["args"].get("step") == 4]
+    # the culprit's ranks stalled in their step's transition for the whole timeout
+    stalled = {e["tid"]: e["dur"] for e in step4 if e["name"] == "idle_dummy (failed)"}
+    assert sorted(stalled) == [2, 3] and min(stalled.values()) >= 0.9 * TIMEOUT_S * 1e6
+    # its peers' agreement never completed
+    waiting = [e for e in step4 if e["name"] == "dp all_reduce TARGET"]
+    assert sorted(e["tid"] for e in waiting) == [0, 1] and not any(e["args"]["completed"] for e in waiting)
+    findings = [e for e in events if e["name"] == "finding: hang"]
+    assert sorted(e["tid"] for e in findings) == [2, 3]
+    assert all(e["args"]["evidence"] == ["audit", "flight_recorder"] for e in findings)
