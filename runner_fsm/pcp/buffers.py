@@ -56,9 +56,14 @@ def content_digest(buf: np.ndarray | torch.Tensor) -> int:
 def device_digest(buf: torch.Tensor) -> int:
     """sum(value_i * w_i) mod 2**64 with fixed odd weights: any change of one value, and any
     swap of two different values, changes it (torch.hash_tensor's xor would miss the swap)."""
+    return int(pending_device_digest(buf).item()) & 0xFFFFFFFFFFFFFFFF
+
+
+def pending_device_digest(buf: torch.Tensor) -> torch.Tensor:
+    """`device_digest` as a 0-d tensor left on the device: a caller that must not sync the
+    host before a graph replay (the vLLM worker) reads many of these at once after the step."""
     values = buf.reshape(-1).to(torch.int64)
-    weights = _weights(values.numel(), values.device)
-    return int((values * weights).sum().item()) & 0xFFFFFFFFFFFFFFFF
+    return (values * _weights(values.numel(), values.device)).sum()
 
 
 _WEIGHTS: dict = {}

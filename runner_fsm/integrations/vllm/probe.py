@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from runner_fsm.pcp.buffers import pending_device_digest
 from runner_fsm.pcp.fingerprint import BufferFingerprint
 
 # Token-indexed buffers read one row per token, the others one row per request.
@@ -60,7 +61,6 @@ class InputProbe:
         self.runner = runner
         self._batch = None  # the input batch the cached views belong to (vLLM may rebuild it)
         self._views: list[tuple[str, bool, int, Any]] = []  # (name, per token, ptr, array or tensor)
-        self._weights: torch.Tensor | None = None  # device hash weights, made on first use
         self._on_device = False
 
     def _refresh(self) -> None:
@@ -85,21 +85,13 @@ class InputProbe:
         for name, per_token, ptr, view in self._views:
             rows = num_tokens if per_token else num_reqs + (name == "query_start_loc")
             part = view[:rows]
-            out[name] = (ptr, rows, zlib.crc32(part) if not isinstance(part, torch.Tensor) else self._hash(part))
+            out[name] = (ptr, rows, zlib.crc32(part) if not isinstance(part, torch.Tensor) else pending_device_digest(part))
         copied = []
         for name, index in (("input_ids", 0), ("positions", 1)):
             arg = args.get(name)
             if isinstance(arg, torch.Tensor) and arg.data_ptr() != self._views[index][2]:
                 copied.append(name)
         return out, copied
-
-    def _hash(self, view: torch.Tensor):
-        flat = view.reshape(-1).to(torch.int64)
-        if self._weights is None or self._weights.numel() < flat.numel() or self._weights.device != flat.device:
-            gen = torch.Generator(device="cpu").manual_seed(0x5EED)
-            size = max(flat.numel(), 1 << 16)
-            self._weights = torch.randint(1, 1 << 62, (size,), generator=gen, dtype=torch.int64).to(flat.device)
-        return (flat * self._weights[:flat.numel()]).sum()  # stays on the device until resolve()
 
 
 def resolve(taken: dict) -> tuple[dict[str, int], dict[str, BufferFingerprint]]:
