@@ -147,7 +147,14 @@ class _Driver:
         self.core.move(Trigger.FAULT)
         self._on_record(Trigger.FAULT, src, self.core.state, "ok")
 
+    def _succeeded(self, trigger: Trigger, src: State) -> State:
+        self._running = None
+        dst = self.core.state
+        self._on_record(trigger, src, dst, "ok")
+        return dst
+
     def _failed(self, trigger: Trigger, src: State, error: BaseException) -> None:
+        self._running = None
         if isinstance(error, asyncio.CancelledError):
             self._on_record(trigger, src, self.core.state, "cancelled")
             return
@@ -182,13 +189,9 @@ class ReplicaMachine(_Driver):
                 if asyncio.iscoroutine(pending):
                     await pending
         except BaseException as error:
-            self._running = None
             self._failed(trigger, src, error)
             raise
-        self._running = None
-        dst = self.core.state
-        self._on_record(trigger, src, dst, "ok")
-        return dst
+        return self._succeeded(trigger, src)
 
     async def fault(self, error: BaseException) -> None:
         """Move to `faulted` keeping `error` as the cause (no-op when already ended)."""
@@ -215,13 +218,9 @@ class SyncReplicaMachine(_Driver):
             if handler is not None and handler.after is not None:
                 _no_coroutine(handler.after(event), trigger)
         except BaseException as error:
-            self._running = None
             self._failed(trigger, src, error)
             raise
-        self._running = None
-        dst = self.core.state
-        self._on_record(trigger, src, dst, "ok")
-        return dst
+        return self._succeeded(trigger, src)
 
     def fault(self, error: BaseException) -> None:
         """Move to `faulted` keeping `error` as the cause (no-op when already ended)."""
