@@ -10,9 +10,14 @@ worker gives.
 from __future__ import annotations
 
 from runner_fsm.audit import AuditLog
+from runner_fsm.audit.log import AuditBatch
 from runner_fsm.integrations.vllm.errors import StepRefused
 from runner_fsm.machine import SyncReplicaMachine, TransitionRefused
 from runner_fsm.states import State, Trigger
+
+
+# Plain names: an enum's `.value` is a Python-level property call, six of them a step.
+_NAMES = {member: member.value for member in (*State, *Trigger)}
 
 
 class StepMachine:
@@ -21,23 +26,29 @@ class StepMachine:
     def __init__(self, audit: AuditLog | None):
         self.audit = audit
         self._step_id: int | None = None
+        self._out: AuditLog | AuditBatch | None = audit  # where this trigger's records go
         self._machine = SyncReplicaMachine({}, on_record=self._record)
 
     def _record(self, trigger: Trigger, src: State, dst: State, outcome: str) -> None:
-        if self.audit is not None:
-            self.audit.transition(self._step_id, trigger.value, src.value, dst.value, outcome)
+        if self._out is not None:
+            self._out.transition(self._step_id, _NAMES[trigger], _NAMES[src], _NAMES[dst], outcome)
 
     @property
     def state(self) -> str:
         return self._machine.state.value
 
-    def fire(self, trigger: Trigger, step_id: int | None) -> None:
-        """Move on `trigger`; a trigger the table forbids is logged `refused` and raised."""
+    def fire(self, trigger: Trigger, step_id: int | None, batch: AuditBatch | None = None) -> None:
+        """Move on `trigger`; a trigger the table forbids is logged `refused` and raised.
+        With `batch`, the records join it (written when the batch is) instead of the log."""
         self._step_id = step_id
+        if batch is not None:
+            self._out = batch
         try:
             self._machine.fire(trigger)
         except TransitionRefused:
             raise StepRefused(f"{trigger.value!r} is not allowed in state {self.state!r}") from None
+        finally:
+            self._out = self.audit
 
     def is_(self, state: State) -> bool:
         return self._machine.state is state

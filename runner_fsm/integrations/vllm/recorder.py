@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from runner_fsm.audit import AuditLog
+from runner_fsm.audit.log import AuditBatch
 from runner_fsm.integrations.vllm.fsm import StepMachine
 from runner_fsm.integrations.vllm.journal import Journal
 from runner_fsm.integrations.vllm.probe import resolve
@@ -74,39 +75,46 @@ class ReplicaRecorder:
             self._entry.setdefault("forwards", []).append(
                 [("dummy" if dummy else "real"), mode, desc, dp_counts])
 
-    def drafted(self) -> None:
-        """The drafter ran (proposals, or its dummy run on an idle replica)."""
-        self.machine.fire(Trigger.DRAFT, self.step_id)
 
     def note(self, **fields: Any) -> None:
         """Add what vLLM decided to this step's journal entry (sampled tokens, drafts, ...)."""
         if self._entry is not None:
             self._entry.update(fields)
 
-    def end_step(self) -> None:
-        self._write_forwards(self.step_id)
-        self.machine.fire(Trigger.FINISH, self.step_id)
+    def end_step(self, drafted: bool = False) -> None:
+        """The step's forwards are over. Its records (buffers and graph records, `draft` when
+        the drafter ran — proposals, or its dummy run on an idle replica — and `finish`) are
+        written together, in one write."""
+        batch = self.audit.batch()
+        try:
+            self._write_forwards(self.step_id, batch)
+            if drafted:
+                self.machine.fire(Trigger.DRAFT, self.step_id, batch)
+            self.machine.fire(Trigger.FINISH, self.step_id, batch)
+        finally:
+            batch.write()  # a refused trigger's record too, before the error reaches vLLM
         self.kind = None
         self.step_id += 1
 
-    def _write_forwards(self, step: int) -> None:
+    def _write_forwards(self, step: int, out: AuditLog | AuditBatch | None = None) -> None:
+        out = self.audit if out is None else out
         forwards, self._forwards = self._forwards, []
         capturing = step == CAPTURE_STEP
         for taken, copied, dummy, mode, desc in forwards:
             graph = mode == "FULL"
             if graph and capturing:  # a capture first names its size, then its buffers
-                self.audit.graph(step, "capture", num_tokens=desc[0] if desc else None)
+                out.graph(step, "capture", num_tokens=desc[0] if desc else None)
             if taken is not None:
                 # A graph replay's inputs are logged as `replay`: replay judges them right there.
                 reason = "capture" if capturing else "replay" if graph else "dummy" if dummy else "real"
                 if copied:
                     reason += ":copied=" + ",".join(copied)
                 inputs, judged = resolve(taken)
-                self.audit.buffers(step, reason, judged)
+                out.buffers(step, reason, judged)
                 if self._entry is not None:
                     self._entry.setdefault("inputs", []).append(inputs)
             if graph and not capturing:
-                self.audit.graph(step, "replay", num_tokens=desc[0] if desc else None, dummy=dummy)
+                out.graph(step, "replay", num_tokens=desc[0] if desc else None, dummy=dummy)
 
     def _flush_entry(self) -> None:
         entry, self._entry = self._entry, None

@@ -125,12 +125,10 @@ class FSMWorkerMixin:
             return super().sample_tokens(grammar_output)
         try:
             out = super().sample_tokens(grammar_output)
-            if self.drafting:
-                rec.drafted()
             sampled = getattr(out, "sampled_token_ids", None)  # async outputs stay on the device
             if isinstance(sampled, list):
                 rec.note(sampled=sampled)
-            rec.end_step()
+            rec.end_step(drafted=self.drafting)
             return out
         except BaseException as error:
             rec.fault(error)
@@ -142,9 +140,7 @@ class FSMWorkerMixin:
         self._dummy = True
         try:
             super().execute_dummy_batch()
-            if self.drafting:
-                rec.drafted()  # vLLM's _dummy_run also ran the drafter's dummy_run
-            rec.end_step()
+            rec.end_step(drafted=self.drafting)  # vLLM's _dummy_run also ran the drafter's dummy_run
         except BaseException as error:
             rec.fault(error)
             raise
@@ -229,13 +225,20 @@ def _decision(so: Any) -> dict:
             "spec": sum(map(len, spec.values())) if spec else 0}
 
 
+_CONTEXT_CALLS: tuple = ()  # vLLM's (is_forward_context_available, get_forward_context)
+
+
 def _forward_context() -> tuple[str, Any, Any]:
     """(graph mode name, batch descriptor as (tokens, reqs, uniform), DP token counts)."""
-    from vllm import forward_context
+    global _CONTEXT_CALLS
+    if not _CONTEXT_CALLS:  # looked up once: a `from vllm import ...` per forward costs a call
+        from vllm import forward_context  # into importlib
 
-    if not forward_context.is_forward_context_available():
+        _CONTEXT_CALLS = (forward_context.is_forward_context_available, forward_context.get_forward_context)
+    available, get = _CONTEXT_CALLS
+    if not available():
         return "NONE", None, None
-    ctx = forward_context.get_forward_context()
+    ctx = get()
     desc = ctx.batch_descriptor
     dp = ctx.dp_metadata
     return (ctx.cudagraph_runtime_mode.name,
