@@ -6,6 +6,8 @@ from step ~2 on, and the fault hits it at step S. `skip-dummy-forward` and `skip
 leave replica 0 waiting in an expert exchange or a draft all-reduce that replica 1 never
 joins (vLLM would hang): the watchdog ends both after `collective_timeout_s`. `desync` is
 caught in the very all-reduce it corrupts. The three runs share the machine at once.
+Every rank leaves its Flight Recorder dump (`fr-rank-<r>.json`, on by default), and replay
+joins it: the verdict naming the culprit rests on both sources.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import threading
 import pytest
 import vllm_dp_cases as c
 
+from runner_fsm.audit.flight import read_dumps
 from runner_fsm.integrations.vllm.spmd import Job
 
 pytestmark = pytest.mark.vllm
@@ -82,3 +85,20 @@ def test_replay_names_same_replica_and_step(runs, kind):
     print(f"\n{kind}: replay verdicts " + "; ".join(f"{v['kind']} replica {v['replica']} step {v['step']}"
                                                  for v in verdicts))
     assert named and named[0] == (REPLICA, STEP), verdicts
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_flight_recorder_dumped_and_joined(runs, kind):
+    _, run_dir = runs[kind]
+    dumps = read_dumps(run_dir)
+    assert sorted(dumps) == [0, 1]
+    expected = "fault" if kind == "desync" else "timeout"
+    assert {d.reason for d in dumps.values()} == {expected}
+    for rank, dump in dumps.items():  # the DP agreement's group, named as the audit log names it
+        pg = dump.pg_of("dp")
+        assert dump.members[pg] == (0, 1) and dump.entries[pg], (rank, dump.names)
+    _, verdicts = c.replay_json(run_dir)
+    named = [v for v in verdicts if (v["replica"], v["step"]) == (REPLICA, STEP)
+             and v["kind"] in ("hang", "collective_mismatch", "missing_replica", "agreed_mismatch")]
+    assert named and "flight_recorder" in named[0]["evidence"], verdicts
+    assert not [v for v in verdicts if v["kind"] == "source_disagreement"], verdicts
