@@ -92,12 +92,18 @@ def join_flight_recorder(report: ReplayReport, run_dir: str | os.PathLike[str]) 
     found: list[Verdict] = []
     for view in group_views(dumps):
         name = next((dumps[r].names.get(view.pg) for r in view.members if view.pg in dumps[r].names), None)
-        if name not in SEQ_JOINED_GROUPS:
+        if name is None:
+            continue
+        seq = _seq_of_interest(dumps, view)
+        if name not in SEQ_JOINED_GROUPS:  # where it stopped tells only about the end of the run
+            if seq is not None:
+                verdicts = _annotate_hang(verdicts, dumps, view, name, seq, tails, _last_hang_step(verdicts))
             continue
         found += _disagreements(view, name, tails)
-        seq = _seq_of_interest(dumps, view)
         if seq is not None:
-            verdicts = _annotate_hang(verdicts, dumps, view, name, seq, tails)
+            records = [tails[r].collectives.get((name, seq - 1)) for r in view.members if r in tails]
+            steps = {rec["step_id"] for rec in records if rec is not None}
+            verdicts = _annotate_hang(verdicts, dumps, view, name, seq, tails, steps, f" (audit pg_seq {seq - 1})")
         verdicts = _annotate_rematched(verdicts, dumps, view, name, tails)
     return dataclasses.replace(report, verdicts=sort_verdicts(verdicts + found))
 
@@ -112,16 +118,22 @@ def _seq_of_interest(dumps, view) -> int | None:
     return last if last and in_flight(dumps, view, last) else None
 
 
-def _annotate_hang(verdicts, dumps, view, name, seq, tails) -> list[Verdict]:
-    """Add what the Flight Recorder saw at `seq` to the hang verdict of the step it belongs to."""
-    records = [tails[r].collectives.get((name, seq - 1)) for r in view.members if r in tails]
-    steps = {rec["step_id"] for rec in records if rec is not None}
+def _last_hang_step(verdicts) -> set:
+    """The step where the run stopped in a hang ({} when none): a group whose collectives the
+    audit log does not count one by one (the expert exchange: many per audited forward) is
+    joined there, where the Flight Recorder shows it stopped."""
+    steps = [v.step for v in verdicts if v.kind == "hang" and v.step is not None]
+    return {max(steps)} if steps else set()
+
+
+def _annotate_hang(verdicts, dumps, view, name, seq, tails, steps, audit_seq: str = "") -> list[Verdict]:
+    """Add what the Flight Recorder saw at `seq` to the hang verdicts of `steps`."""
     behind = set(view.behind(seq))
     out = []
     for verdict in verdicts:
         if verdict.kind == "hang" and verdict.step in steps and set(verdict.ranks) & (set(view.members) | behind):
             where = "; ".join(tails[r].where() for r in view.members if r in tails)
-            detail = (f"{verdict.detail}; flight recorder: {describe(dumps, view, seq)} (audit pg_seq {seq - 1});"
+            detail = (f"{verdict.detail}; flight recorder: {describe(dumps, view, seq)}{audit_seq};"
                       f" audit log: {where}")
             verdict = dataclasses.replace(verdict, detail=detail, evidence=BOTH)
             if behind and not behind & set(verdict.ranks):

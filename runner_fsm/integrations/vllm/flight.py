@@ -34,13 +34,17 @@ def start() -> bool:
 
 
 def groups(parallel_config: Any) -> dict[str, Any]:
-    """{audit group name: process group} for this worker: the DP agreement's group when DP > 1."""
+    """{audit group name: process group} for this worker when DP > 1: `dp`, the group the DP
+    agreement runs on; `expert`, the DP group's device group, where vLLM's naive DP MoE exchange
+    runs (`AgRsAll2AllManager._get_comm_group` is the DP group without PCP; its communicator's
+    `all_gatherv`, `cpu_collectives` on the CPU). Should both be one group, it is named `dp`."""
     if int(parallel_config.data_parallel_size) <= 1:
         return {}
+    from vllm.distributed.parallel_state import get_dp_group
     from vllm.v1.worker import dp_utils
 
-    _device, group = dp_utils._get_device_and_group(parallel_config)
-    return {"dp": group}
+    _device, agreement = dp_utils._get_device_and_group(parallel_config)
+    return {"expert": get_dp_group().device_group, "dp": agreement}
 
 
 class WorkerFlight:
