@@ -187,6 +187,10 @@ def test_skip_draft_sync_at_dp3_joins_the_flight_recorder(skip_run_dp3):
     assert named.evidence == ("audit", "flight_recorder")
     assert "the Flight Recorder recorded gloo:all_reduce [[21]] Long on rank(s) 0, 2; gloo:all_reduce" \
            " [[7, 3]] Long on rank(s) 1" in named.detail
+    # the online check, unchanged by the shapes gloo was handed: every rank stopped naming replica 1
+    faults = [v for v in report.verdicts if v.kind == "fault"]
+    assert sorted(v.replica for v in faults) == [0, 1, 2]
+    assert all("expected step 4 DRAFT_PREFILL, odd one(s) out: replica(s) 1" in v.detail for v in faults)
 
 
 @pytest.mark.multiproc

@@ -87,6 +87,15 @@ def test_replay_names_same_replica_and_step(runs, kind):
     assert named and named[0] == (REPLICA, STEP), verdicts
 
 
+# What the dumps add to the verdict: where rank 0 waited in a collective rank 1 never issued
+# (the expert exchange's all_gather, the draft agreement), or the corrupted agreement gloo matched.
+FLIGHT_RECORDER_SAW = {
+    "skip-dummy-forward": "flight recorder: group expert",
+    "skip-draft-sync": "flight recorder: group dp",
+    "desync": "matched by gloo as one collective, but the audit log says rank 0 as step 5 TARGET; rank 1 as step 6",
+}
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_flight_recorder_dumped_and_joined(runs, kind):
     _, run_dir = runs[kind]
@@ -101,4 +110,7 @@ def test_flight_recorder_dumped_and_joined(runs, kind):
     named = [v for v in verdicts if (v["replica"], v["step"]) == (REPLICA, STEP)
              and v["kind"] in ("hang", "collective_mismatch", "missing_replica", "agreed_mismatch")]
     assert named and "flight_recorder" in named[0]["evidence"], verdicts
+    assert FLIGHT_RECORDER_SAW[kind] in named[0]["detail"], named[0]["detail"]
+    if kind != "desync":
+        assert "started and never completed by rank(s) 0; never started by rank(s) 1" in named[0]["detail"]
     assert not [v for v in verdicts if v["kind"] == "source_disagreement"], verdicts
