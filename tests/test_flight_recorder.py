@@ -236,6 +236,28 @@ def test_turned_off_by_environment(monkeypatch, tmp_path):
     assert not list(tmp_path.iterdir())
 
 
+_RECORDED = textwrap.dedent("""
+    import json, torch, torch.distributed as dist
+    from runner_fsm import flight_recorder
+    flight_recorder.enable()  # before the first process group, as the workers call it
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.all_reduce(torch.ones(2))
+    print(len(json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False)).get("entries", [])))
+""")
+
+
+@pytest.mark.parametrize("switch, recorded", [(None, 1), ("0", 0)])
+def test_off_means_torch_records_nothing(switch, recorded):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in (flight_recorder.DISABLE_ENV, flight_recorder.BUFFER_ENV)}
+    if switch is not None:  # unset TORCH_FR_BUFFER_SIZE would be torch's default: recording
+        env[flight_recorder.DISABLE_ENV] = switch
+    out = subprocess.run([sys.executable, "-c", _RECORDED], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) == recorded
+
+
 def test_enable_sets_the_buffer_for_children_only(monkeypatch):
     monkeypatch.delenv(flight_recorder.DISABLE_ENV, raising=False)
     monkeypatch.delenv(flight_recorder.BUFFER_ENV, raising=False)
