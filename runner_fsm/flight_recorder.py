@@ -13,7 +13,8 @@ Turning it off: `RUNNER_FSM_FLIGHT_RECORDER=0` in the environment of the run (`e
 sets `TORCH_FR_BUFFER_SIZE=0` and nothing is dumped), or `TORCH_FR_BUFFER_SIZE=0`. Its cost per
 step is measured in `make bench`.
 
-Two calls, for any worker (the embedded engine and the vLLM worker, `integrations/vllm/flight.py`, make them):
+Two calls, for any worker (the embedded engine makes them, and the vLLM worker through
+`integrations/vllm/flight.py`):
 - `enable()` once per process, *before* `init_process_group` (vLLM: before
   `init_distributed_environment`); it only sets the environment torch reads;
 - `dump_beside(run_dir, global_rank, groups, reason)` when the worker stops, faults or times
