@@ -153,8 +153,8 @@ def fr_rows(repeats: int) -> list[Row]:
 
 _COLLECTIVE_CPU = r"""
 import os, sys, time
-if sys.argv[1] == "1":
-    os.environ["TORCH_FR_BUFFER_SIZE"] = "2000"
+# Unset would not be off: torch 2.13 records gloo collectives by default (2000 entries).
+os.environ["TORCH_FR_BUFFER_SIZE"] = "2000" if sys.argv[1] == "1" else "0"
 import torch, torch.distributed as dist
 torch.set_num_threads(1)
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{sys.argv[2]}", rank=0, world_size=1)

@@ -46,6 +46,22 @@ NUM_ROWS = len(ROWS)
 _STEP, _PHASE, _STATUS, _TOKENS, _GRAPH, _UNIFORM, _REQS = range(NUM_ROWS)
 
 
+# The shape each phase's agreement is handed to all_reduce with. The bytes are the same in every
+# phase (the int64 [ROWS, dp_size] columns, row-major), and gloo sums them elementwise whatever
+# the shape, so the agreement and its online desync check are unchanged. What differs is what
+# PyTorch's Flight Recorder writes down (`input_sizes`): a replica that skipped its draft phase
+# has its next TARGET agreement matched by gloo with its peers' DRAFT agreement (same op, same
+# bytes), and without a phase-specific shape the dumps of that collective would look the same on
+# every rank; with it, `runner-fsm replay` on the dumps alone sees where the ranks diverged.
+def wire_shape(phase: int, dp_size: int) -> tuple[int, ...]:
+    """The shape the agreement of `phase` is passed to all_reduce with (same bytes in every phase)."""
+    if phase == DRAFT_PREFILL:
+        return (NUM_ROWS * dp_size,)
+    if phase == DRAFT_DECODE:
+        return (1, NUM_ROWS * dp_size)
+    return (NUM_ROWS, dp_size)
+
+
 def phase_name(phase: int) -> str:
     return PHASE_NAMES.get(phase, f"phase {phase}")
 
@@ -137,7 +153,8 @@ def sync(group, local: LocalDispatch, *, capture_sizes: Sequence[int] = ()) -> D
             f" (step {local.step_id}, {phase_name(local.phase)})"
         )
     gathered = pack(local, group.rank(), group.size())
-    dist.all_reduce(gathered, op=dist.ReduceOp.SUM, group=group)
+    # A view of the same storage: the sum lands in `gathered` (see `wire_shape` for why).
+    dist.all_reduce(gathered.view(wire_shape(local.phase, gathered.shape[1])), op=dist.ReduceOp.SUM, group=group)
     return _agree_rows(gathered.tolist(), capture_sizes)
 
 

@@ -1,16 +1,20 @@
 """PyTorch's Flight Recorder, on by default: each rank dumps its ring buffer beside its log.
 
 The Flight Recorder keeps, per process, the last N collectives torch issued (process group,
-sequence number, op, sizes, whether it completed). It is on when `TORCH_FR_BUFFER_SIZE` is
-set before the first process group is created; in torch 2.13 it records gloo collectives too.
+sequence number, op, sizes, whether it completed). Torch reads `TORCH_FR_BUFFER_SIZE` once, when
+the process makes its first process group; in torch 2.13 it records gloo collectives too, and
+an unset variable means torch's default of 2000 entries (seen: it records), so only an explicit
+0 turns recording off.
 On a fault, a collective timeout or the end of a run each rank writes `fr-rank-<global_rank>.json`
 beside its audit log, and `runner-fsm replay` joins the two by group and sequence number
 (`runner_fsm.audit.flight`).
 
-Turning it off: `RUNNER_FSM_FLIGHT_RECORDER=0` in the environment of the run (or
-`TORCH_FR_BUFFER_SIZE=0`). Its cost per step is measured in `make bench`.
+Turning it off: `RUNNER_FSM_FLIGHT_RECORDER=0` in the environment of the run (`enable()` then
+sets `TORCH_FR_BUFFER_SIZE=0` and nothing is dumped), or `TORCH_FR_BUFFER_SIZE=0`. Its cost per
+step is measured in `make bench`.
 
-Two calls, for any worker (the embedded engine makes them; the vLLM worker should too):
+Two calls, for any worker (the embedded engine makes them, and the vLLM worker through
+`integrations/vllm/flight.py`):
 - `enable()` once per process, *before* `init_process_group` (vLLM: before
   `init_distributed_environment`); it only sets the environment torch reads;
 - `dump_beside(run_dir, global_rank, groups, reason)` when the worker stops, faults or times
@@ -76,8 +80,10 @@ def require_api():
 
 def enable(buffer_size: int = DEFAULT_BUFFER_SIZE) -> bool:
     """Turn the recorder on for process groups created from now on (in this process and the
-    processes it starts). Returns False when the user turned it off. A size the user set wins."""
+    processes it starts). Returns False when the user turned it off: then it is set to 0, since
+    torch records by default. A size the user set wins."""
     if not wanted():
+        os.environ[BUFFER_ENV] = "0"
         return False
     require_api()
     os.environ.setdefault(BUFFER_ENV, str(int(buffer_size)))
@@ -87,7 +93,7 @@ def enable(buffer_size: int = DEFAULT_BUFFER_SIZE) -> bool:
 def disable() -> None:
     """Leave the recorder off for process groups created from now on (benchmarks, tests)."""
     os.environ[DISABLE_ENV] = "0"
-    os.environ.pop(BUFFER_ENV, None)
+    os.environ[BUFFER_ENV] = "0"  # unset would be torch's default: on
 
 
 @contextlib.contextmanager

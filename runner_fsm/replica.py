@@ -170,7 +170,7 @@ class Replica:
             extra["inputs"] = inputs
         agreed = await self.collectives.run(
             "dp", "all_reduce", sync, local, step_id=self.step_id,
-            phase=local.phase, shapes=[(len(dp.ROWS), self.config.layout.dp_size)],
+            phase=local.phase, shapes=[dp.wire_shape(local.phase, self.config.layout.dp_size)],
             enqueue_extra=extra, done_extra=lambda agreed: {"agreed": _fields(agreed)})
         problem = own_agreement_problem(self.step_id, local.phase, local.num_tokens, agreed.step_id,
                                         agreed.phase, agreed.num_tokens_for(self.dp_rank), agreed.graph_mode)

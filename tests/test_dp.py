@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -239,3 +240,10 @@ def test_every_replica_reaches_the_same_outcome_from_the_all_reduce(case):
             assert state.max_num_tokens in sizes and len(set(state.num_tokens_across_dp)) == 1
         else:
             assert list(state.num_tokens_across_dp) == own
+
+
+def test_wire_shape_differs_by_phase_over_the_same_bytes():
+    shapes = {phase: dp.wire_shape(phase, 3) for phase in dp.PHASE_NAMES}
+    assert len(set(shapes.values())) == len(dp.PHASE_NAMES)  # the Flight Recorder tells phases apart
+    assert {int(np.prod(shape)) for shape in shapes.values()} == {dp.NUM_ROWS * 3}
+    assert shapes[dp.TARGET] == (dp.NUM_ROWS, 3)

@@ -6,6 +6,9 @@
 - Real DP=2 x PCP=2 runs of the embedded engine with the `hang` and `skip-draft-sync`
   injections: every rank leaves `fr-rank-<r>.json`; replay's verdict names the culprit replica
   and step with evidence from both sources; the dumps alone name the same ranks for the hang.
+- A real DP=3 run with `skip-draft-sync`: the agreement's phase-specific shape (`dp.wire_shape`)
+  lets the dumps alone name the culprit's rank (the majority issued the draft agreement); with two
+  members (DP=2) they say plainly that they cannot tell which side diverged.
 - The two sources disagreeing is a finding; turning the recorder off is honoured.
 """
 
@@ -87,9 +90,9 @@ def test_flight_recorder_only_names_the_rank_behind(tmp_path, counts, behind):
     assert f"started and never completed by rank(s) {', '.join(map(str, ahead))}" in verdict.detail
 
 
-def _run(models, run_dir, injection):
+def _run(models, run_dir, injection, layout=ParallelLayout(2, 2)):
     target, draft = models
-    cfg = EngineConfig(model_dir=target, draft_dir=draft, run_dir=str(run_dir), layout=ParallelLayout(2, 2),
+    cfg = EngineConfig(model_dir=target, draft_dir=draft, run_dir=str(run_dir), layout=layout,
                        num_speculative_tokens=1, collective_timeout_s=TIMEOUT_S, injections=(injection,))
     result = run_engine(cfg, WORKLOAD, timeout_s=120)
     assert not result.ok
@@ -159,15 +162,100 @@ def test_skip_draft_sync_verdict_joins_the_flight_recorder(models, tmp_path):
     # gloo matched the culprit's next agreement with its peers' draft agreement (same seq):
     assert "matched by gloo as one collective, but the audit log says rank 0 as step 4 DRAFT_PREFILL;" \
            " rank 2 as step 5 TARGET" in named[0].detail
+    assert "the Flight Recorder recorded gloo:all_reduce [[14]] Long on rank(s) 0; gloo:all_reduce" \
+           " [[7, 2]] Long on rank(s) 2" in named[0].detail
+    # The dumps alone: each DP group has two members, so no majority says which side diverged.
+    only = tmp_path / "fr-only"
+    only.mkdir()
+    for dump in tmp_path.glob("fr-rank-*.json"):
+        shutil.copy(dump, only)
+    ties = replay(only).verdicts
+    assert sorted(v.ranks for v in ties) == [(0, 2), (1, 3)], replay(only).format()
+    assert all(v.kind == "collective_mismatch" and "cannot tell which side diverged" in v.detail for v in ties)
+
+
+@pytest.fixture(scope="module")
+def skip_run_dp3(models, tmp_path_factory):
+    return _run(models, tmp_path_factory.mktemp("skip3"), "skip-draft-sync@replica=1,step=4", ParallelLayout(3, 1))
+
+
+@pytest.mark.multiproc
+def test_skip_draft_sync_at_dp3_joins_the_flight_recorder(skip_run_dp3):
+    report = replay(skip_run_dp3)
+    [named] = [v for v in report.verdicts if v.kind == "collective_mismatch"]
+    assert (named.replica, named.step, named.ranks) == (1, 4, (1,))
+    assert named.evidence == ("audit", "flight_recorder")
+    assert "the Flight Recorder recorded gloo:all_reduce [[21]] Long on rank(s) 0, 2; gloo:all_reduce" \
+           " [[7, 3]] Long on rank(s) 1" in named.detail
+    # the online check, unchanged by the shapes gloo was handed: every rank stopped naming replica 1
+    faults = [v for v in report.verdicts if v.kind == "fault"]
+    assert sorted(v.replica for v in faults) == [0, 1, 2]
+    assert all("expected step 4 DRAFT_PREFILL, odd one(s) out: replica(s) 1" in v.detail for v in faults)
+
+
+@pytest.mark.multiproc
+def test_skip_draft_sync_at_dp3_flight_recorder_alone_names_the_rank(skip_run_dp3, tmp_path):
+    for dump in skip_run_dp3.glob("fr-rank-*.json"):
+        shutil.copy(dump, tmp_path)
+    report = replay(tmp_path)
+    [verdict] = report.verdicts  # the expert group's uneven all_to_all sizes are no finding
+    assert (verdict.kind, verdict.replica, verdict.ranks) == ("collective_mismatch", None, (1,))
+    assert verdict.evidence == ("flight_recorder",)
+    assert "rank(s) 0, 2 issued gloo:all_reduce [[21]] Long; rank(s) 1 issued gloo:all_reduce [[7, 3]] Long);" \
+           " rank(s) 1 diverged from the majority" in verdict.detail
+
+
+def _torch_dump(path, pg, entries):
+    """A dump as torch's `_dump_fr_trace_json` renders one (the fields replay reads)."""
+    path.write_text(json.dumps({"entries": [
+        {"pg_id": 0, "process_group": [pg, "default"], "collective_seq_id": seq, "profiling_name": op,
+         "input_sizes": sizes, "input_dtypes": ["Long"], "retired": True, "time_created_ns": seq}
+        for seq, op, sizes in entries]}))
+
+
+def test_two_members_that_differ_are_named_both_never_guessed(tmp_path):
+    same = [(1, "gloo:all_reduce", [[7, 2]]), (2, "gloo:all_reduce", [[14]])]
+    _torch_dump(tmp_path / "fr-rank-0.json", "1", same + [(3, "gloo:all_reduce", [[14]])])
+    _torch_dump(tmp_path / "fr-rank-1.json", "1", same + [(3, "gloo:all_reduce", [[7, 2]])])
+    [verdict] = replay(tmp_path).verdicts
+    assert (verdict.kind, verdict.replica, verdict.ranks) == ("collective_mismatch", None, (0, 1))
+    assert verdict.detail == (
+        "first difference at #3: group pg 1 (pg 1, ranks 0, 1) collective #3 differs between ranks (rank(s) 0"
+        " issued gloo:all_reduce [[14]] Long; rank(s) 1 issued gloo:all_reduce [[7, 2]] Long); with no majority"
+        " the Flight Recorder alone cannot tell which side diverged (a runner's audit logs, when the run left"
+        " them, can)")
 
 
 def test_turned_off_by_environment(monkeypatch, tmp_path):
     monkeypatch.setenv(flight_recorder.DISABLE_ENV, "0")
-    monkeypatch.delenv(flight_recorder.BUFFER_ENV, raising=False)
+    monkeypatch.setenv(flight_recorder.BUFFER_ENV, "100")  # off beats a size (and is undone after)
     assert flight_recorder.enable() is False
-    assert flight_recorder.BUFFER_ENV not in __import__("os").environ
+    # explicitly 0: unset, torch 2.13 records gloo collectives anyway (2000 entries by default)
+    assert __import__("os").environ[flight_recorder.BUFFER_ENV] == "0"
     assert flight_recorder.dump_beside(tmp_path, 0, {}, "end") is None
     assert not list(tmp_path.iterdir())
+
+
+_RECORDED = textwrap.dedent("""
+    import json, torch, torch.distributed as dist
+    from runner_fsm import flight_recorder
+    flight_recorder.enable()  # before the first process group, as the workers call it
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    dist.all_reduce(torch.ones(2))
+    print(len(json.loads(torch._C._distributed_c10d._dump_fr_trace_json(True, False)).get("entries", [])))
+""")
+
+
+@pytest.mark.parametrize("switch, recorded", [(None, 1), ("0", 0)])
+def test_off_means_torch_records_nothing(switch, recorded):
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k not in (flight_recorder.DISABLE_ENV, flight_recorder.BUFFER_ENV)}
+    if switch is not None:  # unset TORCH_FR_BUFFER_SIZE would be torch's default: recording
+        env[flight_recorder.DISABLE_ENV] = switch
+    out = subprocess.run([sys.executable, "-c", _RECORDED], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert int(out.stdout.split()[-1]) == recorded
 
 
 def test_enable_sets_the_buffer_for_children_only(monkeypatch):

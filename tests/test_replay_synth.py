@@ -71,7 +71,7 @@ def test_a_skipped_collective_is_one_verdict_not_one_per_later_step(tmp_path):
     (verdict,) = report.verdicts
     assert (verdict.kind, verdict.replica, verdict.step, verdict.ranks) == ("collective_mismatch", 1, 4, (2, 3))
     assert verdict.detail == (
-        "replica 1 skipped all_reduce DRAFT_PREFILL [[7, 2]] that its peers issued (DRAFT_PREFILL: 0"
+        "replica 1 skipped all_reduce DRAFT_PREFILL [[14]] that its peers issued (DRAFT_PREFILL: 0"
         " collectives where its peers ran 1) in group 'dp'; and skipped draft_prefill DRAFT_PREFILL that its"
         " peers issued (DRAFT_PREFILL: 0 collectives where its peers ran 1) in group 'expert' at step 4")
 

@@ -6,6 +6,8 @@ from step ~2 on, and the fault hits it at step S. `skip-dummy-forward` and `skip
 leave replica 0 waiting in an expert exchange or a draft all-reduce that replica 1 never
 joins (vLLM would hang): the watchdog ends both after `collective_timeout_s`. `desync` is
 caught in the very all-reduce it corrupts. The three runs share the machine at once.
+Every rank leaves its Flight Recorder dump (`fr-rank-<r>.json`, on by default), and replay
+joins it: the verdict naming the culprit rests on both sources.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import threading
 import pytest
 import vllm_dp_cases as c
 
+from runner_fsm.audit.flight import read_dumps
 from runner_fsm.integrations.vllm.spmd import Job
 
 pytestmark = pytest.mark.vllm
@@ -82,3 +85,32 @@ def test_replay_names_same_replica_and_step(runs, kind):
     print(f"\n{kind}: replay verdicts " + "; ".join(f"{v['kind']} replica {v['replica']} step {v['step']}"
                                                  for v in verdicts))
     assert named and named[0] == (REPLICA, STEP), verdicts
+
+
+# What the dumps add to the verdict: where rank 0 waited in a collective rank 1 never issued
+# (the expert exchange's all_gather, the draft agreement), or the corrupted agreement gloo matched.
+FLIGHT_RECORDER_SAW = {
+    "skip-dummy-forward": "flight recorder: group expert",
+    "skip-draft-sync": "flight recorder: group dp",
+    "desync": "matched by gloo as one collective, but the audit log says rank 0 as step 5 TARGET; rank 1 as step 6",
+}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_flight_recorder_dumped_and_joined(runs, kind):
+    _, run_dir = runs[kind]
+    dumps = read_dumps(run_dir)
+    assert sorted(dumps) == [0, 1]
+    expected = "fault" if kind == "desync" else "timeout"
+    assert {d.reason for d in dumps.values()} == {expected}
+    for rank, dump in dumps.items():  # the DP agreement's group, named as the audit log names it
+        pg = dump.pg_of("dp")
+        assert dump.members[pg] == (0, 1) and dump.entries[pg], (rank, dump.names)
+    _, verdicts = c.replay_json(run_dir)
+    named = [v for v in verdicts if (v["replica"], v["step"]) == (REPLICA, STEP)
+             and v["kind"] in ("hang", "collective_mismatch", "missing_replica", "agreed_mismatch")]
+    assert named and "flight_recorder" in named[0]["evidence"], verdicts
+    assert FLIGHT_RECORDER_SAW[kind] in named[0]["detail"], named[0]["detail"]
+    if kind != "desync":
+        assert "started and never completed by rank(s) 0; never started by rank(s) 1" in named[0]["detail"]
+    assert not [v for v in verdicts if v["kind"] == "source_disagreement"], verdicts

@@ -34,10 +34,20 @@ class FlightEntry:
     sizes: tuple
     retired: bool  # completed (or waited on); False: still in flight when dumped
     t_ns: int  # time_created_ns (wall clock)
+    dtypes: tuple = ()
 
     @property
     def label(self) -> str:
-        return f"{self.op} {list(map(list, self.sizes))}"
+        dtypes = f" {'/'.join(self.dtypes)}" if self.dtypes else ""
+        return f"{self.op} {list(map(list, self.sizes))}{dtypes}"
+
+    @property
+    def match_key(self) -> tuple:
+        """What every member of a group must issue alike at one seq. An all_to_all's sizes are
+        each rank's own (uneven splits), so only its op and dtypes count, as in PyTorch's fr_trace."""
+        if "all_to_all" in self.op:
+            return self.op, self.dtypes
+        return self.op, self.sizes, self.dtypes
 
 
 @dataclasses.dataclass
@@ -95,7 +105,7 @@ def read_dump(path: Path, rank: int) -> RankDump:
         pg_names[str(raw["pg_id"])] = pg
         entry = FlightEntry(int(raw["collective_seq_id"]), str(raw["profiling_name"]),
                             tuple(tuple(s) for s in raw.get("input_sizes", ())), bool(raw.get("retired")),
-                            int(raw.get("time_created_ns", 0)))
+                            int(raw.get("time_created_ns", 0)), tuple(map(str, raw.get("input_dtypes", ()))))
         dump.entries.setdefault(pg, {})[entry.seq] = entry
         dump.enqueued[pg] = max(dump.enqueued.get(pg, 0), entry.seq)
     for pg_id, status in (trace.get("pg_status") or {}).items():
@@ -179,13 +189,14 @@ def describe(dumps: dict[int, RankDump], view: GroupView, seq: int) -> str:
 
 
 def first_op_difference(dumps: dict[int, RankDump], view: GroupView) -> tuple[int, dict] | None:
-    """The first seq that every member recorded but not as the same op and sizes."""
+    """The first seq that every member recorded but not as the same op, sizes and dtypes:
+    (seq, {rank: entry})."""
     common = set.intersection(*(set(dumps[r].entries.get(view.pg, {})) for r in view.members)) \
         if view.members else set()
     for seq in sorted(common):
-        labels = {r: dumps[r].entry(view.pg, seq).label for r in view.members}
-        if len(set(labels.values())) > 1:
-            return seq, labels
+        entries = {r: dumps[r].entry(view.pg, seq) for r in view.members}
+        if len({e.match_key for e in entries.values()}) > 1:
+            return seq, entries
     return None
 
 
@@ -193,25 +204,40 @@ def divergence_verdicts(dumps: dict[int, RankDump]) -> list[Verdict]:
     """The Flight-Recorder-only judgement: per group, where its members part ways."""
     verdicts = []
     for view in group_views(dumps):
+        differing = first_op_difference(dumps, view)  # before any later seq some never issued
+        if differing is not None:
+            verdicts.append(op_difference_verdict(view, *differing))
         seq = view.first_difference()
         if seq is not None:
             behind = view.behind(seq)
             verdicts.append(Verdict(
                 "hang", None, None, f"first difference at #{seq}: {describe(dumps, view, seq)}; ranks behind:"
                 f" {_ids(behind)}", behind, evidence=EVIDENCE))
-            continue
-        differing = first_op_difference(dumps, view)
-        if differing is not None:
-            seq, labels = differing
-            by_label: dict[str, list[int]] = {}
-            for rank, text in labels.items():
-                by_label.setdefault(text, []).append(rank)
-            odd = min(by_label.values(), key=len)
-            verdicts.append(Verdict(
-                "collective_mismatch", None, None, f"group {view.name} (pg {view.pg}) collective #{seq} differs"
-                f" between ranks: " + "; ".join(f"{text} on rank(s) {_ids(rs)}" for text, rs in by_label.items()),
-                tuple(odd), evidence=EVIDENCE))
     return verdicts
+
+
+def op_difference_verdict(view: GroupView, seq: int, entries: dict[int, FlightEntry]) -> Verdict:
+    """Members that issued collective `seq` as different ops or sizes. A strict majority is taken
+    as what was expected and the others as the ranks that diverged; without one (two members, or
+    no side larger than half) the Flight Recorder alone cannot tell which side diverged, and the
+    verdict says so and names every side rather than guess."""
+    sides: dict[tuple, list[int]] = {}
+    for rank, entry in sorted(entries.items()):
+        sides.setdefault(entry.match_key, []).append(rank)
+    issued = "; ".join(f"rank(s) {_ids(rs)} issued {' / '.join(sorted({entries[r].label for r in rs}))}"
+                       for rs in sides.values())
+    where = f"group {view.name} (pg {view.pg}, ranks {_ids(view.members)}) collective #{seq}"
+    majority = next((rs for rs in sides.values() if 2 * len(rs) > len(entries)), None)
+    if majority is None:
+        return Verdict("collective_mismatch", None, None,
+                       f"first difference at #{seq}: {where} differs between ranks ({issued}); with no"
+                       f" majority the Flight Recorder alone cannot tell which side diverged (a runner's"
+                       f" audit logs, when the run left them, can)", tuple(sorted(entries)), evidence=EVIDENCE)
+    odd = tuple(sorted(r for r in entries if r not in majority))
+    return Verdict("collective_mismatch", None, None,
+                   f"first difference at #{seq}: {where} differs between ranks ({issued}); rank(s)"
+                   f" {_ids(odd)} diverged from the majority (gloo matched them with a different"
+                   f" collective: a skipped or extra one)", odd, evidence=EVIDENCE)
 
 
 def flight_only(run_dir: str | os.PathLike[str]) -> bool:

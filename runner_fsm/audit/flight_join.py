@@ -92,13 +92,19 @@ def join_flight_recorder(report: ReplayReport, run_dir: str | os.PathLike[str]) 
     found: list[Verdict] = []
     for view in group_views(dumps):
         name = next((dumps[r].names.get(view.pg) for r in view.members if view.pg in dumps[r].names), None)
-        if name not in SEQ_JOINED_GROUPS:
+        if name is None:
+            continue
+        seq = _seq_of_interest(dumps, view)
+        if name not in SEQ_JOINED_GROUPS:  # where it stopped tells only about the end of the run
+            if seq is not None:
+                verdicts = _annotate_hang(verdicts, dumps, view, name, seq, tails, _last_hang_step(verdicts))
             continue
         found += _disagreements(view, name, tails)
-        seq = _seq_of_interest(dumps, view)
         if seq is not None:
-            verdicts = _annotate_hang(verdicts, dumps, view, name, seq, tails)
-        verdicts = _annotate_rematched(verdicts, view, name, tails)
+            records = [tails[r].collectives.get((name, seq - 1)) for r in view.members if r in tails]
+            steps = {rec["step_id"] for rec in records if rec is not None}
+            verdicts = _annotate_hang(verdicts, dumps, view, name, seq, tails, steps, f" (audit pg_seq {seq - 1})")
+        verdicts = _annotate_rematched(verdicts, dumps, view, name, tails)
     return dataclasses.replace(report, verdicts=sort_verdicts(verdicts + found))
 
 
@@ -112,16 +118,22 @@ def _seq_of_interest(dumps, view) -> int | None:
     return last if last and in_flight(dumps, view, last) else None
 
 
-def _annotate_hang(verdicts, dumps, view, name, seq, tails) -> list[Verdict]:
-    """Add what the Flight Recorder saw at `seq` to the hang verdict of the step it belongs to."""
-    records = [tails[r].collectives.get((name, seq - 1)) for r in view.members if r in tails]
-    steps = {rec["step_id"] for rec in records if rec is not None}
+def _last_hang_step(verdicts) -> set:
+    """The step where the run stopped in a hang ({} when none): a group whose collectives the
+    audit log does not count one by one (the expert exchange: many per audited forward) is
+    joined there, where the Flight Recorder shows it stopped."""
+    steps = [v.step for v in verdicts if v.kind == "hang" and v.step is not None]
+    return {max(steps)} if steps else set()
+
+
+def _annotate_hang(verdicts, dumps, view, name, seq, tails, steps, audit_seq: str = "") -> list[Verdict]:
+    """Add what the Flight Recorder saw at `seq` to the hang verdicts of `steps`."""
     behind = set(view.behind(seq))
     out = []
     for verdict in verdicts:
         if verdict.kind == "hang" and verdict.step in steps and set(verdict.ranks) & (set(view.members) | behind):
             where = "; ".join(tails[r].where() for r in view.members if r in tails)
-            detail = (f"{verdict.detail}; flight recorder: {describe(dumps, view, seq)} (audit pg_seq {seq - 1});"
+            detail = (f"{verdict.detail}; flight recorder: {describe(dumps, view, seq)}{audit_seq};"
                       f" audit log: {where}")
             verdict = dataclasses.replace(verdict, detail=detail, evidence=BOTH)
             if behind and not behind & set(verdict.ranks):
@@ -133,9 +145,10 @@ def _annotate_hang(verdicts, dumps, view, name, seq, tails) -> list[Verdict]:
     return out
 
 
-def _annotate_rematched(verdicts, view, name, tails) -> list[Verdict]:
+def _annotate_rematched(verdicts, dumps, view, name, tails) -> list[Verdict]:
     """A seq that gloo completed as one collective while the audit log shows its members ran it
-    for different (step, phase): the skip that the next collective caught."""
+    for different (step, phase): the skip that the next collective caught. The DP agreement is
+    passed with a phase-specific shape (`dp.wire_shape`), so the Flight Recorder shows it too."""
     common = set.intersection(*(set(k for k in tails[r].collectives if k[0] == name) for r in view.members
                                 if r in tails)) if view.members else set()
     for key in sorted(common, key=lambda k: k[1]):
@@ -147,13 +160,27 @@ def _annotate_rematched(verdicts, view, name, tails) -> list[Verdict]:
         ran = "; ".join(f"rank {r} as step {rec['step_id']} {_PHASES.get(rec.get('phase'), rec.get('phase'))}"
                         for r, rec in sorted(records.items()))
         note = (f"flight recorder: group {name} collective #{key[1] + 1} (pg {view.pg}) was issued by rank(s)"
-                f" {_ids(view.members)} and matched by gloo as one collective, but the audit log says {ran}")
+                f" {_ids(view.members)} and matched by gloo as one collective, but the audit log says {ran}"
+                f"{_recorded(dumps, view, key[1] + 1)}")
         for index, verdict in enumerate(verdicts):
             if verdict.step == first_step and verdict.kind != "fault" and set(verdict.ranks) & set(view.members):
                 verdicts[index] = dataclasses.replace(verdict, detail=f"{verdict.detail}; {note}", evidence=BOTH)
                 break
         break  # the first such seq is the cause; later ones follow from it
     return verdicts
+
+
+def _recorded(dumps, view, seq: int) -> str:
+    """`; the Flight Recorder recorded ...` per distinct entry at `seq` ('' when no dump has it)."""
+    sides: dict[str, list[int]] = {}
+    for rank in view.members:
+        entry = dumps[rank].entry(view.pg, seq)
+        if entry is not None:
+            sides.setdefault(entry.label, []).append(rank)
+    if not sides:
+        return ""
+    return "; the Flight Recorder recorded " + "; ".join(f"{label} on rank(s) {_ids(rs)}"
+                                                          for label, rs in sides.items())
 
 
 def _disagreements(view, name: str, tails) -> Iterable[Verdict]:

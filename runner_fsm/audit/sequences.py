@@ -146,7 +146,7 @@ def _ends_here(summary: RankStep) -> bool:
 
 
 def describe(group: str, sequence: tuple, reference: tuple) -> str:
-    """How `sequence` departs from `reference`, e.g. 'skipped all_reduce DRAFT_PREFILL [[7, 2]]
+    """How `sequence` departs from `reference`, e.g. 'skipped all_reduce DRAFT_PREFILL [[14]]
     that its peers issued (DRAFT_PREFILL: 0 collectives where its peers ran 1)'."""
     missing = _unmatched(reference, sequence)
     if missing:

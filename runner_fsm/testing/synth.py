@@ -18,6 +18,7 @@ from pathlib import Path
 import orjson
 
 from runner_fsm.audit.log import log_path
+from runner_fsm.dp import wire_shape
 from runner_fsm.pcp.buffers import BUFFER_NAMES
 
 DEFECTS = ("gap", "missing_replica", "agreed_mismatch", "pg_seq", "collective_mismatch",
@@ -144,7 +145,7 @@ class _RankWriter:
     def _agreement(self, step, phase, sent_tokens, graph_mode, agreed, *, done=True) -> None:
         sent = {"step_id": step, "phase": phase, "status": 0, "num_tokens": sent_tokens,
                 "graph_mode": graph_mode, "uniform_token_count": 0, "num_reqs": int(sent_tokens > 0)}
-        self._collective(step, "dp", "all_reduce", phase, [[7, self.spec.dp_size]], sent=sent,
+        self._collective(step, "dp", "all_reduce", phase, [list(wire_shape(phase, self.spec.dp_size))], sent=sent,
                          agreed=agreed, done=done)
 
     def _expert(self, step, op, phase, rows, body=None) -> None:

@@ -35,8 +35,9 @@ class _SkipDummyForward(Exception):
 
 class DPSupport:
     def __init__(self, recorder, *, dp_rank: int, dp_size: int, timeout_s: float, injection=None,
-                 device_type: str = "cpu"):
+                 device_type: str = "cpu", flight=None):
         self.recorder, self.dp_rank, self.audit = recorder, dp_rank, recorder.audit
+        self.flight = flight  # the worker's WorkerFlight: dumped when the watchdog fires
         self.injector = VLLMInjector(injection, dp_rank)
         self.added_collectives = cpu_collectives.install() if device_type == "cpu" else []
         store = dist.distributed_c10d._get_default_store()  # the job's store, as the embedded engine uses
@@ -61,7 +62,7 @@ class DPSupport:
         opts = worker.fsm_options
         return cls(worker.recorder, dp_rank=int(par.data_parallel_rank), dp_size=int(par.data_parallel_size),
                    timeout_s=opts.collective_timeout_s, injection=inject.parse(opts.inject) if opts.inject else None,
-                   device_type=str(worker.device_config.device_type))
+                   device_type=str(worker.device_config.device_type), flight=worker.flight)
 
     def attach(self, runner) -> None:
         """Once vLLM's model runner (and drafter) are loaded: agreement, phase tags, forwards, faults."""
@@ -174,5 +175,8 @@ class DPSupport:
             drafter.dummy_run = draft_dummy_unless_skipped
 
     def _log_fault(self, step, error: BaseException) -> None:
+        """The watchdog's report (a collective timeout), from its thread, before the process exits."""
         if self.audit is not None and not self.audit.closed:
             self.audit.fault(step, error, str(error))
+        if self.flight is not None:
+            self.flight.dump("timeout")

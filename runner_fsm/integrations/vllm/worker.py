@@ -35,6 +35,7 @@ import torch
 from runner_fsm.audit import AuditLog
 from runner_fsm.integrations.vllm import schema
 from runner_fsm.integrations.vllm.dp_support import DPSupport
+from runner_fsm.integrations.vllm.flight import WorkerFlight, start as start_flight_recorder
 from runner_fsm.integrations.vllm.journal import Journal
 from runner_fsm.integrations.vllm.options import WorkerOptions
 from runner_fsm.integrations.vllm.probe import InputProbe
@@ -47,6 +48,7 @@ class FSMWorkerMixin:
 
     recorder: ReplicaRecorder | None = None
     dp_support: DPSupport | None = None
+    flight: WorkerFlight = WorkerFlight()  # no run dir yet: dumps nothing
 
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
                  is_driver_worker: bool = False, **kwargs: Any):
@@ -63,12 +65,14 @@ class FSMWorkerMixin:
     # -- start-up, in vLLM's order ------------------------------------------------------
 
     def init_device(self) -> None:
+        start_flight_recorder()  # before vLLM's init_distributed_environment (see flight.py)
         super().init_device()
         opts = self.fsm_options
         run_dir = shared_run_dir(opts.run_dir, int(self.parallel_config.data_parallel_size))
         run_id = opts.run_id or Path(run_dir).name
         audit = AuditLog(run_dir, run_id, self.global_rank, self.dp_rank, self.pcp_rank)
         self.run_dir = run_dir
+        self.flight = WorkerFlight(run_dir, self.global_rank, self.parallel_config)
         self.recorder = ReplicaRecorder(audit, Journal(run_dir, self.global_rank),
                                         fingerprints=opts.audit == "full")
         self.install_extensions()
@@ -117,6 +121,7 @@ class FSMWorkerMixin:
             if self.dp_support is not None:  # first, while the step is open: peers waiting in
                 self.dp_support.abort(error)  # its DP agreement stop too, naming this replica
             rec.fault(error)
+            self.flight.dump("fault")
             raise
 
     def sample_tokens(self, grammar_output: Any):
@@ -132,6 +137,7 @@ class FSMWorkerMixin:
             return out
         except BaseException as error:
             rec.fault(error)
+            self.flight.dump("fault")
             raise
 
     def execute_dummy_batch(self) -> None:
@@ -143,6 +149,7 @@ class FSMWorkerMixin:
             rec.end_step(drafted=self.drafting)  # vLLM's _dummy_run also ran the drafter's dummy_run
         except BaseException as error:
             rec.fault(error)
+            self.flight.dump("fault")
             raise
         finally:
             self._dummy = False
@@ -209,6 +216,7 @@ class FSMWorkerMixin:
         rec = self.recorder
         if self.dp_support is not None:
             self.dp_support.close()
+        self.flight.dump("end")  # while vLLM's groups still exist
         try:
             if rec is not None:
                 rec.shutdown()
