@@ -148,9 +148,12 @@ class _Driver:
                                " is running: a replica runs one trigger at a time")
         src = self.core.state
         if self.core.destination(trigger) is None:
-            self._on_record(trigger, src, src, "refused")
-            raise TransitionRefused(f"trigger {trigger.value!r} is not allowed from state {src.value!r}")
+            self._refuse(trigger, src)
         return src, self._handlers.get(trigger)
+
+    def _refuse(self, trigger: Trigger, src: State) -> None:
+        self._on_record(trigger, src, src, "refused")
+        raise TransitionRefused(f"trigger {trigger.value!r} is not allowed from state {src.value!r}")
 
     def _enter_fault(self, error: BaseException) -> None:
         if self.core.state in _ENDED:
@@ -245,8 +248,7 @@ class SyncReplicaMachine(_Driver):
             raise TypeError(f"triggers are Trigger members, got {trigger!r}")
         src, dst = self.core.edge(trigger)
         if dst is None:
-            self._on_record(trigger, src, src, "refused")
-            raise TransitionRefused(f"trigger {trigger.value!r} is not allowed from state {src.value!r}")
+            self._refuse(trigger, src)
         self.core.take(dst)
         self._on_record(trigger, src, dst, "ok")
         return dst
