@@ -120,8 +120,7 @@ class FSMWorkerMixin:
         except BaseException as error:
             if self.dp_support is not None:  # first, while the step is open: peers waiting in
                 self.dp_support.abort(error)  # its DP agreement stop too, naming this replica
-            rec.fault(error)
-            self.flight.dump("fault")
+            self._fault(error)
             raise
 
     def sample_tokens(self, grammar_output: Any):
@@ -136,8 +135,7 @@ class FSMWorkerMixin:
             rec.end_step(drafted=self.drafting)
             return out
         except BaseException as error:
-            rec.fault(error)
-            self.flight.dump("fault")
+            self._fault(error)
             raise
 
     def execute_dummy_batch(self) -> None:
@@ -148,8 +146,7 @@ class FSMWorkerMixin:
             super().execute_dummy_batch()
             rec.end_step(drafted=self.drafting)  # vLLM's _dummy_run also ran the drafter's dummy_run
         except BaseException as error:
-            rec.fault(error)
-            self.flight.dump("fault")
+            self._fault(error)
             raise
         finally:
             self._dummy = False
@@ -179,6 +176,11 @@ class FSMWorkerMixin:
                         else int(runner.input_batch.num_reqs))
             taken, copied = self.probe.take(num_tokens, num_reqs, args)
         rec.on_forward(taken, copied, self._dummy, mode, desc, dp_counts)
+
+    def _fault(self, error: BaseException) -> None:
+        """An error inside a step: logged, the replica `faulted`, the Flight Recorder dumped."""
+        self.recorder.fault(error)
+        self.flight.dump("fault")
 
     # -- requests: which steps prefill ----------------------------------------------------
 
