@@ -4,16 +4,17 @@ Each record is one line, written and flushed before the call returns, so that a 
 mid-step (or hung inside a collective) still leaves every record up to that point on disk.
 structlog's `BytesLogger` writes them (see `AuditLog.__init__`).
 
-`AuditLog.batch()` collects records that are written together (e.g. everything a vLLM step
-logs once its forward is over): each keeps its own `seq` and the time it was made, and the
-batch goes out as complete lines in one write when `write()` is called, nothing held back
-after that call. Per write, not per line, is what a hot loop pays for: the system call and
-the structlog chain each cost several microseconds when the CPU caches are cold.
+`AuditLog.batch()` collects records that are written together (everything a vLLM step logs,
+from its start to the end of its forward): each keeps the time it was made, and the batch goes
+out as complete lines in one write when `write()` is called, or earlier, ahead of any record
+written straight to the log meanwhile (a collective's `enqueue`, a `fault`): the file keeps
+the order the records were made in, so a hang still leaves its `enqueue` last, after the
+step's start. Per write, not per line, is what a hot loop pays for: the system call and the
+structlog chain each cost several microseconds when the CPU caches are cold.
 """
 
 from __future__ import annotations
 
-import enum
 import json
 import os
 import threading
@@ -26,12 +27,7 @@ from typing import Any
 import structlog
 
 from runner_fsm.errors import RunnerError
-from runner_fsm.pcp.fingerprint import BufferFingerprint
-
-try:  # orjson is optional: several times faster, same output shape
-    import orjson
-except ImportError:  # pragma: no cover - depends on the environment
-    orjson = None
+from runner_fsm.audit.render import RecordRenderer, fingerprint_fields
 
 SCHEMA_VERSION = 1
 HEADER_FIELDS = ("schema", "run_id", "seq", "t_ns", "dp_rank", "pcp_rank", "event", "step_id")
@@ -52,36 +48,6 @@ class AuditLogFormatError(RunnerError, ValueError):
 def log_path(run_dir: str | os.PathLike[str], global_rank: int) -> Path:
     """Where the audit log of the process with this global rank lives."""
     return Path(run_dir) / f"rank-{int(global_rank)}.jsonl"
-
-
-# ---------------------------------------------------------------- serialisation
-
-
-def _to_json_native(obj: Any) -> Any:
-    """`default` hook: NumPy/torch scalars and arrays, tuple subclasses, enums."""
-    if isinstance(obj, enum.Enum):
-        return obj.value
-    if hasattr(obj, "tolist"):  # numpy scalar/array, torch tensor
-        return obj.tolist()
-    if isinstance(obj, tuple):  # orjson refuses tuple subclasses such as torch.Size
-        return list(obj)
-    raise TypeError(f"audit log cannot serialise {type(obj).__qualname__}: {obj!r}")
-
-
-def _dumps_orjson(record: Mapping[str, Any]) -> bytes:
-    return orjson.dumps(record, default=_to_json_native, option=orjson.OPT_SERIALIZE_NUMPY)
-
-
-# One encoder for the process: json.dumps with options builds a fresh encoder per call,
-# which costs more than the encoding itself.
-_STDLIB_ENCODER = json.JSONEncoder(default=_to_json_native, separators=(",", ":"), allow_nan=False)
-
-
-def _dumps_stdlib(record: Mapping[str, Any]) -> bytes:
-    return _STDLIB_ENCODER.encode(record).encode()
-
-
-dumps_record = _dumps_orjson if orjson is not None else _dumps_stdlib
 
 
 # ---------------------------------------------------------------- the file
@@ -129,7 +95,7 @@ class _Records:
                                            "pg_seq": pg_seq, "stage": stage, **extra})
 
     def buffers(self, step_id: int | None, reason: str, fingerprints: Mapping[str, Any]) -> None:
-        snapshot = {str(name): _fingerprint(fp) for name, fp in fingerprints.items()}
+        snapshot = {str(name): fingerprint_fields(fp) for name, fp in fingerprints.items()}
         self._emit("buffers", step_id, {"reason": reason, "buffers": snapshot})
 
     def graph(self, step_id: int | None, action: str, **extra: Any) -> None:
@@ -154,21 +120,21 @@ class _Records:
 
 
 class AuditBatch(_Records):
-    """Records made now, written together by `write()` (see the module docstring). Each record
-    keeps the time it was made; seq is given at `write()`, in the order the records were made."""
+    """Records made now, written together (see the module docstring). Each record keeps the
+    time it was made; seq is given when it is written, in the order the records were made."""
 
     def __init__(self, log: "AuditLog"):
         self._log = log
         self._pending: list[tuple[int, str, int | None, dict[str, Any]]] = []
 
     def _emit(self, event: str, step_id: int | None, fields: dict[str, Any]) -> None:
-        self._pending.append((time.monotonic_ns(), event, step_id, fields))
+        record = (time.monotonic_ns(), event, step_id, fields)
+        with self._log._lock:  # another thread's record may be taking this batch's ahead of it
+            self._pending.append(record)
 
     def write(self) -> None:
-        """Write what was collected (one write; nothing when empty) and start afresh."""
-        pending, self._pending = self._pending, []
-        if pending:
-            self._log._write_all(pending)
+        """Write what is still held (one write; nothing when empty) and close the batch."""
+        self._log._write_all((), self)
 
 
 # ---------------------------------------------------------------- the log
@@ -199,6 +165,8 @@ class AuditLog(_Records):
         self._lock = threading.Lock()
         self._next_seq = 0
         self._closed = False
+        self._open: AuditBatch | None = None  # the batch whose records go ahead of the next write
+        self._render = RecordRenderer(SCHEMA_VERSION, self._run_id, self._dp_rank, self._pcp_rank).line
 
     @property
     def next_seq(self) -> int:
@@ -212,8 +180,15 @@ class AuditLog(_Records):
     # -- records
 
     def batch(self) -> AuditBatch:
-        """Records to write together (see the module docstring)."""
-        return AuditBatch(self)
+        """Records to write together (see the module docstring). One batch is open at a time:
+        what an earlier one still holds is written now."""
+        batch = AuditBatch(self)
+        with self._lock:
+            previous, self._open = self._open, batch
+            if previous is not None and previous._pending:
+                self._write_locked(previous._pending)
+                previous._pending = []
+        return batch
 
     @contextmanager
     def collective_span(
@@ -237,8 +212,13 @@ class AuditLog(_Records):
     # -- lifecycle
 
     def close(self) -> None:
+        """Write what an open batch still holds, then close the file."""
         with self._lock:
             if not self._closed:
+                held = self._open
+                if held is not None and held._pending:
+                    self._write_locked(held._pending)
+                    held._pending = []
                 self._closed = True
                 self._file.close()
 
@@ -256,54 +236,40 @@ class AuditLog(_Records):
     def _emit(self, event: str, step_id: int | None, fields: dict[str, Any]) -> None:
         self._write_all(((None, event, step_id, fields),))  # None: stamped under the lock
 
-    def _write_all(self, records) -> None:
-        """Number, render and write `records` ((t_ns, event, step_id, fields), ...) in one write.
+    def _write_all(self, records, batch: AuditBatch | None = None) -> None:
+        """Write `records` ((t_ns, event, step_id, fields), ...), after what the open batch
+        holds; with `batch`, write what that batch holds and close it."""
+        with self._lock:
+            held = self._open
+            if batch is not None and batch is not held:  # superseded: only its own records
+                records, batch._pending = batch._pending, []
+            elif held is not None:
+                if held._pending:
+                    records = [*held._pending, *records]
+                    held._pending = []
+                if batch is held:
+                    self._open = None
+            if records:
+                self._write_locked(records)
+
+    def _write_locked(self, records) -> None:
+        """Number, render and write `records` in one write; the caller holds the lock.
 
         A record of a batch keeps the time it was made, so t_ns may step back by a few
         microseconds against a record another thread wrote meanwhile; seq is the file order."""
-        with self._lock:
-            if self._closed:
-                first = records[0]
-                raise AuditLogClosedError(
-                    f"audit log {self.path} is closed; cannot write {first[1]!r} (step {first[2]})"
-                )
-            # seq is only consumed once the lines are written: a record that fails to
-            # serialise leaves no gap behind.
-            seq, out = self._next_seq, []
-            for t_ns, event, step_id, fields in records:
-                record = {
-                    "schema": SCHEMA_VERSION, "run_id": self._run_id, "seq": seq,
-                    "t_ns": t_ns or time.monotonic_ns(), "dp_rank": self._dp_rank, "pcp_rank": self._pcp_rank,
-                    "event": event, "step_id": step_id,
-                }
-                record.update(fields)
-                out.append(record)
-                seq += 1
-            self._logger.msg(dumps_record(out[0]) if len(out) == 1 else b"\n".join(map(dumps_record, out)))
-            self._next_seq = seq
-
-
-def _fingerprint(fp: Any) -> dict[str, Any]:
-    """{ptr, shape, version[, digest]} from a dict, an object with those attributes, or a tensor.
-
-    `digest` (a hash of the bytes, DESIGN section 7) is written when the fingerprint has one.
-    """
-    if type(fp) is BufferFingerprint:  # the common case first: no protocol checks
-        out = {"ptr": fp.ptr, "shape": list(fp.shape), "version": fp.version}
-        if fp.digest is not None:
-            out["digest"] = fp.digest
-        return out
-    digest = None
-    if isinstance(fp, Mapping):
-        ptr, shape, version, digest = fp["ptr"], fp["shape"], fp["version"], fp.get("digest")
-    elif hasattr(fp, "data_ptr"):  # a torch tensor: its storage address and in-place counter
-        ptr, shape, version = fp.data_ptr(), fp.shape, fp._version
-    else:
-        ptr, shape, version, digest = fp.ptr, fp.shape, fp.version, getattr(fp, "digest", None)
-    out = {"ptr": int(ptr), "shape": [int(d) for d in shape], "version": int(version)}
-    if digest is not None:
-        out["digest"] = int(digest)
-    return out
+        if self._closed:
+            first = records[0]
+            raise AuditLogClosedError(
+                f"audit log {self.path} is closed; cannot write {first[1]!r} (step {first[2]})"
+            )
+        # seq is only consumed once the lines are written: a record that fails to
+        # serialise leaves no gap behind.
+        seq, lines, render = self._next_seq, [], self._render
+        for t_ns, event, step_id, fields in records:
+            lines.append(render(seq, t_ns or time.monotonic_ns(), event, step_id, fields))
+            seq += 1
+        self._logger.msg(lines[0] if len(lines) == 1 else b"\n".join(lines))
+        self._next_seq = seq
 
 
 # ---------------------------------------------------------------- reading back

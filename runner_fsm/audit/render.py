@@ -1,0 +1,99 @@
+"""How an audit record becomes one JSON line (DESIGN section 7).
+
+Every record starts with the same header (`schema`, `run_id`, `seq`, `t_ns`, `dp_rank`,
+`pcp_rank`, `event`, `step_id`) and goes on with its own fields. Of the header only `seq`,
+`t_ns`, `event` and `step_id` change from record to record, so `RecordRenderer` fills them into
+bytes made once per log and appends the fields rendered as their own object: the same line as
+rendering the merged dict, without building that dict for every record (the audit of a vLLM
+step writes three records, right after a forward has evicted the CPU caches: each object
+built there costs).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping
+from typing import Any
+
+from runner_fsm.pcp.fingerprint import BufferFingerprint
+
+try:  # orjson is optional: several times faster, same output shape
+    import orjson
+except ImportError:  # pragma: no cover - depends on the environment
+    orjson = None
+
+
+def _to_json_native(obj: Any) -> Any:
+    """`default` hook: NumPy/torch scalars and arrays, tuple subclasses, enums."""
+    if isinstance(obj, enum.Enum):
+        return obj.value
+    if hasattr(obj, "tolist"):  # numpy scalar/array, torch tensor
+        return obj.tolist()
+    if isinstance(obj, tuple):  # orjson refuses tuple subclasses such as torch.Size
+        return list(obj)
+    raise TypeError(f"audit log cannot serialise {type(obj).__qualname__}: {obj!r}")
+
+
+def _dumps_orjson(record: Mapping[str, Any]) -> bytes:
+    return orjson.dumps(record, default=_to_json_native, option=orjson.OPT_SERIALIZE_NUMPY)
+
+
+# One encoder for the process: json.dumps with options builds a fresh encoder per call,
+# which costs more than the encoding itself.
+_STDLIB_ENCODER = json.JSONEncoder(default=_to_json_native, separators=(",", ":"), allow_nan=False)
+
+
+def _dumps_stdlib(record: Mapping[str, Any]) -> bytes:
+    return _STDLIB_ENCODER.encode(record).encode()
+
+
+dumps_record = _dumps_orjson if orjson is not None else _dumps_stdlib
+
+
+class RecordRenderer:
+    """The lines of one log's records: `line(seq, t_ns, event, step_id, fields)`.
+
+    `fields` must not repeat a header key (the record builders refuse those); then the line
+    is exactly `dumps_record` of the whole record.
+    """
+
+    def __init__(self, schema: int, run_id: str, dp_rank: int, pcp_rank: int):
+        # "%" in the run id is escaped by rendering it first, then formatting the template.
+        self._head = (b'{"schema":%d,"run_id":' % int(schema) + dumps_record(str(run_id)).replace(b"%", b"%%")
+                      + b',"seq":%%d,"t_ns":%%d,"dp_rank":%d,"pcp_rank":%d,"event":%%b,"step_id":%%b,'
+                      % (int(dp_rank), int(pcp_rank)))
+        self._events: dict[str, bytes] = {}
+
+    def line(self, seq: int, t_ns: int, event: str, step_id: int | None, fields: Mapping[str, Any]) -> bytes:
+        name = self._events.get(event)
+        if name is None:
+            name = self._events[event] = dumps_record(event)
+        step = b"null" if step_id is None else b"%d" % step_id
+        body = dumps_record(fields)
+        if len(body) == 2:  # no fields: "{}"
+            return (self._head % (seq, t_ns, name, step))[:-1] + b"}"
+        return self._head % (seq, t_ns, name, step) + body[1:]
+
+
+def fingerprint_fields(fp: Any) -> dict[str, Any]:
+    """{ptr, shape, version[, digest]} from a dict, an object with those attributes, or a tensor.
+
+    `digest` (a hash of the bytes, DESIGN section 7) is written when the fingerprint has one.
+    """
+    if type(fp) is BufferFingerprint:  # the common case first: no protocol checks
+        out = {"ptr": fp.ptr, "shape": list(fp.shape), "version": fp.version}
+        if fp.digest is not None:
+            out["digest"] = fp.digest
+        return out
+    digest = None
+    if isinstance(fp, Mapping):
+        ptr, shape, version, digest = fp["ptr"], fp["shape"], fp["version"], fp.get("digest")
+    elif hasattr(fp, "data_ptr"):  # a torch tensor: its storage address and in-place counter
+        ptr, shape, version = fp.data_ptr(), fp.shape, fp._version
+    else:
+        ptr, shape, version, digest = fp.ptr, fp.shape, fp.version, getattr(fp, "digest", None)
+    out = {"ptr": int(ptr), "shape": [int(d) for d in shape], "version": int(version)}
+    if digest is not None:
+        out["digest"] = int(digest)
+    return out

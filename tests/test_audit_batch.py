@@ -1,0 +1,123 @@
+"""Batches of audit records (the vLLM worker writes a step in one write) and the line renderer.
+
+A batch holds its records until `write()`, or until a record is written straight to the log:
+then the held records go first, so the file keeps the order the records were made in and a
+collective's `enqueue` never lands before the step that ran it.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import numpy as np
+import pytest
+
+from runner_fsm.audit import AuditLog, read_records
+from runner_fsm.audit.render import RecordRenderer, dumps_record
+
+
+@pytest.fixture
+def log(tmp_path):
+    with AuditLog(tmp_path, "run-b", global_rank=0, dp_rank=0, pcp_rank=0) as audit:
+        yield audit
+
+
+def on_disk(log: AuditLog) -> list[tuple[int, str, int | None, str]]:
+    out = []
+    for r in read_records(log.path):
+        what = r.get("trigger") or r.get("stage") or r.get("reason") or r.get("error")
+        out.append((r["seq"], r["event"], r["step_id"], what))
+    return out
+
+
+def test_a_batch_is_written_at_write_in_one_go(log):
+    batch = log.batch()
+    batch.transition(0, "decode", "ready", "decode", "ok")
+    batch.buffers(0, "real", {"seq_lens": {"ptr": 8, "shape": [4], "version": 7}})
+    assert on_disk(log) == []
+    batch.write()
+    assert on_disk(log) == [(0, "transition", 0, "decode"), (1, "buffers", 0, "real")]
+    batch.write()  # nothing left: nothing written
+    assert log.next_seq == 2
+
+
+def test_a_record_written_straight_to_the_log_takes_the_open_batch_ahead_of_it(log):
+    batch = log.batch()
+    batch.transition(3, "prefill", "ready", "prefill", "ok")
+    log.collective(3, "dp", "all_reduce", 1, [[9, 2]], 3, "enqueue")  # what a hang would leave last
+    assert on_disk(log) == [(0, "transition", 3, "prefill"), (1, "collective", 3, "enqueue")]
+    batch.transition(3, "finish", "prefill", "ready", "ok")
+    batch.write()
+    assert on_disk(log)[2:] == [(2, "transition", 3, "finish")]
+
+
+def test_a_fault_carries_the_start_of_its_step(log):
+    batch = log.batch()
+    batch.transition(5, "decode", "ready", "decode", "ok")
+    log.fault(5, RuntimeError("boom"), "boom")
+    assert on_disk(log) == [(0, "transition", 5, "decode"), (1, "fault", 5, "RuntimeError")]
+
+
+def test_a_new_batch_first_writes_what_the_previous_one_still_holds(log):
+    first = log.batch()
+    first.transition(0, "decode", "ready", "decode", "ok")
+    second = log.batch()
+    assert on_disk(log) == [(0, "transition", 0, "decode")]
+    second.transition(1, "decode", "ready", "decode", "ok")
+    first.write()  # superseded and already written: nothing more, and the open batch stays held
+    assert log.next_seq == 1
+    second.write()
+    assert [seq for seq, *_ in on_disk(log)] == [0, 1]
+
+
+def test_close_writes_what_an_open_batch_holds(tmp_path):
+    audit = AuditLog(tmp_path, "run-b", 0, 0, 0)
+    audit.batch().transition(2, "idle", "ready", "idle_dummy", "ok")
+    audit.close()
+    assert [r["trigger"] for r in read_records(audit.path)] == ["idle"]
+
+
+def test_records_of_batches_and_of_another_thread_each_land_once_in_order(log):
+    """One thread logs steps in batches, another writes straight to the log meanwhile: every
+    record lands once, seq is gapless, and each thread's own records keep their order."""
+    steps, direct = 300, 400
+
+    def stepper():
+        for step in range(steps):
+            batch = log.batch()
+            batch.transition(step, "decode", "ready", "decode", "ok")
+            batch.transition(step, "finish", "decode", "ready", "ok")
+            batch.write()
+
+    def other():
+        for i in range(direct):
+            log.collective(i, "dp", "all_reduce", 1, [[1]], i, "enqueue")
+
+    threads = [threading.Thread(target=stepper), threading.Thread(target=other)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    records = list(read_records(log.path))
+    assert [r["seq"] for r in records] == list(range(2 * steps + direct))
+    mine = [(r["step_id"], r["trigger"]) for r in records if r["event"] == "transition"]
+    assert mine == [(s, t) for s in range(steps) for t in ("decode", "finish")]
+    assert [r["step_id"] for r in records if r["event"] == "collective"] == list(range(direct))
+
+
+@pytest.mark.parametrize("run_id", ["run-1", 'quo"te', "pct-%d-%s", "ünï"])
+@pytest.mark.parametrize("step_id", [None, 0, 12345678901])
+@pytest.mark.parametrize("fields", [
+    {"trigger": "decode", "src": "ready", "dst": "decode", "outcome": "ok"},
+    {"reason": "real", "buffers": {"seq_lens": {"ptr": 1, "shape": [4], "version": -3}}},
+    {"group": "dp", "shapes": [[np.int64(9), 2]], "sent": np.arange(3)},
+    {},
+])
+def test_rendered_line_is_the_whole_record_rendered(run_id, step_id, fields):
+    render = RecordRenderer(1, run_id, 2, 1)
+    line = render.line(7, 123456789, "transition", step_id, fields)
+    whole = {"schema": 1, "run_id": run_id, "seq": 7, "t_ns": 123456789, "dp_rank": 2, "pcp_rank": 1,
+             "event": "transition", "step_id": step_id, **fields}
+    assert line == dumps_record(whole)
+    assert json.loads(line) == json.loads(dumps_record(whole))
