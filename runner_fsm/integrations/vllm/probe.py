@@ -2,10 +2,10 @@
 
 A forward (or a graph replay) reads vLLM's persistent buffers: `input_ids`, `positions`,
 `query_start_loc`, `seq_lens`, and the block table and slot mapping of KV group 0. What a
-dummy forward or a replay reads there is whatever the last writer left, so the log keeps,
-per forward, each buffer's content hash of the bytes read; the attention metadata that must be
-fresh (`JUDGED`) goes into the audit log's `buffers` record with its address and length, the
-other hashes into the journal.
+dummy forward or a replay reads there is whatever the last writer left, so per forward the
+journal keeps each buffer's content hash of the bytes read (`inputs`), and the audit log's
+`buffers` record the attention metadata that must be fresh (`JUDGED`), with its address and
+length.
 
 vLLM writes most of these buffers through numpy views, which never move torch's in-place
 counter, so `version` would say nothing here: the `version` field of the audit record carries
@@ -35,7 +35,7 @@ REQUEST_BUFFERS = ("query_start_loc", "seq_lens", "block_table")
 # batch's attention (the idle-dummy bug). The other buffers may legitimately repeat between
 # steps (the same requests' block rows and query offsets, the same token twice), so they are
 # logged for diagnosis, not judged.
-JUDGED = ("seq_lens", "slot_mapping")
+JUDGED = ("slot_mapping", "seq_lens")
 
 
 def _tensor(buf: Any) -> torch.Tensor:
@@ -44,7 +44,7 @@ def _tensor(buf: Any) -> torch.Tensor:
 
 
 def persistent_buffers(runner: Any) -> dict[str, torch.Tensor]:
-    """The runner's persistent forward inputs."""
+    """The runner's persistent forward inputs, in the order of `NAMES`."""
     table = runner.input_batch.block_table[0]
     return {
         "input_ids": _tensor(runner.input_ids), "positions": _tensor(runner.positions),
@@ -54,66 +54,75 @@ def persistent_buffers(runner: Any) -> dict[str, torch.Tensor]:
     }
 
 
+NAMES = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table")
+_SLOT_MAPPING, _SEQ_LENS = NAMES.index("slot_mapping"), NAMES.index("seq_lens")
+
+# One forward's fingerprints, as `take` returns them: (the buffers' addresses in `NAMES` order,
+# the tokens and the requests the forward read, one content hash per buffer: ints on the CPU,
+# 0-d device tensors on an accelerator until `resolve`). A plain tuple: one is made per forward.
+Taken = tuple[tuple[int, ...], int, int, list]
+
+
 class InputProbe:
     """Takes the fingerprints of one forward; `resolve` turns them into audit-record values."""
 
     def __init__(self, runner: Any):
         self.runner = runner
         self._batch = None  # the input batch the cached views belong to (vLLM may rebuild it)
-        self._views: list[tuple[str, bool, int, Any]] = []  # (name, per token, ptr, array or tensor)
+        self._ptrs: tuple[int, ...] = ()
+        # Per buffer (bytes of the whole buffer, bytes per row, per token, extra rows); on an
+        # accelerator the tensor itself instead of the bytes.
+        self._views: list[tuple[Any, int, bool, int]] = []
         self._on_device = False
 
     def _refresh(self) -> None:
         self._batch = self.runner.input_batch
+        buffers = persistent_buffers(self.runner)
         views = []
-        for name, buf in persistent_buffers(self.runner).items():
+        for name in NAMES:
+            buf = buffers[name]
             # On the CPU the bytes of the whole buffer as a memoryview, made once, sliced per
             # forward by bytes per row: far cheaper than slicing a tensor or a numpy array.
             if buf.device.type == "cpu":
                 view, row = memoryview(buf.numpy()).cast("B"), buf[:1].numel() * buf.element_size()
             else:
                 view, row = buf, 1
-            views.append((name, name in TOKEN_BUFFERS, buf.data_ptr(), view, row))
+            views.append((view, row, name in TOKEN_BUFFERS, int(name == "query_start_loc")))
         self._views = views
-        self._on_device = any(isinstance(view, torch.Tensor) for _, _, _, view, _ in views)
+        self._ptrs = tuple(buffers[name].data_ptr() for name in NAMES)
+        self._on_device = any(buf.device.type != "cpu" for buf in buffers.values())
 
-    def take(self, num_tokens: int, num_reqs: int, args: dict) -> tuple[dict, list[str]]:
-        """({name: (ptr, rows, hash or device scalar)}, names of forward inputs that are not
-        the persistent buffers, i.e. copies a graph replay would never see)."""
+    def take(self, num_tokens: int, num_reqs: int, args: dict) -> tuple[Taken | None, list[str]]:
+        """(the fingerprints, names of forward inputs that are not the persistent buffers, i.e.
+        copies a graph replay would never see)."""
         if self.runner.input_batch is not self._batch:
             self._refresh()
-        if self._on_device and torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
-            return None, []  # a kernel launched now would become part of the captured graph
-        out = {}
         if self._on_device:
-            for name, per_token, ptr, view, _ in self._views:
-                rows = num_tokens if per_token else num_reqs + (name == "query_start_loc")
-                out[name] = (ptr, rows, pending_device_digest(view[:rows]))
+            if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
+                return None, []  # a kernel launched now would become part of the captured graph
+            hashes = [pending_device_digest(view[:num_tokens if per_token else num_reqs + extra])
+                      for view, _, per_token, extra in self._views]
         else:
             crc32 = zlib.crc32
-            for name, per_token, ptr, view, row in self._views:
-                rows = num_tokens if per_token else num_reqs + (name == "query_start_loc")
-                out[name] = (ptr, rows, crc32(view[:rows * row]))
+            hashes = [crc32(view[:(num_tokens if per_token else num_reqs + extra) * row])
+                      for view, row, per_token, extra in self._views]
         copied = []
+        ptrs = self._ptrs
         for name, index in (("input_ids", 0), ("positions", 1)):
             arg = args.get(name)
-            if isinstance(arg, torch.Tensor) and arg.data_ptr() != self._views[index][2]:
+            if isinstance(arg, torch.Tensor) and arg.data_ptr() != ptrs[index]:
                 copied.append(name)
-        return out, copied
+        return (ptrs, num_tokens, num_reqs, hashes), copied
 
 
-def resolve(taken: dict) -> tuple[dict[str, int], dict[str, BufferFingerprint]]:
-    """({name: content hash} of the inputs, audit-record values (ptr, shape, version=content
-    hash) of the judged attention metadata; the audit log's fast path takes the tuple type). Device hashes are copied to
-    the host here, once per forward (after the step, never before a replay)."""
-    host = {}
-    if taken and isinstance(next(iter(taken.values()))[2], torch.Tensor):  # device digests: all or none
-        host = dict(zip(taken, torch.stack([h for _, _, h in taken.values()]).tolist()))
-    inputs, judged = {}, {}
-    for name, (ptr, rows, h) in taken.items():
-        value = int(host[name]) if host else h
-        if name in JUDGED:
-            judged[name] = BufferFingerprint(ptr, (rows,), value)
-        else:
-            inputs[name] = value
-    return inputs, judged
+def resolve(taken: Taken) -> tuple[dict[str, int], dict[str, BufferFingerprint]]:
+    """({name: content hash} of all inputs, audit-record values (ptr, shape, version=content
+    hash) of the judged attention metadata). Device hashes are copied to the host here, once
+    per forward (after the step, never before a replay)."""
+    ptrs, num_tokens, num_reqs, hashes = taken
+    if hashes and isinstance(hashes[0], torch.Tensor):  # device digests: all or none
+        hashes = torch.stack(hashes).tolist()
+    return dict(zip(NAMES, hashes)), {  # the JUDGED buffers
+        "slot_mapping": BufferFingerprint(ptrs[_SLOT_MAPPING], (num_tokens,), hashes[_SLOT_MAPPING]),
+        "seq_lens": BufferFingerprint(ptrs[_SEQ_LENS], (num_reqs,), hashes[_SEQ_LENS]),
+    }
