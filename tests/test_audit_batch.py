@@ -1,9 +1,5 @@
-"""Batches of audit records (the vLLM worker writes a step in one write) and the line renderer.
-
-A batch holds its records until `write()`, or until a record is written straight to the log:
-then the held records go first, so the file keeps the order the records were made in and a
-collective's `enqueue` never lands before the step that ran it.
-"""
+"""Batches of audit records (the vLLM worker writes the end of a step in one write) and the
+line renderer (a per-log header template: the same bytes as rendering the whole record)."""
 
 from __future__ import annotations
 
@@ -36,46 +32,12 @@ def test_a_batch_is_written_at_write_in_one_go(log):
     batch.transition(0, "decode", "ready", "decode", "ok")
     batch.buffers(0, "real", {"seq_lens": {"ptr": 8, "shape": [4], "version": 7}})
     assert on_disk(log) == []
+    log.collective(0, "dp", "all_reduce", 1, [[9, 2]], 0, "enqueue")  # straight to the log
+    assert on_disk(log) == [(0, "collective", 0, "enqueue")]
     batch.write()
-    assert on_disk(log) == [(0, "transition", 0, "decode"), (1, "buffers", 0, "real")]
+    assert on_disk(log)[1:] == [(1, "transition", 0, "decode"), (2, "buffers", 0, "real")]
     batch.write()  # nothing left: nothing written
-    assert log.next_seq == 2
-
-
-def test_a_record_written_straight_to_the_log_takes_the_open_batch_ahead_of_it(log):
-    batch = log.batch()
-    batch.transition(3, "prefill", "ready", "prefill", "ok")
-    log.collective(3, "dp", "all_reduce", 1, [[9, 2]], 3, "enqueue")  # what a hang would leave last
-    assert on_disk(log) == [(0, "transition", 3, "prefill"), (1, "collective", 3, "enqueue")]
-    batch.transition(3, "finish", "prefill", "ready", "ok")
-    batch.write()
-    assert on_disk(log)[2:] == [(2, "transition", 3, "finish")]
-
-
-def test_a_fault_carries_the_start_of_its_step(log):
-    batch = log.batch()
-    batch.transition(5, "decode", "ready", "decode", "ok")
-    log.fault(5, RuntimeError("boom"), "boom")
-    assert on_disk(log) == [(0, "transition", 5, "decode"), (1, "fault", 5, "RuntimeError")]
-
-
-def test_a_new_batch_first_writes_what_the_previous_one_still_holds(log):
-    first = log.batch()
-    first.transition(0, "decode", "ready", "decode", "ok")
-    second = log.batch()
-    assert on_disk(log) == [(0, "transition", 0, "decode")]
-    second.transition(1, "decode", "ready", "decode", "ok")
-    first.write()  # superseded and already written: nothing more, and the open batch stays held
-    assert log.next_seq == 1
-    second.write()
-    assert [seq for seq, *_ in on_disk(log)] == [0, 1]
-
-
-def test_close_writes_what_an_open_batch_holds(tmp_path):
-    audit = AuditLog(tmp_path, "run-b", 0, 0, 0)
-    audit.batch().transition(2, "idle", "ready", "idle_dummy", "ok")
-    audit.close()
-    assert [r["trigger"] for r in read_records(audit.path)] == ["idle"]
+    assert log.next_seq == 3
 
 
 def test_records_of_batches_and_of_another_thread_each_land_once_in_order(log):

@@ -136,3 +136,24 @@ def test_forward_hook_on_a_graph_wrapper_runs_before_its_call():
     _hook_forward(runner, lambda kwargs: order.append(("hook", sorted(kwargs))))
     module(ids)
     assert order == [("hook", [])]
+
+
+def test_a_replica_killed_mid_step_leaves_that_step_as_its_last_record(tmp_path):
+    """The step's start is on disk before its forward runs: a process killed in the forward
+    (no fault path, no shutdown) leaves replay the step it died in, and its state."""
+    run_dir = str(tmp_path / "run")
+    runner = stand_in_runner()
+    probe = InputProbe(runner)
+    rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0), None)
+    rec.start_capture()
+    rec.end_capture()
+    for step in range(2):
+        rec.begin_step("decode", {"tokens": 4})
+        write_batch(runner, step)
+        rec.on_forward(*probe.take(4, 4, {}), False, "NONE", DESC, None)
+        if step == 0:
+            rec.end_step()
+    # step 1 is in its forward when the process dies: nothing more is written
+    report = replay(run_dir)
+    assert [(v.kind, v.replica, v.step) for v in report.verdicts] == [("unfinished", 0, 1)]
+    assert "in state 'decode' at step 1" in report.verdicts[0].detail

@@ -4,13 +4,11 @@ Each record is one line, written and flushed before the call returns, so that a 
 mid-step (or hung inside a collective) still leaves every record up to that point on disk.
 structlog's `BytesLogger` writes them (see `AuditLog.__init__`).
 
-`AuditLog.batch()` collects records that are written together (everything a vLLM step logs,
-from its start to the end of its forward): each keeps the time it was made, and the batch goes
-out as complete lines in one write when `write()` is called, or earlier, ahead of any record
-written straight to the log meanwhile (a collective's `enqueue`, a `fault`): the file keeps
-the order the records were made in, so a hang still leaves its `enqueue` last, after the
-step's start. Per write, not per line, is what a hot loop pays for: the system call and the
-structlog chain each cost several microseconds when the CPU caches are cold.
+`AuditLog.batch()` collects records that are written together (e.g. everything a vLLM step
+logs once its forward is over): each keeps its own `seq` and the time it was made, and the
+batch goes out as complete lines in one write when `write()` is called, nothing held back
+after that call. Per write, not per line, is what a hot loop pays for: the system call and
+the structlog chain each cost several microseconds when the CPU caches are cold.
 """
 
 from __future__ import annotations
@@ -120,21 +118,21 @@ class _Records:
 
 
 class AuditBatch(_Records):
-    """Records made now, written together (see the module docstring). Each record keeps the
-    time it was made; seq is given when it is written, in the order the records were made."""
+    """Records made now, written together by `write()` (see the module docstring). Each record
+    keeps the time it was made; seq is given at `write()`, in the order the records were made."""
 
     def __init__(self, log: "AuditLog"):
         self._log = log
         self._pending: list[tuple[int, str, int | None, dict[str, Any]]] = []
 
     def _emit(self, event: str, step_id: int | None, fields: dict[str, Any]) -> None:
-        record = (time.monotonic_ns(), event, step_id, fields)
-        with self._log._lock:  # another thread's record may be taking this batch's ahead of it
-            self._pending.append(record)
+        self._pending.append((time.monotonic_ns(), event, step_id, fields))
 
     def write(self) -> None:
-        """Write what is still held (one write; nothing when empty) and close the batch."""
-        self._log._write_all((), self)
+        """Write what was collected (one write; nothing when empty) and start afresh."""
+        pending, self._pending = self._pending, []
+        if pending:
+            self._log._write_all(pending)
 
 
 # ---------------------------------------------------------------- the log
@@ -165,7 +163,6 @@ class AuditLog(_Records):
         self._lock = threading.Lock()
         self._next_seq = 0
         self._closed = False
-        self._open: AuditBatch | None = None  # the batch whose records go ahead of the next write
         self._render = RecordRenderer(SCHEMA_VERSION, self._run_id, self._dp_rank, self._pcp_rank).line
 
     @property
@@ -180,15 +177,8 @@ class AuditLog(_Records):
     # -- records
 
     def batch(self) -> AuditBatch:
-        """Records to write together (see the module docstring). One batch is open at a time:
-        what an earlier one still holds is written now."""
-        batch = AuditBatch(self)
-        with self._lock:
-            previous, self._open = self._open, batch
-            if previous is not None and previous._pending:
-                self._write_locked(previous._pending)
-                previous._pending = []
-        return batch
+        """Records to write together (see the module docstring)."""
+        return AuditBatch(self)
 
     @contextmanager
     def collective_span(
@@ -212,13 +202,8 @@ class AuditLog(_Records):
     # -- lifecycle
 
     def close(self) -> None:
-        """Write what an open batch still holds, then close the file."""
         with self._lock:
             if not self._closed:
-                held = self._open
-                if held is not None and held._pending:
-                    self._write_locked(held._pending)
-                    held._pending = []
                 self._closed = True
                 self._file.close()
 
@@ -236,40 +221,25 @@ class AuditLog(_Records):
     def _emit(self, event: str, step_id: int | None, fields: dict[str, Any]) -> None:
         self._write_all(((None, event, step_id, fields),))  # None: stamped under the lock
 
-    def _write_all(self, records, batch: AuditBatch | None = None) -> None:
-        """Write `records` ((t_ns, event, step_id, fields), ...), after what the open batch
-        holds; with `batch`, write what that batch holds and close it."""
-        with self._lock:
-            held = self._open
-            if batch is not None and batch is not held:  # superseded: only its own records
-                records, batch._pending = batch._pending, []
-            elif held is not None:
-                if held._pending:
-                    records = [*held._pending, *records]
-                    held._pending = []
-                if batch is held:
-                    self._open = None
-            if records:
-                self._write_locked(records)
-
-    def _write_locked(self, records) -> None:
-        """Number, render and write `records` in one write; the caller holds the lock.
+    def _write_all(self, records) -> None:
+        """Number, render and write `records` ((t_ns, event, step_id, fields), ...) in one write.
 
         A record of a batch keeps the time it was made, so t_ns may step back by a few
         microseconds against a record another thread wrote meanwhile; seq is the file order."""
-        if self._closed:
-            first = records[0]
-            raise AuditLogClosedError(
-                f"audit log {self.path} is closed; cannot write {first[1]!r} (step {first[2]})"
-            )
-        # seq is only consumed once the lines are written: a record that fails to
-        # serialise leaves no gap behind.
-        seq, lines, render = self._next_seq, [], self._render
-        for t_ns, event, step_id, fields in records:
-            lines.append(render(seq, t_ns or time.monotonic_ns(), event, step_id, fields))
-            seq += 1
-        self._logger.msg(lines[0] if len(lines) == 1 else b"\n".join(lines))
-        self._next_seq = seq
+        with self._lock:
+            if self._closed:
+                first = records[0]
+                raise AuditLogClosedError(
+                    f"audit log {self.path} is closed; cannot write {first[1]!r} (step {first[2]})"
+                )
+            # seq is only consumed once the lines are written: a record that fails to
+            # serialise leaves no gap behind.
+            seq, lines, render = self._next_seq, [], self._render
+            for t_ns, event, step_id, fields in records:
+                lines.append(render(seq, t_ns or time.monotonic_ns(), event, step_id, fields))
+                seq += 1
+            self._logger.msg(lines[0] if len(lines) == 1 else b"\n".join(lines))
+            self._next_seq = seq
 
 
 # ---------------------------------------------------------------- reading back

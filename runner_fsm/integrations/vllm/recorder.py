@@ -8,10 +8,10 @@ target forward (see `probe`), and a `graph` record per FULL-graph capture or rep
 journal gets what vLLM decided (see `journal`). A forward's `buffers` record holds the
 attention metadata a replay is judged on (reason `real`, `dummy` or `capture`; `:copied=...`
 when the forward was handed copies, not vLLM's persistent buffers); the content hashes of
-all its inputs go into the journal (`inputs`). A step's records, from its start, are written
-in one write when it ends (see `AuditLog.batch`), so that on an accelerator the content hashes
-are read back after the step, never before a graph replay; a record written straight to the
-log meanwhile (a DP collective's `enqueue`, a fault) takes them ahead of it.
+all its inputs go into the journal (`inputs`). A step's start is on disk before its forward
+runs (a replica killed mid-step leaves it as its last record); the records of its forwards
+are written when it ends, with `finish`, in one write, so that on an accelerator the content
+hashes are read back after the step, never before a graph replay.
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Any
 
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.log import AuditBatch
-from runner_fsm.integrations.vllm.errors import StepRefused
 from runner_fsm.integrations.vllm.fsm import StepMachine
 from runner_fsm.integrations.vllm.journal import Journal
 from runner_fsm.integrations.vllm.probe import resolve
@@ -40,7 +39,6 @@ class ReplicaRecorder:
         self.kind: str | None = None  # "prefill" | "decode" | "idle" while a step runs
         self.fault_cause: BaseException | None = None
         self._forwards: list[tuple] = []  # this step's forwards, written when it ends
-        self._batch: AuditBatch | None = None  # this step's records, written when it ends
         self._entry: dict | None = None  # this step's journal entry
 
     # -- start-up -------------------------------------------------------------------
@@ -65,14 +63,7 @@ class ReplicaRecorder:
     def begin_step(self, kind: str, decision: dict | None = None) -> int:
         """Enter a step of `kind`; returns its id."""
         self._flush_entry()
-        # The step's records go out in one write when it ends (or ahead of anything written
-        # straight to the log meanwhile: a collective's enqueue, a fault).
-        self._batch = batch = self.audit.batch()
-        try:
-            self.machine.fire(STEP_TRIGGERS[kind], self.step_id, batch)
-        except StepRefused:  # nothing changed; the refusal is on disk before vLLM hears of it
-            batch.write()
-            raise
+        self.machine.fire(STEP_TRIGGERS[kind], self.step_id)  # raises StepRefused: nothing changed
         self.kind = kind
         self._entry = {"step": self.step_id, "kind": kind, **(decision or {})}
         return self.step_id
@@ -92,11 +83,10 @@ class ReplicaRecorder:
             self._entry.update(fields)
 
     def end_step(self, drafted: bool = False) -> None:
-        """The step's forwards are over. Its records (its start, buffers and graph records,
-        `draft` when the drafter ran — proposals, or its dummy run on an idle replica — and
-        `finish`) are written together, in one write; so is its journal entry, unless the
-        drafter's proposals, taken next, are still to come."""
-        batch = self._batch
+        """The step's forwards are over. Its records (buffers and graph records, `draft` when
+        the drafter ran — proposals, or its dummy run on an idle replica — and `finish`) are
+        written together, in one write."""
+        batch = self.audit.batch()
         try:
             self._write_forwards(self.step_id, batch)
             if drafted:
@@ -106,8 +96,6 @@ class ReplicaRecorder:
             batch.write()  # a refused trigger's record too, before the error reaches vLLM
         self.kind = None
         self.step_id += 1
-        if not drafted:
-            self._flush_entry()
 
     def _write_forwards(self, step: int, out: AuditLog | AuditBatch | None = None) -> None:
         out = self.audit if out is None else out
