@@ -58,6 +58,7 @@ def _install_timers(worker) -> list:
 
     clock = time.thread_time_ns
     steps: list[int] = []
+    by_call: dict[str, list[int]] = {}  # own time per call (and per forward pre-hook)
     runner = worker.model_runner
     inner = {"ns": 0}
 
@@ -79,7 +80,11 @@ def _install_timers(worker) -> list:
             try:
                 return fn(*args, **kwargs)
             finally:
-                own = clock() - start - inner["ns"] + hook["ns"]
+                own = clock() - start - inner["ns"]
+                by_call.setdefault(name, []).append(own)
+                if hook["ns"]:
+                    by_call.setdefault("forward hook", []).append(hook["ns"])
+                own += hook["ns"]
                 hook["ns"] = 0
                 if steps:
                     steps[-1] += own
@@ -99,6 +104,7 @@ def _install_timers(worker) -> list:
         setattr(runner, RUNNER_CALLS[name], timed_inner(getattr(runner, RUNNER_CALLS[name])))
         setattr(worker, name, timed_outer(name, getattr(worker, name)))
     worker._bench_steps = steps
+    worker._bench_by_call = by_call
     return []
 
 
@@ -121,12 +127,14 @@ def _child(args) -> None:
         h.worker_call(llm, _install_timers)
         again, _ = h.generate(llm, requests)
         (own,) = h.worker_call(llm, lambda w: list(w._bench_steps))
+        (by_call,) = h.worker_call(llm, lambda w: dict(w._bench_by_call))
     steps = sum(1 for _ in own)
     Path(args.out).write_text(json.dumps({
         "worker": args.worker, "elapsed_s": elapsed, "cpu_s": cpu, "outputs": outputs, "again_equal": again == outputs,
         "output_tokens": sum(map(len, outputs.values())), "steps": steps,
         "own_us_median": statistics.median(own) / 1e3 if own else None,
         "own_us_p90": sorted(own)[int(0.9 * (len(own) - 1))] / 1e3 if own else None,
+        "own_us_by_call_median": {name: statistics.median(ns) / 1e3 for name, ns in by_call.items()},
     }))
 
 
@@ -187,6 +195,11 @@ def main() -> None:
     wall = {w: statistics.median(r["elapsed_s"] for r in rs) for w, rs in runs.items()}
     cpu = {w: statistics.median(r["cpu_s"] for r in rs) for w, rs in runs.items()}
     own = {w: statistics.median(r["own_us_median"] for r in rs) for w, rs in runs.items()}
+    # Where the wrapper's time goes: per call, the median of the runs' medians, FSMWorker's
+    # layer minus vLLM's (the hook is the wrapper's alone).
+    by_call = {w: {name: statistics.median(r["own_us_by_call_median"].get(name, 0.0) for r in rs)
+                   for name in ("execute_model", "forward hook", "sample_tokens")} for w, rs in runs.items()}
+    split = {name: by_call["fsm"][name] - by_call["default"][name] for name in by_call["fsm"]}
     tokens = runs["fsm"][0]["output_tokens"]
     ratio = wall["default"] / wall["fsm"]
     summary = {
@@ -200,6 +213,7 @@ def main() -> None:
         "fsm_layer_us_per_step_median": own["fsm"], "default_layer_us_per_step_median": own["default"],
         "wrapper_own_us_per_step_median": own["fsm"] - own["default"],
         "wrapper_own_us_per_step_median_audit_transitions": own["fsm-transitions"] - own["default"],
+        "wrapper_own_us_by_call_median": split,
         "throughput_ratio_audit_transitions": wall["default"] / wall["fsm-transitions"],
         "outputs_equal": same, "work_dir": str(work),
     }
@@ -224,7 +238,8 @@ def main() -> None:
              baseline=f"vLLM's worker layer {own['default']:.1f} us", ratio=f"FSMWorker layer {own['fsm']:.1f} us",
              target="<= 100 us", status=status or ("pass" if own["fsm"] - own["default"] <= 100 else "miss"),
              note=("layer = worker call minus model-runner call, plus the forward pre-hook (timers included);"
-                   " FSMWorker's layer runs vLLM's worker layer too (super()), the difference is the wrapper's")),
+                   " FSMWorker's layer runs vLLM's worker layer too (super()), the difference is the wrapper's;"
+                   " by call (medians): " + ", ".join(f"{name} {us:.1f} us" for name, us in split.items()))),
     ]
     for row in rows:
         print("SUITE_ROW " + json.dumps(row), flush=True)
