@@ -15,7 +15,7 @@ Benchmarks owned elsewhere join through hooks, when their files exist:
   with `--steps 1000 --no-traced` and its `SUITE_ROW {json}` lines, or its two result lines
   (1x, 10x), become rows;
 - benchmarks/bench_vllm_worker.py, only when .venv-vllm exists: run with .venv-vllm's Python
-  and `--repeats 2`; its `SUITE_ROW {json}` lines, or its closing JSON summary, become rows.
+  and `--repeats 3`; its `SUITE_ROW {json}` lines, or its closing JSON summary, become rows.
 Whatever cannot be read that way is shown as it is under the table.
 A `SUITE_ROW` line holds one JSON object with the fields of `common.Row`.
 
@@ -149,9 +149,10 @@ def _vllm_rows(quick: bool, extra: list[str]) -> list[Row]:
         missing = ".venv-vllm" if not python.exists() else "benchmarks/bench_vllm_worker.py"
         return [Row("FSMWorker in vLLM vs default CPU worker", "-", "-", "-", "report the ratio", "n/a",
                     note=f"hook: {missing} not present")]
-    # Two interleaved measurements per worker, each a fresh vLLM process (~30 s to start here):
-    # one of each swings the ratio by tens of percent on a shared machine.
-    cmd = [str(python), str(script), "--repeats", "2"]
+    # Three interleaved measurements per worker, each a fresh vLLM process (~15 s here): one of
+    # each swings the ratio by tens of percent on a shared machine, and the median of three is
+    # a run that happened, not the mean of two.
+    cmd = [str(python), str(script), "--repeats", "3"]
     return _script_rows("FSMWorker in vLLM vs default CPU worker", cmd, extra, _parse_vllm, timeout_s=480)
 
 
