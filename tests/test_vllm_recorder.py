@@ -157,3 +157,24 @@ def test_a_replica_killed_mid_step_leaves_that_step_as_its_last_record(tmp_path)
     report = replay(run_dir)
     assert [(v.kind, v.replica, v.step) for v in report.verdicts] == [("unfinished", 0, 1)]
     assert "in state 'decode' at step 1" in report.verdicts[0].detail
+
+
+def test_journal_holds_the_hash_of_exactly_the_rows_each_forward_read(tmp_path):
+    """Per forward, the journal's `inputs` are crc32 of the bytes the forward read: one row per
+    token of the token-indexed buffers, one per request of the others (+1 query offset)."""
+    import zlib
+
+    run_dir = run(tmp_path, mode="NONE", fresh_dummy=True)
+    journal = read_journal(run_dir)
+    runner = stand_in_runner()
+    write_batch(runner, 1)  # what step 1's forward read (4 tokens of 4 requests)
+    table = runner.input_batch.block_table[0]
+
+    def crc(t: torch.Tensor) -> int:
+        return zlib.crc32(t.contiguous().numpy().tobytes())
+
+    expected = {"input_ids": crc(runner.input_ids[:4]), "positions": crc(runner.positions[:4]),
+                "slot_mapping": crc(table.slot_mapping[:4]), "query_start_loc": crc(runner.query_start_loc[:5]),
+                "seq_lens": crc(runner.seq_lens[:4]), "block_table": crc(table.block_table[:4])}
+    assert journal[1]["inputs"] == [expected]
+    assert journal[0]["inputs"] != journal[1]["inputs"]  # step 0 read other bytes
