@@ -5,8 +5,8 @@ Every record starts with the same header (`schema`, `run_id`, `seq`, `t_ns`, `dp
 `t_ns`, `event` and `step_id` change from record to record, so `RecordRenderer` fills them into
 bytes made once per log and appends the fields rendered as their own object: the same line as
 rendering the merged dict, without building that dict for every record (the audit of a vLLM
-step writes three records, right after a forward has evicted the CPU caches: each object
-built there costs).
+step writes three records, two of them right after a forward has evicted the CPU caches: each
+object built there costs).
 """
 
 from __future__ import annotations

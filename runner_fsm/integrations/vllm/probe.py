@@ -44,7 +44,7 @@ def _tensor(buf: Any) -> torch.Tensor:
 
 
 def persistent_buffers(runner: Any) -> dict[str, torch.Tensor]:
-    """The runner's persistent forward inputs, in the order of `NAMES`."""
+    """The runner's persistent forward inputs, by name."""
     table = runner.input_batch.block_table[0]
     return {
         "input_ids": _tensor(runner.input_ids), "positions": _tensor(runner.positions),
@@ -54,8 +54,9 @@ def persistent_buffers(runner: Any) -> dict[str, torch.Tensor]:
     }
 
 
-NAMES = ("input_ids", "positions", "slot_mapping", "query_start_loc", "seq_lens", "block_table")
-_SLOT_MAPPING, _SEQ_LENS = NAMES.index("slot_mapping"), NAMES.index("seq_lens")
+NAMES = TOKEN_BUFFERS + REQUEST_BUFFERS  # the order of `take`'s addresses and hashes
+# Per judged buffer: its name, its index in NAMES, whether it has a row per token.
+_JUDGED_AT = tuple((name, NAMES.index(name), name in TOKEN_BUFFERS) for name in JUDGED)
 
 # One forward's fingerprints, as `take` returns them: (the buffers' addresses in `NAMES` order,
 # the tokens and the requests the forward read, one content hash per buffer: ints on the CPU,
@@ -122,7 +123,6 @@ def resolve(taken: Taken) -> tuple[dict[str, int], dict[str, BufferFingerprint]]
     ptrs, num_tokens, num_reqs, hashes = taken
     if hashes and isinstance(hashes[0], torch.Tensor):  # device digests: all or none
         hashes = torch.stack(hashes).tolist()
-    return dict(zip(NAMES, hashes)), {  # the JUDGED buffers
-        "slot_mapping": BufferFingerprint(ptrs[_SLOT_MAPPING], (num_tokens,), hashes[_SLOT_MAPPING]),
-        "seq_lens": BufferFingerprint(ptrs[_SEQ_LENS], (num_reqs,), hashes[_SEQ_LENS]),
-    }
+    rows = (num_reqs, num_tokens)
+    return dict(zip(NAMES, hashes)), {name: BufferFingerprint(ptrs[i], (rows[per_token],), hashes[i])
+                                      for name, i, per_token in _JUDGED_AT}
