@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from runner_fsm.audit import AuditLog, read_records
-from runner_fsm.audit.render import RecordRenderer, dumps_record
+from runner_fsm.audit.render import BuffersTemplate, RecordRenderer, cached_body, dumps_record
 
 
 @pytest.fixture
@@ -83,3 +83,47 @@ def test_rendered_line_is_the_whole_record_rendered(run_id, step_id, fields):
              "event": "transition", "step_id": step_id, **fields}
     assert line == dumps_record(whole)
     assert json.loads(line) == json.loads(dumps_record(whole))
+
+
+@pytest.mark.parametrize("names", [("slot_mapping", "seq_lens"), ('q"uote', "pct%d", "ünï")])
+@pytest.mark.parametrize("reason", ["real", "replay:copied=input_ids", 'odd"%s'])
+def test_buffers_template_renders_what_the_encoder_renders(names, reason):
+    values = []
+    for i, _ in enumerate(names):  # addresses, rows (0 too) and signed 64-bit hashes
+        values += (0x7F00_0000_0000 + i, i * 7, -(2**63) + i if i % 2 else 2**63 - 1 - i)
+    whole = {"reason": reason, "buffers": {name: {"ptr": values[3 * i], "shape": [values[3 * i + 1]],
+                                                  "version": values[3 * i + 2]}
+                                           for i, name in enumerate(names)}}
+    template = BuffersTemplate(names)
+    assert template.body(reason, tuple(values)) == dumps_record(whole)
+    assert template.body(reason, tuple(values)) == dumps_record(whole)  # its cached reason too
+
+
+def test_cached_body_is_rendered_once_per_key():
+    cache: dict = {}
+    fields = {"trigger": "finish", "src": "decode", "dst": "ready", "outcome": "ok"}
+    first = cached_body(cache, ("k",), fields)
+    assert first == dumps_record(fields)
+    assert cached_body(cache, ("k",), {"ignored": True}) is first  # the key decides
+
+
+def test_a_rendered_record_is_the_record_its_builder_writes(tmp_path):
+    names = ("slot_mapping", "seq_lens")
+    body = BuffersTemplate(names).body("dummy", (16, 3, -5, 32, 2, 7))
+    with AuditLog(tmp_path / "a", "run", 0, 0, 0) as built, AuditLog(tmp_path / "b", "run", 0, 0, 0) as fast:
+        built.buffers(4, "dummy", {"slot_mapping": {"ptr": 16, "shape": [3], "version": -5},
+                                   "seq_lens": {"ptr": 32, "shape": [2], "version": 7}})
+        fast.rendered("buffers", 4, body)
+        batch = fast.batch()
+        batch.transition(4, "finish", "decode", "ready", "ok")
+        batch.write()
+        built.transition(4, "finish", "decode", "ready", "ok")
+    strip = [{k: v for k, v in r.items() if k != "t_ns"} for r in read_records(built.path)]
+    assert strip == [{k: v for k, v in r.items() if k != "t_ns"} for r in read_records(fast.path)]
+
+
+@pytest.mark.parametrize("event, body", [("buffer", b"{}"), ("buffers", b"[1]"), ("buffers", "{}")])
+def test_a_rendered_record_must_be_a_known_event_and_an_object(log, event, body):
+    with pytest.raises(ValueError, match="rendered|audit event"):
+        log.rendered(event, 0, body)
+    assert log.next_seq == 0

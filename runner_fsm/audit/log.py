@@ -25,7 +25,7 @@ from typing import Any
 import structlog
 
 from runner_fsm.errors import RunnerError
-from runner_fsm.audit.render import RecordRenderer, fingerprint_fields
+from runner_fsm.audit.render import RecordRenderer, cached_body, fingerprint_fields
 
 SCHEMA_VERSION = 1
 HEADER_FIELDS = ("schema", "run_id", "seq", "t_ns", "dp_rank", "pcp_rank", "event", "step_id")
@@ -33,6 +33,9 @@ _RESERVED = frozenset(HEADER_FIELDS)
 TIME_FIELDS = ("t_ns",)
 COLLECTIVE_STAGES = ("enqueue", "done")
 GRAPH_ACTIONS = ("capture", "replay")
+EVENTS = ("transition", "collective", "buffers", "graph", "context", "fault")
+# A transition's fields are a few names from small sets: each body is rendered once.
+_TRANSITION_BODIES: dict[tuple[str, str, str, str], bytes] = {}
 
 
 class AuditLogClosedError(RunnerError):
@@ -66,11 +69,22 @@ def _open_exclusive(path: Path):
 class _Records:
     """The typed records (DESIGN section 7); `_emit` says where a built record goes."""
 
-    def _emit(self, event: str, step_id: int | None, fields: dict[str, Any]) -> None:
+    def _emit(self, event: str, step_id: int | None, fields: dict[str, Any] | bytes) -> None:
         raise NotImplementedError
 
     def transition(self, step_id: int | None, trigger: str, src: str, dst: str, outcome: str) -> None:
-        self._emit("transition", step_id, {"trigger": trigger, "src": src, "dst": dst, "outcome": outcome})
+        key = (trigger, src, dst, outcome)
+        self._emit("transition", step_id, cached_body(
+            _TRANSITION_BODIES, key, {"trigger": trigger, "src": src, "dst": dst, "outcome": outcome}))
+
+    def rendered(self, event: str, step_id: int | None, body: bytes) -> None:
+        """A record of `event` whose fields are rendered already: `body` is one JSON object
+        made by `render`'s templates, the same bytes as the record's builder would render."""
+        if event not in EVENTS:
+            raise ValueError(f"audit event must be one of {EVENTS}, got {event!r}")
+        if type(body) is not bytes or body[:1] != b"{" or body[-1:] != b"}":
+            raise ValueError(f"a rendered {event} record's fields must be a JSON object as bytes")
+        self._emit(event, step_id, body)
 
     def collective(
         self,
@@ -125,7 +139,7 @@ class AuditBatch(_Records):
         self._log = log
         self._pending: list[tuple[int, str, int | None, dict[str, Any]]] = []
 
-    def _emit(self, event: str, step_id: int | None, fields: dict[str, Any]) -> None:
+    def _emit(self, event: str, step_id: int | None, fields: dict[str, Any] | bytes) -> None:
         self._pending.append((time.monotonic_ns(), event, step_id, fields))
 
     def write(self) -> None:
@@ -218,7 +232,7 @@ class AuditLog(_Records):
 
     # -- the one write path
 
-    def _emit(self, event: str, step_id: int | None, fields: dict[str, Any]) -> None:
+    def _emit(self, event: str, step_id: int | None, fields: dict[str, Any] | bytes) -> None:
         self._write_all(((None, event, step_id, fields),))  # None: stamped under the lock
 
     def _write_all(self, records) -> None:

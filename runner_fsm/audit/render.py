@@ -7,6 +7,11 @@ bytes made once per log and appends the fields rendered as their own object: the
 rendering the merged dict, without building that dict for every record (the audit of a vLLM
 step writes three records, two of them right after a forward has evicted the CPU caches: each
 object built there costs).
+
+The fields may also come rendered already (`bytes`, one JSON object): the records a hot loop
+writes again and again are bytes made once (`cached_body`) or filled into a template made once
+(`BuffersTemplate`), with no encoder call per record. Each equals `dumps_record` of its fields
+(tests hold them to that).
 """
 
 from __future__ import annotations
@@ -55,7 +60,7 @@ class RecordRenderer:
     """The lines of one log's records: `line(seq, t_ns, event, step_id, fields)`.
 
     `fields` must not repeat a header key (the record builders refuse those); then the line
-    is exactly `dumps_record` of the whole record.
+    is exactly `dumps_record` of the whole record. `bytes` fields are taken as rendered.
     """
 
     def __init__(self, schema: int, run_id: str, dp_rank: int, pcp_rank: int):
@@ -65,15 +70,53 @@ class RecordRenderer:
                       % (int(dp_rank), int(pcp_rank)))
         self._events: dict[str, bytes] = {}
 
-    def line(self, seq: int, t_ns: int, event: str, step_id: int | None, fields: Mapping[str, Any]) -> bytes:
+    def line(self, seq: int, t_ns: int, event: str, step_id: int | None,
+             fields: Mapping[str, Any] | bytes) -> bytes:
         name = self._events.get(event)
         if name is None:
             name = self._events[event] = dumps_record(event)
         step = b"null" if step_id is None else b"%d" % step_id
-        body = dumps_record(fields)
+        body = fields if type(fields) is bytes else dumps_record(fields)
         if len(body) == 2:  # no fields: "{}"
             return (self._head % (seq, t_ns, name, step))[:-1] + b"}"
         return self._head % (seq, t_ns, name, step) + body[1:]
+
+
+_CACHE_LIMIT = 4096  # distinct bodies kept per cache; beyond that, rendered per record
+
+
+def cached_body(cache: dict, key: Any, fields: Mapping[str, Any]) -> bytes:
+    """`dumps_record(fields)`, kept in `cache` under `key` (which must determine `fields`)."""
+    body = cache.get(key)
+    if body is None:
+        body = dumps_record(fields)
+        if len(cache) < _CACHE_LIMIT:
+            cache[key] = body
+    return body
+
+
+class BuffersTemplate:
+    """Bodies of `buffers` records over a fixed list of 1-d buffers with no digest.
+
+    `body(reason, values)`, `values` flat `(ptr, rows, version)` per name in order, is
+    `dumps_record({"reason": reason, "buffers": {name: {"ptr", "shape": [rows], "version"}}})`
+    for int values: one `%` into bytes made once, instead of a dict per buffer and an encoder
+    call per record.
+    """
+
+    def __init__(self, names: tuple[str, ...]):
+        each = [dumps_record(str(name)).replace(b"%", b"%%") + b':{"ptr":%d,"shape":[%d],"version":%d}'
+                for name in names]
+        self._tail = b',"buffers":{' + b",".join(each) + b"}}"
+        self._reasons: dict[str, bytes] = {}
+
+    def body(self, reason: str, values: tuple[int, ...]) -> bytes:
+        head = self._reasons.get(reason)
+        if head is None:
+            head = b'{"reason":' + dumps_record(str(reason))
+            if len(self._reasons) < _CACHE_LIMIT:
+                self._reasons[reason] = head
+        return head + self._tail % values
 
 
 def fingerprint_fields(fp: Any) -> dict[str, Any]:

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
+from runner_fsm.audit.render import BuffersTemplate
 from runner_fsm.pcp.buffers import pending_device_digest
-from runner_fsm.pcp.fingerprint import BufferFingerprint
 
 # Token-indexed buffers read one row per token, the others one row per request.
 TOKEN_BUFFERS = ("input_ids", "positions", "slot_mapping")
@@ -55,8 +55,10 @@ def persistent_buffers(runner: Any) -> dict[str, torch.Tensor]:
 
 
 NAMES = TOKEN_BUFFERS + REQUEST_BUFFERS  # the order of `take`'s addresses and hashes
-# Per judged buffer: its name, its index in NAMES, whether it has a row per token.
-_JUDGED_AT = tuple((name, NAMES.index(name), name in TOKEN_BUFFERS) for name in JUDGED)
+# Per judged buffer: its index in NAMES, whether it has a row per token.
+_JUDGED_AT = tuple((NAMES.index(name), name in TOKEN_BUFFERS) for name in JUDGED)
+# The `buffers` record of a forward: the judged buffers' (ptr, [rows], version=content hash).
+JUDGED_RECORD = BuffersTemplate(JUDGED)
 
 # One forward's fingerprints, as `take` returns them: (the buffers' addresses in `NAMES` order,
 # the tokens and the requests the forward read, one content hash per buffer: ints on the CPU,
@@ -116,13 +118,16 @@ class InputProbe:
         return (ptrs, num_tokens, num_reqs, hashes), copied
 
 
-def resolve(taken: Taken) -> tuple[dict[str, int], dict[str, BufferFingerprint]]:
-    """({name: content hash} of all inputs, audit-record values (ptr, shape, version=content
-    hash) of the judged attention metadata). Device hashes are copied to the host here, once
-    per forward (after the step, never before a replay)."""
+def resolve(taken: Taken, reason: str) -> tuple[dict[str, int], bytes]:
+    """({name: content hash} of all inputs, the fields of the forward's `buffers` record: per
+    judged buffer its address, rows read and content hash as `version`, see `JUDGED_RECORD`).
+    Device hashes are copied to the host here, once per forward (after the step, never before
+    a replay)."""
     ptrs, num_tokens, num_reqs, hashes = taken
     if hashes and isinstance(hashes[0], torch.Tensor):  # device digests: all or none
         hashes = torch.stack(hashes).tolist()
     rows = (num_reqs, num_tokens)
-    return dict(zip(NAMES, hashes)), {name: BufferFingerprint(ptrs[i], (rows[per_token],), hashes[i])
-                                      for name, i, per_token in _JUDGED_AT}
+    values = []
+    for i, per_token in _JUDGED_AT:
+        values += (ptrs[i], rows[per_token], hashes[i])
+    return dict(zip(NAMES, hashes)), JUDGED_RECORD.body(reason, tuple(values))

@@ -110,8 +110,8 @@ class ReplicaRecorder:
                 reason = "capture" if capturing else "replay" if graph else "dummy" if dummy else "real"
                 if copied:
                     reason += ":copied=" + ",".join(copied)
-                inputs, judged = resolve(taken)
-                out.buffers(step, reason, judged)
+                inputs, record = resolve(taken, reason)
+                out.rendered("buffers", step, record)
                 if self._entry is not None:
                     self._entry.setdefault("inputs", []).append(inputs)
             if graph and not capturing:
