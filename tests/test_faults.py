@@ -126,6 +126,8 @@ def strip_fault_records(run_dir, into) -> int:
     for path in sorted(run_dir.glob("rank-*.jsonl")):
         kept = []
         for line in path.read_bytes().splitlines():
+            if not line.strip():  # the blank tail of a log its process never closed
+                continue
             record = orjson.loads(line)
             if record["event"] == "fault":
                 removed += 1

@@ -1,6 +1,5 @@
 """One replica with fakes for the model: real -> idle -> real hand-offs, faults, drafting."""
 
-import json
 import time
 
 import numpy as np
@@ -8,6 +7,7 @@ import pytest
 import torch
 
 from runner_fsm import dp
+from runner_fsm.audit import read_records
 from runner_fsm.config import GraphMode, ParallelLayout, RunnerConfig
 from runner_fsm.errors import BatchError, CollectiveTimeout, StaleBufferError
 from runner_fsm.events import Capture, DummyStep, RealStep, Shutdown
@@ -35,7 +35,7 @@ class Poison:
 
 
 def _records(run_dir, rank=0):
-    return [json.loads(line) for line in (run_dir / f"rank-{rank}.jsonl").read_text().splitlines()]
+    return list(read_records(run_dir / f"rank-{rank}.jsonl"))
 
 
 async def test_real_idle_real_in_eager_mode(tmp_path):

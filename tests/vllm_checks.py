@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
+
+from runner_fsm.audit import read_records
 
 
 def records(run_dir, rank: int = 0) -> list[dict]:
-    return [json.loads(line) for line in (Path(run_dir) / f"rank-{rank}.jsonl").read_text().splitlines()]
+    """The rank's records (a log its process never closed ends in blank lines: skipped)."""
+    return list(read_records(Path(run_dir) / f"rank-{rank}.jsonl"))
 
 
 def transitions(run_dir, rank: int = 0) -> list[str]:

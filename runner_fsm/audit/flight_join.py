@@ -26,6 +26,7 @@ from collections.abc import Iterable
 import orjson
 
 from runner_fsm.audit.flight import RankDump, describe, group_views, in_flight, read_dumps
+from runner_fsm.audit.mapped import data_end
 from runner_fsm.audit.read import RankInfo, discover
 from runner_fsm.audit.report import ReplayReport, Verdict, sort_verdicts
 
@@ -59,10 +60,10 @@ class AuditTail:
 
 def read_tail(info: RankInfo) -> AuditTail:
     tail = AuditTail(info)
-    size = info.path.stat().st_size
+    size = data_end(info.path)  # without the blank tail of a log that was not closed
     with open(info.path, "rb") as handle:
         handle.seek(max(0, size - _TAIL_BYTES))
-        lines = handle.read().splitlines()
+        lines = handle.read(size - max(0, size - _TAIL_BYTES)).splitlines()
     if size > _TAIL_BYTES:
         lines = lines[1:]  # the first one starts mid-line
     for raw in lines:

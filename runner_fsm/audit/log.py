@@ -1,8 +1,9 @@
 """Per-process audit log: JSON Lines at `<run_dir>/rank-<global_rank>.jsonl` (DESIGN section 7).
 
-Each record is one line, written and flushed before the call returns, so that a process killed
+Each record is one line, in the page cache before the call returns, so that a process killed
 mid-step (or hung inside a collective) still leaves every record up to that point on disk.
-structlog's `BytesLogger` writes them (see `AuditLog.__init__`).
+structlog's `BytesLogger` writes them (see `AuditLog.__init__`) into a memory-mapped file
+(`mapped`): a log that was not closed ends in blank lines, which readers skip.
 
 `AuditLog.batch()` collects records that are written together (e.g. everything a vLLM step
 logs once its forward is over): each keeps its own `seq` and the time it was made, and the
@@ -25,6 +26,7 @@ from typing import Any
 import structlog
 
 from runner_fsm.errors import RunnerError
+from runner_fsm.audit.mapped import MappedFile, is_blank
 from runner_fsm.audit.render import RecordRenderer, cached_body, fingerprint_fields
 
 SCHEMA_VERSION = 1
@@ -54,11 +56,11 @@ def log_path(run_dir: str | os.PathLike[str], global_rank: int) -> Path:
 # ---------------------------------------------------------------- the file
 
 
-def _open_exclusive(path: Path):
+def _open_exclusive(path: Path) -> MappedFile:
     # Exclusive create: `seq` must run gapless from 0 in the file, so appending to an old
     # run would break it, and truncating would destroy its evidence.
     try:
-        return open(path, "xb")
+        return MappedFile(path)
     except FileExistsError as err:
         raise FileExistsError(f"audit log {path} already exists; start each run in a fresh run_dir") from err
 
@@ -166,8 +168,8 @@ class AuditLog(_Records):
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = log_path(run_dir, global_rank)
         self._file = _open_exclusive(self.path)
-        # structlog's BytesLogger writes each rendered line (or batch of lines) and flushes it
-        # before returning. Records are rendered here, not by a processor chain around it: the
+        # structlog's BytesLogger writes each rendered line (or batch of lines) into the mapped
+        # file before returning. Records are rendered here, not by a processor chain around it: the
         # chain held only this renderer, and its per-call context copy and dispatch cost more
         # than the encoding, on a path taken two or three times a step. The global structlog
         # configuration (the human-readable console) is never touched.
@@ -260,9 +262,12 @@ class AuditLog(_Records):
 
 
 def read_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Yield each record of one audit file; strict: any bad line raises with file:line."""
+    """Yield each record of one audit file; strict: any bad line raises with file:line
+    (blank lines are no records: the tail of a log still open, or of a process that died)."""
     with open(path, "rb") as lines:
         for line_no, line in enumerate(lines, start=1):
+            if is_blank(line):  # the unwritten tail of a log that was not closed
+                continue
             try:
                 record = json.loads(line)
             except ValueError as err:

@@ -19,6 +19,7 @@ from pathlib import Path
 import orjson
 
 from runner_fsm.audit.crossrank import CrossRankChecker, MissedSteps
+from runner_fsm.audit.mapped import data_end
 from runner_fsm.audit.read import Groups, RankInfo, RankStep, StepMerger
 from runner_fsm.audit.report import ReplayInputError, Verdict
 from runner_fsm.audit.scan import RankScanner
@@ -186,12 +187,12 @@ def seek_step(path: Path, step: int) -> int:
 
 def last_step_of(path: Path) -> int | None:
     """The step of the last readable record of `path` (None when it has none)."""
-    size = path.stat().st_size
+    size = data_end(path)  # without the blank tail of a log that was not closed
     with open(path, "rb") as handle:
         span = _TAIL
         while True:
             handle.seek(max(0, size - span))
-            lines = handle.read().splitlines()
+            lines = handle.read(size - max(0, size - span)).splitlines()
             for raw in reversed(lines[1:] if size > span else lines):
                 step = _step_of(raw)
                 if step is not None:
@@ -215,8 +216,9 @@ def newlines_before(path: Path, offset: int) -> int:
 
 def split_steps(infos: list[RankInfo], parts: int) -> list[int]:
     """Step ids that cut the largest file into `parts` about equal byte ranges."""
-    biggest = max(infos, key=lambda info: info.path.stat().st_size)
-    size = biggest.path.stat().st_size
+    ends = {info.global_rank: data_end(info.path) for info in infos}
+    biggest = max(infos, key=lambda info: ends[info.global_rank])
+    size = ends[biggest.global_rank]
     bounds: list[int] = []
     with open(biggest.path, "rb") as handle:
         for part in range(1, parts):

@@ -116,9 +116,8 @@ class RankScanner:
 
     @property
     def records_counted(self) -> int:
-        if self.count_from is None:
-            return self.records
-        return 0 if self._uncounted is None else self.records - self._uncounted
+        uncounted = 0 if self.count_from is None else self._uncounted
+        return 0 if uncounted is None else self.records - uncounted
 
     def resume_mid_file(self) -> None:
         """The next line is read after a jump ahead in the file: trust its seq, state and
@@ -153,6 +152,8 @@ class RankScanner:
     # -- gaps ----------------------------------------------------------------------
 
     def _unparsable(self, raw: bytes, err: Exception) -> None:
+        if not raw.strip():  # the blank tail of a log that was not closed (audit.mapped): no record
+            return
         if self._next_seq is not None:
             self._next_seq += 1  # the damaged line most likely held one record
         if not raw.endswith(b"\n"):
@@ -330,8 +331,7 @@ class RankScanner:
 
     def _fault(self, record) -> None:
         error, message = str(record["error"]), str(record["message"])
-        if self.current.fault is None:
-            self.current.fault = (error, message)
+        self.current.fault = self.current.fault or (error, message)  # the first one is the cause
         self._verdict("fault", f"{error}: {message}", error=error)
 
     def _buffers(self, record) -> None:

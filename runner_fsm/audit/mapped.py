@@ -1,0 +1,104 @@
+"""The audit log's file, written through a shared memory map instead of a system call per write.
+
+A `write` copies the line into a `MAP_SHARED` mapping of the file: the bytes are in the page
+cache when the call returns, exactly where a `write(2)` would have put them, so a process
+killed right after (SIGKILL, a segfault in a kernel library) leaves them on disk just the
+same; only a crash of the machine loses them, as it would lose unsynced writes. What changes
+is the cost: inside vLLM, where the CPU caches are cold at every step, a `write(2)` of a few
+hundred bytes costs 12-20 us of thread CPU, the copy 5-6 us (the page faults included).
+
+The file grows by `CHUNK` bytes at a time, reserved on disk first (`posix_fallocate`: a full
+disk raises `OSError` here, instead of SIGBUS at a later copy) and filled with newlines. So
+while the file is open, and after a process died without closing it, it ends in up to `CHUNK`
+empty lines: blank lines are not records, and every reader skips them (`is_blank`,
+`data_end`); `jq` and line tools skip them too. `close()` cuts the file to what was written:
+a log closed normally is byte for byte what `write(2)` would have left.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+from pathlib import Path
+
+CHUNK = 1 << 18  # bytes reserved at a time: a resize every few hundred vLLM steps
+_FILL = b"\n"
+
+
+def is_blank(line: bytes) -> bool:
+    """True for the unwritten tail's lines (and any other empty line): not a record."""
+    return not line.strip()
+
+
+def data_end(path: str | os.PathLike[str]) -> int:
+    """The end of the written bytes of an audit file: its size less a tail of blank lines
+    left by a writer that did not close it (0 when nothing was written)."""
+    size = os.path.getsize(path)
+    with open(path, "rb") as handle:
+        end = size
+        while end > 0:
+            start = max(0, end - (1 << 16))
+            handle.seek(start)
+            chunk = handle.read(end - start).rstrip(_FILL)
+            if chunk:
+                return start + len(chunk) + 1 if start + len(chunk) < size else size
+            end = start
+    return 0
+
+
+class MappedFile:
+    """Append-only binary file (created exclusively) written through a memory map; a file-like
+    object for structlog's `BytesLogger` (`write`, `flush`, `close`, `closed`)."""
+
+    def __init__(self, path: str | os.PathLike[str]):
+        self.path = Path(path)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        self._end = 0  # bytes written
+        self._size = 0  # bytes mapped
+        self._map: mmap.mmap | None = None
+        try:
+            self._grow(0)
+        except BaseException:
+            os.close(self._fd)
+            raise
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def write(self, data: bytes) -> int:
+        end = self._end + len(data)
+        if end > self._size:
+            if self._fd < 0:
+                raise ValueError(f"write to closed audit file {self.path}")
+            self._grow(end)
+        self._map[self._end:end] = data
+        self._end = end
+        return len(data)
+
+    def flush(self) -> None:
+        """Nothing to do: each write is in the page cache when it returns."""
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            self._map.close()
+            os.ftruncate(self._fd, self._end)  # the blank tail goes
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+
+    def _grow(self, needed: int) -> None:
+        size = max(self._size + CHUNK, -(-needed // CHUNK) * CHUNK)  # whole chunks
+        allocate = getattr(os, "posix_fallocate", None)
+        if allocate is not None:
+            allocate(self._fd, self._size, size - self._size)  # ENOSPC now, not SIGBUS later
+        else:  # pragma: no cover - platforms without posix_fallocate (macOS)
+            os.ftruncate(self._fd, size)
+        if self._map is None:
+            self._map = mmap.mmap(self._fd, size)
+        else:
+            self._map.resize(size)
+        self._map[self._size:size] = _FILL * (size - self._size)
+        self._size = size

@@ -1,0 +1,88 @@
+"""The audit log's memory-mapped file: records on disk when the call returns, a blank tail while
+open (and after a process died without closing), the exact bytes once closed."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from runner_fsm.audit import AuditLog, read_records
+from runner_fsm.audit.mapped import CHUNK, MappedFile, data_end, is_blank
+from runner_fsm.audit.replay import replay
+
+
+def test_written_bytes_are_in_the_file_before_close_then_exactly_them(tmp_path):
+    path = tmp_path / "f.jsonl"
+    out = MappedFile(path)
+    out.write(b'{"a":1}\n')
+    out.write(b'{"b":2}\n')
+    seen = path.read_bytes()  # another reader, while the file is open
+    assert seen.startswith(b'{"a":1}\n{"b":2}\n')
+    assert len(seen) == CHUNK and not seen[16:].strip()  # the rest of the chunk: blank lines
+    assert data_end(path) == 16
+    out.close()
+    assert path.read_bytes() == b'{"a":1}\n{"b":2}\n'
+    assert data_end(path) == 16
+    out.close()  # idempotent
+
+
+def test_writes_across_chunks_keep_every_byte(tmp_path):
+    path = tmp_path / "f.jsonl"
+    lines = [b'{"i":%d,"pad":"%s"}\n' % (i, b"x" * (i % 500)) for i in range(3000)]  # ~0.8 MB
+    out = MappedFile(path)
+    for line in lines:
+        out.write(line)
+    out.write(b"y" * (2 * CHUNK) + b"\n")  # one write larger than a chunk
+    expected = b"".join(lines) + b"y" * (2 * CHUNK) + b"\n"
+    assert path.read_bytes()[:len(expected)] == expected
+    assert data_end(path) == len(expected)
+    out.close()
+    assert path.read_bytes() == expected
+
+
+def test_exclusive_create_and_no_write_after_close(tmp_path):
+    path = tmp_path / "f.jsonl"
+    out = MappedFile(path)
+    with pytest.raises(FileExistsError):
+        MappedFile(path)
+    out.close()
+    with pytest.raises(ValueError, match="closed"):
+        out.write(b"x" * (CHUNK + 1))
+
+
+def test_data_end_of_files_without_a_blank_tail(tmp_path):
+    path = tmp_path / "f.jsonl"
+    for data, end in ((b"", 0), (b"\n\n", 0), (b'{"a":1}\n', 8), (b'{"a":1}\n{"b', 11), (b'{"a":1}\n\n\n', 8)):
+        path.write_bytes(data)
+        assert data_end(path) == end, data
+    assert is_blank(b"\n") and is_blank(b"") and not is_blank(b"{}\n")
+
+
+def test_a_log_whose_process_died_keeps_its_records_and_replays(tmp_path):
+    """The process ends without closing its log (`os._exit`): the records are on disk, the
+    blank tail is skipped by every reader, and replay names where the replica stopped."""
+    script = f"""
+import os
+from runner_fsm.audit import AuditLog
+log = AuditLog({str(tmp_path)!r}, "died", 0, 0, 0)
+log.transition(-1, "capture", "init", "capturing", "ok")
+log.transition(-1, "captured", "capturing", "ready", "ok")
+log.transition(0, "decode", "ready", "decode", "ok")
+os._exit(0)
+"""
+    subprocess.run([sys.executable, "-c", script], check=True, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    path = tmp_path / "rank-0.jsonl"
+    assert os.path.getsize(path) == CHUNK  # never cut: the blank tail is there
+    assert [r["trigger"] for r in read_records(path)] == ["capture", "captured", "decode"]
+    report = replay(tmp_path)
+    assert [(v.kind, v.replica, v.step) for v in report.verdicts] == [("unfinished", 0, 0)]
+
+
+def test_an_audit_log_closed_normally_has_no_blank_tail(tmp_path):
+    with AuditLog(tmp_path, "r", 0, 0, 0) as log:
+        log.transition(0, "decode", "ready", "decode", "ok")
+    data = log.path.read_bytes()
+    assert data.count(b"\n") == 1 and data.endswith(b"}\n")
