@@ -18,7 +18,7 @@ import torch
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.replay import replay
 from runner_fsm.integrations.vllm.errors import StepRefused
-from runner_fsm.integrations.vllm.journal import Journal, read_journal
+from runner_fsm.integrations.vllm.journal import BATCH as journal_batch, Journal, read_journal
 from runner_fsm.integrations.vllm.probe import InputProbe
 from runner_fsm.integrations.vllm.recorder import ReplicaRecorder
 
@@ -178,3 +178,25 @@ def test_journal_holds_the_hash_of_exactly_the_rows_each_forward_read(tmp_path):
                 "seq_lens": crc(runner.seq_lens[:4]), "block_table": crc(table.block_table[:4])}
     assert journal[1]["inputs"] == [expected]
     assert journal[0]["inputs"] != journal[1]["inputs"]  # step 0 read other bytes
+
+
+def test_journal_entries_are_all_on_disk_at_a_fault_and_at_shutdown(tmp_path):
+    """Entries are rendered in batches (`journal.BATCH`): a fault writes those held back and the
+    faulted step's own entry; shutdown writes the rest, in step order."""
+    run_dir = str(tmp_path / "run")
+    rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0), Journal(run_dir, 0), fingerprints=False)
+    rec.start_capture()
+    rec.end_capture()
+    steps = journal_batch + 5
+    for step in range(steps):
+        rec.begin_step("decode", {"tokens": step})
+        rec.note(sampled=[[step]])
+        rec.end_step()
+    rec.begin_step("decode", {"tokens": -1})
+    rec.fault(RuntimeError("forward failed"))
+    on_disk = read_journal(run_dir)
+    assert [e["step"] for e in on_disk] == list(range(steps + 1))
+    assert [e["sampled"] for e in on_disk[:steps]] == [[[s]] for s in range(steps)]
+    assert on_disk[-1] == {"step": steps, "kind": "decode", "tokens": -1}
+    rec.shutdown()
+    assert read_journal(run_dir) == on_disk

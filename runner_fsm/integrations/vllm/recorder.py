@@ -132,6 +132,9 @@ class ReplicaRecorder:
         self.audit.fault(step, error, str(error))
         try:
             self._write_forwards(step)
+            self._flush_entry()  # what vLLM decided for the broken step, on disk with the rest
+            if self.journal is not None:
+                self.journal.flush()
         except Exception:  # noqa: BLE001 - evidence of a broken step is best effort
             pass
         if not self.machine.is_(State.FAULTED) and not self.machine.is_(State.STOPPED):
