@@ -35,7 +35,7 @@ _RESERVED = frozenset(HEADER_FIELDS)
 TIME_FIELDS = ("t_ns",)
 COLLECTIVE_STAGES = ("enqueue", "done")
 GRAPH_ACTIONS = ("capture", "replay")
-EVENTS = ("transition", "collective", "buffers", "graph", "context", "fault")
+EVENTS = frozenset({"transition", "collective", "buffers", "graph", "context", "fault"})
 # A transition's fields are a few names from small sets: each body is rendered once.
 _TRANSITION_BODIES: dict[tuple[str, str, str, str], bytes] = {}
 
@@ -83,8 +83,8 @@ class _Records:
         """A record of `event` whose fields are rendered already: `body` is one JSON object
         made by `render`'s templates, the same bytes as the record's builder would render."""
         if event not in EVENTS:
-            raise ValueError(f"audit event must be one of {EVENTS}, got {event!r}")
-        if type(body) is not bytes or body[:1] != b"{" or body[-1:] != b"}":
+            raise ValueError(f"audit event must be one of {sorted(EVENTS)}, got {event!r}")
+        if type(body) is not bytes or len(body) < 2 or body[0] != 123 or body[-1] != 125:  # {...}
             raise ValueError(f"a rendered {event} record's fields must be a JSON object as bytes")
         self._emit(event, step_id, body)
 

@@ -124,7 +124,7 @@ def resolve(taken: Taken, reason: str) -> tuple[dict[str, int], bytes]:
     Device hashes are copied to the host here, once per forward (after the step, never before
     a replay)."""
     ptrs, num_tokens, num_reqs, hashes = taken
-    if hashes and isinstance(hashes[0], torch.Tensor):  # device digests: all or none
+    if hashes and type(hashes[0]) is not int:  # device digests (0-d tensors): all or none
         hashes = torch.stack(hashes).tolist()
     rows = (num_reqs, num_tokens)
     values = []

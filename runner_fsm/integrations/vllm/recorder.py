@@ -40,6 +40,7 @@ class ReplicaRecorder:
         self.fault_cause: BaseException | None = None
         self._forwards: list[tuple] = []  # this step's forwards, written when it ends
         self._entry: dict | None = None  # this step's journal entry
+        self._end = audit.batch()  # the records of a step's end (one batch, reused every step)
 
     # -- start-up -------------------------------------------------------------------
 
@@ -86,7 +87,7 @@ class ReplicaRecorder:
         """The step's forwards are over. Its records (buffers and graph records, `draft` when
         the drafter ran — proposals, or its dummy run on an idle replica — and `finish`) are
         written together, in one write."""
-        batch = self.audit.batch()
+        batch = self._end
         try:
             self._write_forwards(self.step_id, batch)
             if drafted:
