@@ -7,6 +7,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from runner_fsm.audit import read_records
 from runner_fsm.integrations.vllm import harness as h
 from runner_fsm.integrations.vllm.spmd import Job, launch_dp
 from runner_fsm.testing.vllm_models import make_model
@@ -39,7 +40,8 @@ def run(jobs: list[Job], dp_size: int, cwd: Path, timeout_s: float = 900, env=No
 
 
 def records(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines()]
+    """A rank's records (a rank killed by the watchdog leaves blank lines after them: skipped)."""
+    return list(read_records(path))
 
 
 def replay_json(run_dir: Path) -> tuple[int, list[dict]]:
