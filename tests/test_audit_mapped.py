@@ -86,3 +86,18 @@ def test_an_audit_log_closed_normally_has_no_blank_tail(tmp_path):
         log.transition(0, "decode", "ready", "decode", "ok")
     data = log.path.read_bytes()
     assert data.count(b"\n") == 1 and data.endswith(b"}\n")
+
+
+def test_a_forked_child_closing_its_copy_does_not_cut_the_parents_file(tmp_path):
+    path = tmp_path / "f.jsonl"
+    out = MappedFile(path)
+    out.write(b'{"a":1}\n')
+    pid = os.fork()
+    if pid == 0:  # the child: closes its inherited copy, then leaves without cleanup
+        out.close()
+        os._exit(0)
+    assert os.waitpid(pid, 0)[1] == 0
+    out.write(b'{"b":2}\n')  # would raise SIGBUS past a cut file
+    assert os.path.getsize(path) == CHUNK
+    out.close()
+    assert path.read_bytes() == b'{"a":1}\n{"b":2}\n'

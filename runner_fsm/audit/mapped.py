@@ -53,6 +53,7 @@ class MappedFile:
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
+        self._pid = os.getpid()  # the writer: a forked child never cuts the file under it
         self._end = 0  # bytes written
         self._size = 0  # bytes mapped
         self._map: mmap.mmap | None = None
@@ -84,7 +85,8 @@ class MappedFile:
             return
         try:
             self._map.close()
-            os.ftruncate(self._fd, self._end)  # the blank tail goes
+            if os.getpid() == self._pid:
+                os.ftruncate(self._fd, self._end)  # the blank tail goes
         finally:
             os.close(self._fd)
             self._fd = -1
