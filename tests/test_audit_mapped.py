@@ -101,3 +101,15 @@ def test_a_forked_child_closing_its_copy_does_not_cut_the_parents_file(tmp_path)
     assert os.path.getsize(path) == CHUNK
     out.close()
     assert path.read_bytes() == b'{"a":1}\n{"b":2}\n'
+
+
+def test_a_dead_ranks_last_step_is_read_past_the_blank_tail(tmp_path):
+    """The engine names where a dead rank's log ends (`engine.api`): its last record, not a blank line."""
+    from runner_fsm.engine.api import _last_logged_step
+
+    log = AuditLog(tmp_path, "died", 3, 1, 1)
+    log.transition(6, "decode", "ready", "decode", "ok")
+    log.transition(7, "decode", "ready", "decode", "ok")
+    assert os.path.getsize(log.path) == CHUNK  # not closed: the process "died" here
+    assert _last_logged_step(str(tmp_path), 3) == 7
+    log.close()

@@ -103,6 +103,8 @@ def _last_logged_step(run_dir: str, rank: int) -> int | None:
     except OSError:
         return None
     for line in reversed(lines):
+        if not line.strip():
+            continue  # the blank tail of a log its process never closed (audit/mapped.py)
         try:
             return json.loads(line).get("step_id")
         except ValueError:
