@@ -242,7 +242,7 @@ def test_strip_times_copies_and_drops_only_time():
     assert record["t_ns"] == 5
 
 
-@pytest.mark.parametrize("bad_line", ['{"seq": 1', "[1, 2]", "\x00"])
+@pytest.mark.parametrize("bad_line", ['{"seq": 1', "[1, 2]", '\n{"seq": 2}'])  # the last: blank, then more
 def test_reader_names_file_and_line_of_a_bad_record(tmp_path, bad_line):
     path = tmp_path / "rank-0.jsonl"
     path.write_text('{"seq": 0}\n' + bad_line + "\n")

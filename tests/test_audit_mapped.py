@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -113,3 +114,36 @@ def test_a_dead_ranks_last_step_is_read_past_the_blank_tail(tmp_path):
     assert os.path.getsize(log.path) == CHUNK  # not closed: the process "died" here
     assert _last_logged_step(str(tmp_path), 3) == 7
     log.close()
+
+
+def _died_with_a_tail(tmp_path, tail: bytes) -> Path:
+    """A log of a rank that died mid-step (decode at step 2) with `tail` after its records."""
+    with AuditLog(tmp_path, "died", 0, 0, 0) as log:
+        log.transition(-1, "capture", "init", "capturing", "ok")
+        log.transition(-1, "captured", "capturing", "ready", "ok")
+        for step in range(3):
+            log.transition(step, "decode", "ready", "decode", "ok")
+            if step < 2:
+                log.transition(step, "finish", "decode", "ready", "ok")
+    with open(log.path, "ab") as out:
+        out.write(tail)
+    return log.path
+
+
+@pytest.mark.parametrize("tail", [b"\n" * 5000, b"\x00" * 70000, b"\x00" * 4096 + b"\n" * 9000])
+def test_a_tail_of_fill_or_zeros_ends_the_log_for_every_reader(tmp_path, tail):
+    """Zeros where the newline fill never reached the disk (a machine crash) are a blank tail too."""
+    path = _died_with_a_tail(tmp_path, tail)
+    assert data_end(path) == os.path.getsize(path) - len(tail)
+    assert [r["step_id"] for r in read_records(path)] == [-1, -1, 0, 0, 1, 1, 2]
+    for jobs in (1, 2):  # one pass, and ranges of steps seeking into the file
+        report = replay(tmp_path, jobs=jobs)
+        assert [(v.kind, v.replica, v.step) for v in report.verdicts] == [("unfinished", 0, 2)], jobs
+
+
+def test_a_blank_line_inside_the_log_is_a_gap_not_its_end(tmp_path):
+    path = _died_with_a_tail(tmp_path, b"")
+    lines = path.read_bytes().splitlines(keepends=True)
+    path.write_bytes(b"".join(lines[:3]) + b"\n" + b"".join(lines[3:]))  # a blank line after seq 2
+    kinds = [(v.kind, v.step) for v in replay(tmp_path).verdicts]
+    assert ("gap", 0) in kinds and ("unfinished", 2) in kinds

@@ -16,10 +16,11 @@ import pytest
 import torch
 
 from runner_fsm.audit import AuditLog
+from runner_fsm.audit.render import dumps_record
 from runner_fsm.audit.replay import replay
 from runner_fsm.integrations.vllm.errors import StepRefused
 from runner_fsm.integrations.vllm.journal import BATCH as journal_batch, Journal, read_journal
-from runner_fsm.integrations.vllm.probe import InputProbe
+from runner_fsm.integrations.vllm.probe import JUDGED, NAMES, TOKEN_BUFFERS, InputProbe, resolve
 from runner_fsm.integrations.vllm.recorder import ReplicaRecorder
 
 DESC = (4, 4, True)  # the batch descriptor: 4 tokens, 4 requests, uniform decode
@@ -200,3 +201,27 @@ def test_journal_entries_are_all_on_disk_at_a_fault_and_at_shutdown(tmp_path):
     assert on_disk[-1] == {"step": steps, "kind": "decode", "tokens": -1}
     rec.shutdown()
     assert read_journal(run_dir) == on_disk
+
+
+def test_an_entry_the_journal_cannot_render_costs_only_its_own_line(tmp_path):
+    journal = Journal(str(tmp_path), 0)
+    journal.write({"step": 0, "sampled": [[1]]})
+    journal.write({"step": 1, "sampled": object()})  # not JSON: a bug of the caller
+    journal.write({"step": 2, "sampled": [[3]]})
+    journal.close()
+    lines = read_journal(str(tmp_path))
+    assert [line["step"] for line in lines] == [0, 1, 2]
+    assert lines[0]["sampled"] == [[1]] and lines[2]["sampled"] == [[3]]
+    assert "not JSON serializable: object" in lines[1]["journal_error"]
+
+
+def test_resolve_reads_device_digests_back_once(tmp_path):
+    """On an accelerator the hashes are 0-d tensors until `resolve` (here CPU tensors stand in)."""
+    ptrs = tuple(range(100, 106))
+    hashes = [torch.tensor(h, dtype=torch.int64) for h in (11, 12, -13, 14, 15, 16)]
+    inputs, body = resolve((ptrs, 4, 2, hashes), "replay")
+    assert inputs == dict(zip(NAMES, (11, 12, -13, 14, 15, 16)))
+    at = {name: NAMES.index(name) for name in JUDGED}
+    rows = {name: 4 if name in TOKEN_BUFFERS else 2 for name in JUDGED}
+    assert body == dumps_record({"reason": "replay", "buffers": {
+        name: {"ptr": ptrs[at[name]], "shape": [rows[name]], "version": inputs[name]} for name in JUDGED}})

@@ -3,16 +3,19 @@
 A `write` copies the line into a `MAP_SHARED` mapping of the file: the bytes are in the page
 cache when the call returns, exactly where a `write(2)` would have put them, so a process
 killed right after (SIGKILL, a segfault in a kernel library) leaves them on disk just the
-same; only a crash of the machine loses them, as it would lose unsynced writes. What changes
-is the cost: inside vLLM, where the CPU caches are cold at every step, a `write(2)` of a few
-hundred bytes costs 12-20 us of thread CPU, the copy 5-6 us (the page faults included).
+same; a crash of the machine loses unsynced pages either way. What changes is the cost:
+inside vLLM, where the CPU caches are cold at every step, a `write(2)` of a few hundred bytes
+costs 12-20 us of thread CPU, the copy 5-6 us (the page faults included).
 
 The file grows by `CHUNK` bytes at a time, reserved on disk first (`posix_fallocate`: a full
 disk raises `OSError` here, instead of SIGBUS at a later copy) and filled with newlines. So
 while the file is open, and after a process died without closing it, it ends in up to `CHUNK`
-empty lines: blank lines are not records, and every reader skips them (`is_blank`,
-`data_end`); `jq` and line tools skip them too. `close()` cuts the file to what was written:
-a log closed normally is byte for byte what `write(2)` would have left.
+blank bytes: newlines, or zeros where the fill never reached the disk (a machine crash, a kill
+during the fill). The writer never writes a blank line, so the first blank line is where the
+written part ends (`is_blank`, `data_end`, `rest_is_blank`): every reader here stops there.
+`jq` skips the blank lines too; line counts (`wc -l`, `tail -n`) include them, and `tail -f`
+does not follow the file (nothing changes its size between chunks). `close()` cuts the file to
+what was written: a log closed normally is byte for byte what `write(2)` would have left.
 """
 
 from __future__ import annotations
@@ -23,23 +26,35 @@ from pathlib import Path
 
 CHUNK = 1 << 18  # bytes reserved at a time: a resize every few hundred vLLM steps
 _FILL = b"\n"
+BLANK = b"\n\x00"  # the bytes of the unwritten tail: the fill, or zeros it never replaced
 
 
 def is_blank(line: bytes) -> bool:
-    """True for the unwritten tail's lines (and any other empty line): not a record."""
-    return not line.strip()
+    """True for the unwritten tail's lines: no record (the writer never writes an empty line)."""
+    return not line.strip(BLANK)
+
+
+def rest_is_blank(handle, limit: int = 4 * CHUNK) -> bool:
+    """Whether everything after `handle`'s position is blank (then the log ends there). Reads
+    at most `limit` bytes; when the rest is not blank the position is put back."""
+    position = handle.tell()
+    rest = handle.read(limit + 1)
+    if len(rest) <= limit and is_blank(rest):
+        return True
+    handle.seek(position)
+    return False
 
 
 def data_end(path: str | os.PathLike[str]) -> int:
-    """The end of the written bytes of an audit file: its size less a tail of blank lines
-    left by a writer that did not close it (0 when nothing was written)."""
+    """The end of the written bytes of an audit file: its size less a blank tail left by a
+    writer that did not close it (0 when nothing was written)."""
     size = os.path.getsize(path)
     with open(path, "rb") as handle:
         end = size
         while end > 0:
             start = max(0, end - (1 << 16))
             handle.seek(start)
-            chunk = handle.read(end - start).rstrip(_FILL)
+            chunk = handle.read(end - start).rstrip(BLANK)
             if chunk:
                 return start + len(chunk) + 1 if start + len(chunk) < size else size
             end = start
@@ -48,7 +63,8 @@ def data_end(path: str | os.PathLike[str]) -> int:
 
 class MappedFile:
     """Append-only binary file (created exclusively) written through a memory map; a file-like
-    object for structlog's `BytesLogger` (`write`, `flush`, `close`, `closed`)."""
+    object for structlog's `BytesLogger` (`write`, `flush`, `close`, `closed`). One process
+    writes it: a forked child writing its inherited copy would write over the parent's lines."""
 
     def __init__(self, path: str | os.PathLike[str]):
         self.path = Path(path)
@@ -59,8 +75,9 @@ class MappedFile:
         self._map: mmap.mmap | None = None
         try:
             self._grow(0)
-        except BaseException:
+        except BaseException:  # e.g. a full disk: no empty file left to block the next try
             os.close(self._fd)
+            self.path.unlink(missing_ok=True)
             raise
 
     @property

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import orjson
 
+from runner_fsm.audit.mapped import is_blank
 from runner_fsm.audit.read import RankInfo, StepMerger, discover, instance_key
 from runner_fsm.audit.report import ReplayReport, Verdict
 
@@ -170,6 +171,8 @@ def _rank_steps(info: RankInfo) -> Iterator[_StepRecords]:
     step, records = None, []
     with open(info.path, "rb") as lines:
         for raw in lines:
+            if is_blank(raw):
+                break  # the blank tail of a log that was not closed (audit.mapped)
             try:
                 rec = loads(raw)
                 current = rec["step_id"]

@@ -19,7 +19,7 @@ from pathlib import Path
 import orjson
 
 from runner_fsm.audit.crossrank import CrossRankChecker, MissedSteps
-from runner_fsm.audit.mapped import data_end
+from runner_fsm.audit.mapped import data_end, is_blank
 from runner_fsm.audit.read import Groups, RankInfo, RankStep, StepMerger
 from runner_fsm.audit.report import ReplayInputError, Verdict
 from runner_fsm.audit.scan import RankScanner
@@ -82,7 +82,7 @@ def judge_range(infos: list[RankInfo], lo: int | None = None, hi: int | None = N
     streams, ended_before, offsets = {}, {}, {}
     for info in infos:
         offset = 0 if lo is None else seek_step(info.path, lo - WARMUP_STEPS)
-        if lo is not None and offset >= info.path.stat().st_size:
+        if lo is not None and offset >= data_end(info.path):
             ended_before[info.global_rank] = last_step_of(info.path)  # nothing left in this range
             continue
         offsets[info.global_rank] = offset
@@ -153,7 +153,7 @@ def _first_step_from(handle, position: int) -> tuple[int, int | None]:
     while True:
         start = handle.tell()
         raw = handle.readline()
-        if not raw:
+        if not raw or is_blank(raw):  # the end, or the blank tail of an unclosed log
             return start, None
         step = _step_of(raw)
         if step is not None:
@@ -161,10 +161,10 @@ def _first_step_from(handle, position: int) -> tuple[int, int | None]:
 
 
 def seek_step(path: Path, step: int) -> int:
-    """Byte offset of the first line of `path` whose step is `step` or later (the file size
-    when there is none), by bisection: the file is ordered by step."""
+    """Byte offset of the first line of `path` whose step is `step` or later (the end of its
+    data when there is none), by bisection: the file is ordered by step."""
     with open(path, "rb") as handle:
-        low, high = 0, path.stat().st_size
+        low, high = 0, data_end(path)
         while high - low > _TAIL:
             middle = (low + high) // 2
             start, found = _first_step_from(handle, middle)
@@ -181,7 +181,7 @@ def seek_step(path: Path, step: int) -> int:
             start = handle.tell()
             raw = handle.readline()
             found = _step_of(raw) if raw else None
-            if not raw or (found is not None and found >= step):
+            if not raw or is_blank(raw) or (found is not None and found >= step):
                 return start
 
 

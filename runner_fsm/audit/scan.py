@@ -8,8 +8,7 @@ logged batch yields (`dispatch_mismatch`) and the agreement gives it back (`agre
 faults (`fault`: what the runner said, listed, never evidence) and logs that just stop
 (`unfinished`).
 What peers must agree on (collectives, agreements) goes into a `RankStep` per step, which
-`crossrank` merges across ranks. Only the current step is held, so memory does not grow
-with the log.
+`crossrank` merges across ranks. Only the current step is held: memory does not grow.
 """
 
 from __future__ import annotations
@@ -20,6 +19,7 @@ import orjson
 
 from runner_fsm.audit.checks import (BufferTracker, TransitionChecker, check_own_agreement, context_problem,
                                      dispatch_problem)
+from runner_fsm.audit.mapped import BLANK, rest_is_blank
 from runner_fsm.audit.read import RankInfo, RankStep, StepBuilder
 from runner_fsm.audit.report import Verdict, label
 
@@ -84,6 +84,8 @@ class RankScanner:
                 record = loads(raw)
                 seq, event, step = record["seq"], record["event"], record["step_id"]
             except decode_error as err:
+                if not raw.strip(BLANK) and rest_is_blank(lines):
+                    return  # the unwritten tail of a log that was not closed (audit.mapped)
                 self._unparsable(raw, err)
                 continue
             except (KeyError, TypeError) as err:
@@ -152,8 +154,6 @@ class RankScanner:
     # -- gaps ----------------------------------------------------------------------
 
     def _unparsable(self, raw: bytes, err: Exception) -> None:
-        if not raw.strip():  # the blank tail of a log that was not closed (audit.mapped): no record
-            return
         if self._next_seq is not None:
             self._next_seq += 1  # the damaged line most likely held one record
         if not raw.endswith(b"\n"):

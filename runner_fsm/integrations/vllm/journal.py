@@ -37,6 +37,15 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"journal cannot serialise {type(obj).__qualname__}")
 
 
+def _line(entry: dict) -> bytes:
+    """One entry's line; an entry that cannot be rendered becomes a line that says so (its
+    step and the error), and the others of its batch are kept."""
+    try:
+        return orjson.dumps(entry, default=_default, option=OPTIONS) + b"\n"
+    except TypeError as error:
+        return orjson.dumps({"step": entry.get("step"), "journal_error": str(error)}) + b"\n"
+
+
 class Journal:
     def __init__(self, run_dir: str, global_rank: int):
         Path(run_dir).mkdir(parents=True, exist_ok=True)
@@ -53,8 +62,7 @@ class Journal:
     def _render(self) -> None:
         pending, self._pending = self._pending, []
         if pending:
-            dumps = orjson.dumps
-            self._file.write(b"".join([dumps(entry, default=_default, option=OPTIONS) + b"\n" for entry in pending]))
+            self._file.write(b"".join([_line(entry) for entry in pending]))
 
     def flush(self) -> None:
         if not self._file.closed:

@@ -151,6 +151,8 @@ class ReplicaRecorder:
                 self.fault(RuntimeError(f"{reason} in the middle of step {self.step_id}"))
             self.machine.fire(Trigger.SHUTDOWN, self.step_id)
         finally:
-            if self.journal is not None:
-                self.journal.close()
-            self.audit.close()
+            try:
+                if self.journal is not None:
+                    self.journal.close()
+            finally:
+                self.audit.close()  # cuts the blank tail, whatever the journal did
