@@ -19,7 +19,7 @@ import orjson
 
 from runner_fsm.audit.checks import (BufferTracker, TransitionChecker, check_own_agreement, context_problem,
                                      dispatch_problem)
-from runner_fsm.audit.mapped import BLANK, rest_is_blank
+from runner_fsm.audit.mapped import is_blank, rest_is_blank
 from runner_fsm.audit.read import RankInfo, RankStep, StepBuilder
 from runner_fsm.audit.report import Verdict, label
 
@@ -84,7 +84,7 @@ class RankScanner:
                 record = loads(raw)
                 seq, event, step = record["seq"], record["event"], record["step_id"]
             except decode_error as err:
-                if not raw.strip(BLANK) and rest_is_blank(lines):
+                if is_blank(raw) and rest_is_blank(lines):
                     return  # the unwritten tail of a log that was not closed (audit.mapped)
                 self._unparsable(raw, err)
                 continue

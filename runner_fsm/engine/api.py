@@ -7,6 +7,7 @@ import json
 import os
 
 from runner_fsm import flight_recorder
+from runner_fsm.audit.mapped import is_blank
 from runner_fsm.engine.config import EngineConfig
 import torch.distributed as dist
 
@@ -103,7 +104,7 @@ def _last_logged_step(run_dir: str, rank: int) -> int | None:
     except OSError:
         return None
     for line in reversed(lines):
-        if not line.strip():
+        if is_blank(line):
             continue  # the blank tail of a log its process never closed (audit/mapped.py)
         try:
             return json.loads(line).get("step_id")
