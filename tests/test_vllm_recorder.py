@@ -22,6 +22,7 @@ from runner_fsm.integrations.vllm.errors import StepRefused
 from runner_fsm.integrations.vllm.journal import BATCH as journal_batch, Journal, read_journal
 from runner_fsm.integrations.vllm.probe import JUDGED, NAMES, TOKEN_BUFFERS, InputProbe, resolve
 from runner_fsm.integrations.vllm.recorder import ReplicaRecorder
+from runner_fsm.integrations.vllm.runners.v1 import V1Runner
 
 DESC = (4, 4, True)  # the batch descriptor: 4 tokens, 4 requests, uniform decode
 
@@ -32,6 +33,13 @@ def stand_in_runner():
     return SimpleNamespace(input_ids=torch.zeros(16, dtype=torch.int32), positions=torch.zeros(16, dtype=torch.int64),
                            query_start_loc=torch.zeros(9, dtype=torch.int32), seq_lens=torch.zeros(8, dtype=torch.int32),
                            input_batch=SimpleNamespace(num_reqs=4, block_table=[table]))
+
+
+def take(probe: InputProbe, runner, args: dict):
+    """The probe over the stand-in as the V1 adapter reads it: 4 tokens, 4 requests."""
+    adapter = V1Runner(runner)
+    return probe.take(adapter.forward_inputs({"input_ids": runner.input_ids[:4]}, dummy=False, capturing=False),
+                      args)
 
 
 def write_batch(runner, step: int) -> None:
@@ -46,12 +54,12 @@ def write_batch(runner, step: int) -> None:
 def run(tmp_path, *, mode: str, fresh_dummy: bool) -> str:
     run_dir = str(tmp_path / "run")
     runner = stand_in_runner()
-    probe = InputProbe(runner)
+    probe = InputProbe()
     rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0), Journal(run_dir, 0))
 
     def forward(dummy: bool):
         args = {"input_ids": runner.input_ids[:4], "positions": runner.positions[:4]}
-        rec.on_forward(*probe.take(4, 4, args), dummy, mode, DESC, None)
+        rec.on_forward(*take(probe, runner, args), dummy, mode, DESC, None)
 
     rec.start_capture()
     forward(dummy=True)  # graph capture on vLLM's dummy inputs
@@ -144,14 +152,14 @@ def test_a_replica_killed_mid_step_leaves_that_step_as_its_last_record(tmp_path)
     (no fault path, no shutdown) leaves replay the step it died in, and its state."""
     run_dir = str(tmp_path / "run")
     runner = stand_in_runner()
-    probe = InputProbe(runner)
+    probe = InputProbe()
     rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0), None)
     rec.start_capture()
     rec.end_capture()
     for step in range(2):
         rec.begin_step("decode", {"tokens": 4})
         write_batch(runner, step)
-        rec.on_forward(*probe.take(4, 4, {}), False, "NONE", DESC, None)
+        rec.on_forward(*take(probe, runner, {}), False, "NONE", DESC, None)
         if step == 0:
             rec.end_step()
     # step 1 is in its forward when the process dies: nothing more is written

@@ -85,12 +85,17 @@ def test_a_platform_worker_without_an_overridden_method_is_refused():
 
 
 def test_a_runner_without_a_persistent_buffer_is_refused():
+    from runner_fsm.integrations.vllm.runners.v1 import V1Runner
+
     table = SimpleNamespace(block_table=object(), slot_mapping=object())
     runner = SimpleNamespace(model=object(), input_ids=object(), positions=object(), query_start_loc=object(),
-                             max_num_reqs=8, input_batch=SimpleNamespace(num_reqs=0, block_table=[table]))
-    assert schema.runner_problems(runner) == ["SimpleNamespace.seq_lens is missing"]
-    with pytest.raises(VLLMSchemaError, match="SimpleNamespace.seq_lens is missing"):
-        schema.check_runner(runner)
+                             max_num_reqs=8, input_batch=SimpleNamespace(num_reqs=0, block_table=[table]),
+                             parallel_config=object(), _determine_batch_execution_and_padding=print,
+                             _dummy_run=print)
+    adapter = V1Runner(runner)
+    assert adapter.problems() == ["SimpleNamespace.seq_lens is missing (v1 runner)"]
+    with pytest.raises(VLLMSchemaError, match=r"SimpleNamespace.seq_lens is missing \(v1 runner\)"):
+        schema.check_runner(adapter)
 
 
 def test_tensor_parallelism_is_refused_by_name():

@@ -112,7 +112,9 @@ class AgreementTap:
         self.audit, self._beat, self._rows_hook = audit, beat, rows_hook
         self._position = position  # () -> (step id or NO_STEP, dummy?): the worker's step
         self.step_id, self.kind = NO_STEP, KIND_REAL
-        self.phase = 0  # set by the tagged `_determine_batch_execution_and_padding`
+        self.phase = 0  # set by the tagged `_determine_batch_execution_and_padding` (V1)
+        # MRV2: no per-phase method to tag; the runner adapter tells the phase of a sync instead.
+        self.phase_source: Callable[[], int] | None = None
         self.seq = 0
         self.draft_syncs = 0  # drafter syncs in this step: the first is DRAFT_PREFILL
         self.joined_target = NO_STEP  # the last step whose TARGET agreement this replica entered
@@ -161,7 +163,8 @@ class AgreementTap:
         """All-reduce vLLM's `tensor` (this rank's column filled) with the agreement rows below
         it, check them, and return vLLM's rows summed (a new tensor on `device`)."""
         self.follow()
-        rows = AgreementRows(self.step_id, self.phase or dp.TARGET, self.seq, self.kind, self._status)
+        phase = self.phase or (self.phase_source() if self.phase_source is not None else dp.TARGET)
+        rows = AgreementRows(self.step_id, phase, self.seq, self.kind, self._status)
         if rows.phase == dp.TARGET:
             self.joined_target = self.step_id
         if self._rows_hook is not None:

@@ -14,7 +14,6 @@ Step ids and kinds are read from the worker's `ReplicaRecorder`. Installed here:
 
 from __future__ import annotations
 
-import functools
 import itertools
 
 import torch.distributed as dist
@@ -26,11 +25,8 @@ from runner_fsm.heartbeat import Heartbeat
 from runner_fsm.integrations.vllm import cpu_collectives, dp_agreement, dp_schema, inject
 from runner_fsm.integrations.vllm.drafts import DraftLedger
 from runner_fsm.integrations.vllm.inject import VLLMInjector
+from runner_fsm.integrations.vllm.runners import RunnerAdapter
 from runner_fsm.integrations.vllm.watchdog import Watchdog
-
-
-class _SkipDummyForward(Exception):
-    """Raised past the dummy's agreement to return without its forward (injected fault)."""
 
 
 class DPSupport:
@@ -46,11 +42,12 @@ class DPSupport:
         self.tap = dp_agreement.AgreementTap(dp_rank, dp_size, audit=self.audit, beat=self.watchdog.beat,
                                              rows_hook=self._rows_hook, position=self._position)
         self.drafts = DraftLedger(dp_rank)
-        self.runner = None
+        self.adapter: RunnerAdapter | None = None
         self._undo = lambda: None
         self._hooks: list = []
         self._forward_seq = itertools.count()
-        self._forward_open: tuple[int, int] | None = None
+        self._forward_open: tuple[int, int, int] | None = None  # (step, seq, phase)
+        self._draft_step, self._draft_forwards = dp_agreement.NO_STEP, 0
 
     @classmethod
     def for_worker(cls, worker) -> "DPSupport | None":
@@ -58,19 +55,25 @@ class DPSupport:
         par = worker.parallel_config
         if int(par.data_parallel_size) <= 1:
             return None
-        dp_schema.check_dp_hooks()
+        dp_schema.check_dp_hooks(mrv2=worker.runner_adapter.name != "v1")
         opts = worker.fsm_options
         return cls(worker.recorder, dp_rank=int(par.data_parallel_rank), dp_size=int(par.data_parallel_size),
                    timeout_s=opts.collective_timeout_s, injection=inject.parse(opts.inject) if opts.inject else None,
                    device_type=str(worker.device_config.device_type), flight=worker.flight)
 
-    def attach(self, runner) -> None:
+    def attach(self, adapter: RunnerAdapter) -> None:
         """Once vLLM's model runner (and drafter) are loaded: agreement, phase tags, forwards, faults."""
-        self.runner = runner
-        self._undo = dp_agreement.install(self.tap, runner)
-        self._hooks = [runner.model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
-                       runner.model.register_forward_hook(self._after_forward)]
-        self._wrap_faults()
+        self.adapter = adapter
+        self._undo = adapter.install_dp(self.tap)
+        model = adapter.runner.model
+        self._hooks = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+                       model.register_forward_hook(self._after_forward)]
+        draft = adapter.draft_model()
+        if draft is not None:  # a drafter without DP syncs: its forwards are the collectives to see
+            self._hooks += [draft.register_forward_pre_hook(self._before_draft_forward, with_kwargs=True),
+                            draft.register_forward_hook(self._after_forward)]
+        if self.injector.injection is not None:
+            adapter.install_faults(skip_dummy_forward=self._skip_dummy_forward, skip_draft_sync=self._skip_draft_sync)
 
     def _position(self) -> tuple[int, bool]:
         rec = self.recorder
@@ -78,14 +81,12 @@ class DPSupport:
 
     def abort(self, error: BaseException) -> bool:
         """A step failed on this replica before its DP agreement: send the abort status in it."""
-        from vllm.v1.worker import dp_utils
-
-        if self.runner is None:
+        if self.adapter is None:
             return False
         status = dp.STATUS_BATCH_ERROR if isinstance(error, BatchError) else dp.STATUS_FAULT
         try:
-            device, group = dp_utils._get_device_and_group(self.runner.parallel_config)
-            return self.tap.abort(status, group, device=device)
+            device, group = self.adapter.dp_group()
+            return self.tap.abort(status, group, device=device, vllm_rows=self.adapter.DP_ROWS)
         except Exception:  # noqa: BLE001 - the step's own error is the one to report
             return False
 
@@ -111,6 +112,16 @@ class DPSupport:
     # -- the target forward: an expert exchange every replica must join
 
     def _before_forward(self, _module, args, kwargs):
+        return self._forward_begins(args, kwargs, dp.TARGET)
+
+    def _before_draft_forward(self, _module, args, kwargs):
+        self.tap.follow()
+        if self.tap.step_id != self._draft_step:
+            self._draft_step, self._draft_forwards = self.tap.step_id, 0
+        self._draft_forwards += 1  # the first of a step is the draft's prefill, the rest decode
+        return self._forward_begins(args, kwargs, dp.DRAFT_PREFILL if self._draft_forwards == 1 else dp.DRAFT_DECODE)
+
+    def _forward_begins(self, args, kwargs, phase: int):
         self.tap.follow()
         step = self.tap.step_id
         if step == dp_agreement.NO_STEP:
@@ -118,20 +129,20 @@ class DPSupport:
         ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("positions")
         rows = int(ids.shape[0]) if ids is not None else (int(args[0].shape[0]) if args else 0)
         seq = next(self._forward_seq)
-        self._forward_open = (step, seq)
-        self.watchdog.enter(step, dp.TARGET, "expert forward")
+        self._forward_open = (step, seq, phase)
+        self.watchdog.enter(step, phase, "expert forward" if phase == dp.TARGET else "draft expert forward")
         if self.audit is not None:
-            self.audit.collective(step, "expert", "forward", dp.TARGET, [[rows]], seq, "enqueue")
+            self.audit.collective(step, "expert", "forward", phase, [[rows]], seq, "enqueue")
         return None
 
     def _after_forward(self, _module, _args, _output):
         if self._forward_open is None:
             return None
-        step, seq = self._forward_open
+        step, seq, phase = self._forward_open
         self._forward_open = None
         if self.audit is not None:
-            self.audit.collective(step, "expert", "forward", dp.TARGET, None, seq, "done")
-        self.watchdog.leave(step, dp.TARGET)
+            self.audit.collective(step, "expert", "forward", phase, None, seq, "done")
+        self.watchdog.leave(step, phase)
         return None
 
     # -- injected faults
@@ -141,38 +152,16 @@ class DPSupport:
             return dp_agreement.AgreementRows(rows.step_id + 1, rows.phase, rows.seq, rows.kind, rows.status)
         return rows
 
-    def _wrap_faults(self) -> None:
-        if self.injector.injection is None:
-            return
-        runner, tap, due = self.runner, self.tap, self.injector.due
-        determine, dummy_run = runner._determine_batch_execution_and_padding, runner._dummy_run
+    def _skip_dummy_forward(self) -> bool:
+        """Asked past the idle replica's TARGET agreement, before its dummy forward."""
+        tap = self.tap
+        return tap.kind == dp_agreement.KIND_DUMMY and self.injector.due("skip-dummy-forward", tap.step_id)
 
-        @functools.wraps(determine)
-        def determine_then_maybe_skip(*args, **kwargs):
-            out = determine(*args, **kwargs)
-            if tap.kind == dp_agreement.KIND_DUMMY and due("skip-dummy-forward", tap.step_id):
-                raise _SkipDummyForward
-            return out
-
-        @functools.wraps(dummy_run)
-        def dummy_run_unless_skipped(*args, **kwargs):
-            try:
-                return dummy_run(*args, **kwargs)
-            except _SkipDummyForward:
-                return None
-        runner._determine_batch_execution_and_padding = determine_then_maybe_skip
-        runner._dummy_run = dummy_run_unless_skipped
-        drafter = getattr(runner, "drafter", None)
-        if drafter is not None and hasattr(drafter, "dummy_run"):
-            draft_dummy = drafter.dummy_run
-
-            @functools.wraps(draft_dummy)
-            def draft_dummy_unless_skipped(*args, **kwargs):
-                tap.follow()
-                if tap.kind == dp_agreement.KIND_DUMMY and due("skip-draft-sync", tap.step_id):
-                    return None
-                return draft_dummy(*args, **kwargs)
-            drafter.dummy_run = draft_dummy_unless_skipped
+    def _skip_draft_sync(self) -> bool:
+        """Asked where the idle replica's drafter would run its dummy pass (and its syncs)."""
+        tap = self.tap
+        tap.follow()
+        return tap.kind == dp_agreement.KIND_DUMMY and self.injector.due("skip-draft-sync", tap.step_id)
 
     def _log_fault(self, step, error: BaseException) -> None:
         """The watchdog's report (a collective timeout), from its thread, before the process exits."""

@@ -24,11 +24,9 @@ from typing import Any
 import torch
 
 from runner_fsm.audit.render import BuffersTemplate
+from runner_fsm.integrations.vllm.runners import NAMES, TOKEN_BUFFERS, ForwardInputs
 from runner_fsm.pcp.buffers import pending_device_digest
 
-# Token-indexed buffers read one row per token, the others one row per request.
-TOKEN_BUFFERS = ("input_ids", "positions", "slot_mapping")
-REQUEST_BUFFERS = ("query_start_loc", "seq_lens", "block_table")
 # The attention metadata a forward must find freshly written, real or dummy: two real steps
 # never share them (sequence lengths grow, KV slots differ), vLLM's dummy run writes its own
 # (-1 slots, its own lengths). A graph replay that finds them unchanged replays the previous
@@ -38,23 +36,6 @@ REQUEST_BUFFERS = ("query_start_loc", "seq_lens", "block_table")
 JUDGED = ("slot_mapping", "seq_lens")
 
 
-def _tensor(buf: Any) -> torch.Tensor:
-    """A CpuGpuBuffer's device tensor (on the CPU it aliases `.cpu`), or the tensor itself."""
-    return buf if isinstance(buf, torch.Tensor) else buf.gpu
-
-
-def persistent_buffers(runner: Any) -> dict[str, torch.Tensor]:
-    """The runner's persistent forward inputs, by name."""
-    table = runner.input_batch.block_table[0]
-    return {
-        "input_ids": _tensor(runner.input_ids), "positions": _tensor(runner.positions),
-        "slot_mapping": _tensor(table.slot_mapping),
-        "query_start_loc": _tensor(runner.query_start_loc), "seq_lens": _tensor(runner.seq_lens),
-        "block_table": _tensor(table.block_table),
-    }
-
-
-NAMES = TOKEN_BUFFERS + REQUEST_BUFFERS  # the order of `take`'s addresses and hashes
 # Per judged buffer: its index in NAMES, whether it has a row per token.
 _JUDGED_AT = tuple((NAMES.index(name), name in TOKEN_BUFFERS) for name in JUDGED)
 # The `buffers` record of a forward: the judged buffers' (ptr, [rows], version=content hash).
@@ -69,18 +50,17 @@ Taken = tuple[tuple[int, ...], int, int, list]
 class InputProbe:
     """Takes the fingerprints of one forward; `resolve` turns them into audit-record values."""
 
-    def __init__(self, runner: Any):
-        self.runner = runner
-        self._batch = None  # the input batch the cached views belong to (vLLM may rebuild it)
+    def __init__(self):
+        self._key = None  # what the cached views belong to (`ForwardInputs.key`)
         self._ptrs: tuple[int, ...] = ()
         # Per buffer (bytes of the whole buffer, bytes per row, per token, extra rows); on an
         # accelerator the tensor itself instead of the bytes.
         self._views: list[tuple[Any, int, bool, int]] = []
         self._on_device = False
 
-    def _refresh(self) -> None:
-        self._batch = self.runner.input_batch
-        buffers = persistent_buffers(self.runner)
+    def _refresh(self, inputs: ForwardInputs) -> None:
+        self._key = inputs.key
+        buffers = inputs.buffers()
         views = []
         for name in NAMES:
             buf = buffers[name]
@@ -95,11 +75,13 @@ class InputProbe:
         self._ptrs = tuple(buffers[name].data_ptr() for name in NAMES)
         self._on_device = any(buf.device.type != "cpu" for buf in buffers.values())
 
-    def take(self, num_tokens: int, num_reqs: int, args: dict) -> tuple[Taken | None, list[str]]:
-        """(the fingerprints, names of forward inputs that are not the persistent buffers, i.e.
-        copies a graph replay would never see)."""
-        if self.runner.input_batch is not self._batch:
-            self._refresh()
+    def take(self, inputs: ForwardInputs, args: dict) -> tuple[Taken | None, list[str]]:
+        """(the fingerprints of what the forward reads, as the runner adapter names it; names
+        of forward inputs that are not the persistent buffers, i.e. copies a graph replay would
+        never see)."""
+        if inputs.key is not self._key:
+            self._refresh(inputs)
+        num_tokens, num_reqs = inputs.num_tokens, inputs.num_reqs
         if self._on_device:
             if torch.cuda.is_available() and torch.cuda.is_current_stream_capturing():
                 return None, []  # a kernel launched now would become part of the captured graph

@@ -64,13 +64,6 @@ CALLER_MODULES: tuple[str, ...] = (
 )
 _CALL = re.compile(r"""collective_rpc\(\s*["'](\w+)["']|worker\.(\w+)\(""")
 
-# Attributes of the model runner instance (dotted; `[0]` indexes), read before each forward.
-RUNNER_ATTRS: list[str] = [
-    "model", "input_ids", "positions", "query_start_loc", "seq_lens", "max_num_reqs",
-    "input_batch.num_reqs", "input_batch.block_table[0].block_table", "input_batch.block_table[0].slot_mapping",
-]
-
-
 def resolve(path: str) -> Any:
     module, _, name = path.rpartition(".")
     return getattr(importlib.import_module(module), name)
@@ -114,21 +107,6 @@ def find_problems(worker_cls: type, *, lookup: Callable[[str], Any] = resolve,
     return problems
 
 
-def runner_problems(runner: Any) -> list[str]:
-    problems = []
-    for path in RUNNER_ATTRS:
-        obj: Any = runner
-        try:
-            for part in path.split("."):
-                name, _, index = part.partition("[")
-                obj = getattr(obj, name)
-                if index:
-                    obj = obj[int(index.rstrip("]"))]
-        except (AttributeError, IndexError, TypeError):
-            problems.append(f"{type(runner).__qualname__}.{path} is missing")
-    return problems
-
-
 def _raise(what: str, problems: list[str]) -> None:
     if problems:
         raise VLLMSchemaError(f"{what} was written against vLLM {WRITTEN_AGAINST}; the installed vLLM"
@@ -140,8 +118,11 @@ def check_schema(worker_cls: type, **kwargs: Any) -> None:
     _raise(worker_cls.__name__, find_problems(worker_cls, **kwargs))
 
 
-def check_runner(runner: Any) -> None:
-    _raise("FSMWorker", runner_problems(runner))
+def check_runner(adapter: Any, *, kv_cache: bool = False) -> None:
+    """Every name the runner adapter reads, checked on the live runner (its class, not only
+    vLLM's base class: a platform's runner may re-make or drop what the base has); with
+    `kv_cache`, the names that exist once vLLM initialised the KV cache."""
+    _raise("FSMWorker", adapter.problems(kv_cache=kv_cache))
 
 
 def installed_version() -> str:

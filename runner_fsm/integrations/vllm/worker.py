@@ -41,6 +41,7 @@ from runner_fsm.integrations.vllm.options import WorkerOptions
 from runner_fsm.integrations.vllm.probe import InputProbe
 from runner_fsm.integrations.vllm.recorder import ReplicaRecorder
 from runner_fsm.integrations.vllm.rundir import replica_coords, shared_run_dir
+from runner_fsm.integrations.vllm.runners import RunnerAdapter, adapter_for
 
 
 class FSMWorkerMixin:
@@ -48,6 +49,7 @@ class FSMWorkerMixin:
 
     recorder: ReplicaRecorder | None = None
     dp_support: DPSupport | None = None
+    runner_adapter: RunnerAdapter | None = None
     flight: WorkerFlight = WorkerFlight()  # no run dir yet: dumps nothing
 
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
@@ -58,7 +60,7 @@ class FSMWorkerMixin:
         self.fsm_options = WorkerOptions.from_vllm(vllm_config)
         self.dp_rank, self.pcp_rank, self.global_rank = replica_coords(vllm_config, rank)
         self.drafting = vllm_config.speculative_config is not None
-        self.probe: InputProbe | None = None
+        self.probe = InputProbe()
         self._prompt_lens: dict[str, int] = {}
         self._dummy = False
 
@@ -67,6 +69,9 @@ class FSMWorkerMixin:
     def init_device(self) -> None:
         start_flight_recorder()  # before vLLM's init_distributed_environment (see flight.py)
         super().init_device()
+        # The platform worker built its model runner here (V1 or MRV2, vLLM's choice): its adapter
+        # names every attribute of it that the worker, the probe and the DP support read.
+        self.runner_adapter = adapter_for(self.model_runner)
         opts = self.fsm_options
         run_dir = shared_run_dir(opts.run_dir, int(self.parallel_config.data_parallel_size))
         run_id = opts.run_id or Path(run_dir).name
@@ -84,18 +89,20 @@ class FSMWorkerMixin:
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
-        runner = self.model_runner
-        schema.check_runner(runner)
-        self.probe = InputProbe(runner)
-        _hook_forward(runner, self._before_forward)
+        adapter = self.runner_adapter
+        schema.check_runner(adapter)
+        rec = self.recorder
+        adapter.attach(step_of=lambda: rec.step_id if rec.in_step else -1)
+        _hook_forward(adapter.runner, self._before_forward)
         if self.dp_support is not None:
-            self.dp_support.attach(runner)
+            self.dp_support.attach(adapter)
 
     def determine_available_memory(self) -> int:
         self.recorder.start_capture()  # warm-up and profiling forwards run from here
         return super().determine_available_memory()
 
     def compile_or_warm_up_model(self):
+        schema.check_runner(self.runner_adapter, kv_cache=True)  # the KV cache exists now
         self.recorder.start_capture()
         times = super().compile_or_warm_up_model()
         self.recorder.end_capture()
@@ -168,13 +175,8 @@ class FSMWorkerMixin:
             return  # warm-up and profiling forwards: only graph captures are evidence
         taken, copied = None, []
         if rec.fingerprints:
-            ids = args.get("input_ids")
-            ref = ids if isinstance(ids, torch.Tensor) else args.get("positions")
-            num_tokens = int(ref.shape[-1]) if isinstance(ref, torch.Tensor) else 0
-            runner = self.model_runner
-            num_reqs = (min(num_tokens, runner.max_num_reqs) if self._dummy or capturing
-                        else int(runner.input_batch.num_reqs))
-            taken, copied = self.probe.take(num_tokens, num_reqs, args)
+            inputs = self.runner_adapter.forward_inputs(args, dummy=self._dummy, capturing=capturing)
+            taken, copied = self.probe.take(inputs, args)
         rec.on_forward(taken, copied, self._dummy, mode, desc, dp_counts)
 
     def _fault(self, error: BaseException) -> None:

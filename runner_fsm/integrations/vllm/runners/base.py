@@ -1,0 +1,130 @@
+"""What the worker needs to know of one vLLM model runner: the runner adapter's interface.
+
+`FSMWorker` wraps whatever model runner vLLM built (V1's `GPUModelRunner`/`CPUModelRunner`,
+Model Runner V2 in `vllm/v1/worker/gpu/`, vLLM-Ascend's NPU runners). The worker, the recorder,
+the probe and the DP support never name a runner's attributes; they ask its adapter (DESIGN
+section 10):
+
+- `forward_inputs`: the persistent buffers the forward about to run reads, and how many rows;
+- `install_dp(tap)`: route the runner's DP sync through the agreement tap (rows in the same
+  collective, phases tagged), returning the undo;
+- `dp_group()`: the (device, group) of that collective, for an abort sent from outside it;
+- `install_faults(...)`: where the injected DP faults act (skip the dummy forward, skip the
+  drafter's dummy run);
+- `draft_model()`: the drafter's model, whose forwards are collectives of their own where the
+  drafter joins no DP sync (MRV2's draft-model speculator reuses the target's agreement);
+- `problems()`: every name above that the live runner (not only vLLM's base class) lacks.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable, NamedTuple
+
+import torch
+
+# The probe's buffers, in this order (see probe.py).
+TOKEN_BUFFERS = ("input_ids", "positions", "slot_mapping")
+REQUEST_BUFFERS = ("query_start_loc", "seq_lens", "block_table")
+NAMES = TOKEN_BUFFERS + REQUEST_BUFFERS
+
+
+class ForwardInputs(NamedTuple):
+    """What one target forward reads: `buffers` (by NAMES) holds whole persistent buffers or
+    views from their first row; the forward reads `num_tokens` rows of the token buffers and
+    `num_reqs` rows of the request buffers (`query_start_loc`: one more). `key` changes when
+    the buffer objects may have changed (the probe rebuilds its cached views then)."""
+
+    key: Any
+    buffers: Callable[[], dict[str, torch.Tensor]]
+    num_tokens: int
+    num_reqs: int
+
+
+class SkipDummyForward(Exception):
+    """Raised past the dummy's DP agreement to return without its forward (injected fault)."""
+
+
+class RunnerAdapter:
+    """One vLLM model runner as the worker sees it; subclasses name the runner's parts."""
+
+    name = "?"
+    # Qualified names of runner classes this adapter serves: one of them in the live class's MRO.
+    CLASSES: tuple[str, ...] = ()
+    # Attribute paths read on the live runner (dotted; `[0]` indexes), checked at load time.
+    ATTRS: tuple[str, ...] = ()
+    # Those that exist only once the KV cache is initialised (checked before warm-up).
+    KV_ATTRS: tuple[str, ...] = ()
+    DP_ROWS = 0  # rows of vLLM's own DP sync tensor (the agreement rows follow them)
+
+    def __init__(self, runner: Any):
+        self.runner = runner
+
+    @classmethod
+    def serves(cls, runner_cls: type) -> bool:
+        return any(f"{c.__module__}.{c.__qualname__}" in cls.CLASSES for c in runner_cls.__mro__)
+
+    def problems(self, *, kv_cache: bool = False) -> list[str]:
+        """Every attribute of ATTRS (with `kv_cache`: of KV_ATTRS) the live runner lacks."""
+        problems = []
+        for path in self.KV_ATTRS if kv_cache else self.ATTRS:
+            obj: Any = self.runner
+            try:
+                for part in path.split("."):
+                    name, _, index = part.partition("[")
+                    obj = getattr(obj, name)
+                    if index:
+                        obj = obj[int(index.rstrip("]"))]
+            except (AttributeError, IndexError, TypeError, KeyError):
+                problems.append(f"{type(self.runner).__qualname__}.{path} is missing ({self.name} runner)")
+        return problems
+
+    def attach(self, step_of: Callable[[], int] | None = None) -> None:
+        """Once the model is loaded: whatever the adapter must observe per step; `step_of()`
+        names the worker's current step (-1 outside steps)."""
+
+    def forward_inputs(self, args: dict, *, dummy: bool, capturing: bool) -> ForwardInputs:
+        raise NotImplementedError
+
+    def install_dp(self, tap) -> Callable[[], None]:
+        raise NotImplementedError
+
+    def dp_group(self) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def install_faults(self, *, skip_dummy_forward: Callable[[], bool],
+                       skip_draft_sync: Callable[[], bool]) -> None:
+        raise NotImplementedError
+
+    def draft_model(self) -> torch.nn.Module | None:
+        """The drafter's model when its forwards are to be recorded as collectives (None:
+        the drafter's DP syncs already carry the agreement)."""
+        return None
+
+    def describe(self) -> dict:
+        """For the log's first record: which runner and adapter."""
+        cls = type(self.runner)
+        return {"runner": self.name, "runner_class": f"{cls.__module__}.{cls.__qualname__}"}
+
+
+def wrap_method(obj: Any, name: str, around: Callable[[Callable, tuple, dict], Any]) -> None:
+    """Make `obj.name(*a, **k)` call `around(original, a, k)`: an instance attribute over the
+    bound method, so the runner's class (and every other instance) stays untouched."""
+    method = getattr(obj, name)
+
+    @functools.wraps(method)
+    def wrapped(*args, **kwargs):
+        return around(method, args, kwargs)
+    setattr(obj, name, wrapped)
+
+
+def unwrap_method(obj: Any, name: str) -> None:
+    obj.__dict__.pop(name, None)
+
+
+def skipping_dummy(run_dummy: Callable, args: tuple, kwargs: dict):
+    """Around a runner's dummy run: a `SkipDummyForward` raised inside it ends it quietly."""
+    try:
+        return run_dummy(*args, **kwargs)
+    except SkipDummyForward:
+        return None

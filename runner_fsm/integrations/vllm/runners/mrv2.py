@@ -1,0 +1,133 @@
+"""vLLM's Model Runner V2 (`vllm/v1/worker/gpu/model_runner.py`; the CPU's `CPUModelRunner` in
+`vllm/v1/worker/cpu/` subclasses it).
+
+MRV2 has one `execute_model` for real and dummy steps. Its persistent inputs live in
+`runner.input_buffers` (`InputBuffers`), the block tables and slot mappings in
+`runner.block_tables`, and under PCP in the PCP manager's own buffers; each step's `InputBatch`
+holds views of them. The views a forward reads are handed to `prepare_attn` (real) or
+`prepare_dummy_attn` (dummy), right after the DP sync and before the forward: the adapter wraps
+those two on the instance and keeps what they were given and returned, so the probe hashes
+exactly the rows the forward reads, PCP-local rows included.
+
+The DP sync is `sync_cudagraph_and_dp_padding` (`gpu/dp_utils.py`), whose inline
+`dist.all_reduce` carries the agreement rows (`mrv2_sync`). Its phase is TARGET until this
+step's target inputs were prepared, a draft phase after that (speculators sync after the
+target forward). The draft-model speculator (`standalone_ar`) joins no DP sync of its own: it
+reuses the target's agreement, so its forwards are recorded as collectives instead.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from runner_fsm import dp
+from runner_fsm.integrations.vllm import mrv2_sync
+from runner_fsm.integrations.vllm.runners.base import (ForwardInputs, RunnerAdapter, SkipDummyForward,
+                                                       skipping_dummy, unwrap_method, wrap_method)
+
+NO_STEP = -1
+
+
+class MRV2Runner(RunnerAdapter):
+    name = "mrv2"
+    CLASSES = ("vllm.v1.worker.gpu.model_runner.GPUModelRunner",)
+    ATTRS = ("model", "max_num_reqs", "input_buffers.input_ids", "input_buffers.positions",
+             "input_buffers.query_start_loc", "input_buffers.seq_lens", "prepare_attn", "prepare_dummy_attn",
+             "_dummy_run", "execute_model", "speculator", "pcp_manager")
+    KV_ATTRS = ("block_tables.input_block_tables", "block_tables.slot_mappings")
+    DP_ROWS = len(mrv2_sync.MRV2_ROWS)
+    # Speculators whose forwards join no DP sync (they reuse the target's agreement).
+    SYNC_FREE_SPECULATORS = ("vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator.StandaloneARSpeculator",)
+
+    def __init__(self, runner: Any):
+        super().__init__(runner)
+        self._prepared: tuple | None = None  # (input batch, block tables, slot mappings) of the next forward
+        self.prepared_step = NO_STEP  # the step whose target inputs were prepared last
+        self._step_of: Callable[[], int] = lambda: NO_STEP
+
+    def attach(self, step_of: Callable[[], int] | None = None) -> None:
+        """Observe each forward's inputs; `step_of()` names the worker's current step."""
+        if step_of is not None:
+            self._step_of = step_of
+        for name in ("prepare_attn", "prepare_dummy_attn"):
+            wrap_method(self.runner, name, self._keep_prepared)
+
+    def _keep_prepared(self, prepare, args, kwargs):
+        out = prepare(*args, **kwargs)
+        batch = args[0] if args else kwargs["input_batch"]
+        self._prepared = (batch, out[0], out[1])
+        self.prepared_step = self._step_of()
+        return out
+
+    # -- the probe's view of a forward
+
+    def forward_inputs(self, args: dict, *, dummy: bool, capturing: bool) -> ForwardInputs:
+        prepared, self._prepared = self._prepared, None
+        if prepared is None:  # a forward without attention (memory profiling): the whole buffers
+            ids = args.get("input_ids")
+            ref = ids if isinstance(ids, torch.Tensor) else args.get("positions")
+            num_tokens = int(ref.shape[-1]) if isinstance(ref, torch.Tensor) else 0
+            return ForwardInputs(self.runner.input_buffers, self._persistent, num_tokens,
+                                 min(num_tokens, self.runner.max_num_reqs))
+        batch, block_tables, slot_mappings = prepared
+        views = {"input_ids": batch.input_ids, "positions": batch.positions, "slot_mapping": slot_mappings[0],
+                 "query_start_loc": batch.query_start_loc, "seq_lens": batch.seq_lens,
+                 "block_table": block_tables[0]}
+        return ForwardInputs(batch, lambda: views, int(batch.num_tokens_after_padding),
+                             int(batch.num_reqs_after_padding))
+
+    def _persistent(self) -> dict[str, torch.Tensor]:
+        bufs, tables = self.runner.input_buffers, self.runner.block_tables
+        return {"input_ids": bufs.input_ids, "positions": bufs.positions, "slot_mapping": tables.slot_mappings[0],
+                "query_start_loc": bufs.query_start_loc, "seq_lens": bufs.seq_lens,
+                "block_table": tables.input_block_tables[0]}
+
+    # -- DP
+
+    def install_dp(self, tap) -> Callable[[], None]:
+        def phase() -> int:
+            tap.follow()
+            return dp.TARGET if self.prepared_step != tap.step_id else tap.draft_phase()
+        tap.phase_source = phase
+        undo_sync = mrv2_sync.install(tap)
+
+        def undo() -> None:
+            undo_sync()
+            tap.phase_source = None
+            for name in ("prepare_attn", "prepare_dummy_attn"):
+                unwrap_method(self.runner, name)
+        return undo
+
+    def dp_group(self) -> tuple[Any, Any]:
+        from vllm.distributed.parallel_state import get_dp_group
+
+        return "cpu", get_dp_group().cpu_group  # where sync_cudagraph_and_dp_padding all-reduces
+
+    def install_faults(self, *, skip_dummy_forward: Callable[[], bool],
+                       skip_draft_sync: Callable[[], bool]) -> None:
+        runner = self.runner
+
+        def prepare_unless_skipped(prepare, args, kwargs):
+            out = prepare(*args, **kwargs)  # past the dummy's DP agreement, before its forward
+            if skip_dummy_forward():
+                raise SkipDummyForward
+            return out
+        wrap_method(runner, "prepare_dummy_attn", prepare_unless_skipped)
+        wrap_method(runner, "_dummy_run", skipping_dummy)
+        speculator = runner.speculator
+        if speculator is not None:
+            def propose_unless_skipped(propose, args, kwargs):
+                if kwargs.get("dummy_run") and skip_draft_sync():
+                    return None
+                return propose(*args, **kwargs)
+            wrap_method(speculator, "propose", propose_unless_skipped)
+
+    def draft_model(self) -> torch.nn.Module | None:
+        spec = self.runner.speculator
+        if spec is None or not any(f"{c.__module__}.{c.__qualname__}" in self.SYNC_FREE_SPECULATORS
+                                   for c in type(spec).__mro__):
+            return None
+        model = getattr(spec, "model", None)
+        return model if isinstance(model, torch.nn.Module) else None

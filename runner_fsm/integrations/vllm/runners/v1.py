@@ -1,0 +1,74 @@
+"""vLLM's V1 model runner (`vllm/v1/worker/gpu_model_runner.py`; the CPU runner subclasses it).
+
+Its persistent inputs are attributes of the runner (`input_ids`, `positions`, `query_start_loc`,
+`seq_lens`: CpuGpuBuffers whose `.gpu` aliases `.cpu` on the CPU) and of its input batch (block
+table and slot mapping of KV group 0). Its DP sync is `vllm.v1.worker.dp_utils._run_ar`, reached
+through `_determine_batch_execution_and_padding` (the runner's: TARGET; the drafter's: draft
+phases), see `dp_agreement`. The idle replica's forward is `_dummy_run`; the drafter's DP syncs
+on an idle replica come from `drafter.dummy_run`.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+
+from runner_fsm.integrations.vllm import dp_agreement
+from runner_fsm.integrations.vllm.runners.base import (ForwardInputs, RunnerAdapter, SkipDummyForward,
+                                                       skipping_dummy, wrap_method)
+
+
+def _tensor(buf: Any) -> torch.Tensor:
+    """A CpuGpuBuffer's device tensor (on the CPU it aliases `.cpu`), or the tensor itself."""
+    return buf if isinstance(buf, torch.Tensor) else buf.gpu
+
+
+class V1Runner(RunnerAdapter):
+    name = "v1"
+    CLASSES = ("vllm.v1.worker.gpu_model_runner.GPUModelRunner",)
+    ATTRS = ("model", "input_ids", "positions", "query_start_loc", "seq_lens", "max_num_reqs",
+             "input_batch.num_reqs", "input_batch.block_table[0].block_table",
+             "input_batch.block_table[0].slot_mapping", "parallel_config",
+             "_determine_batch_execution_and_padding", "_dummy_run")
+    DP_ROWS = len(dp_agreement.VLLM_ROWS)
+
+    def buffers(self) -> dict[str, torch.Tensor]:
+        runner = self.runner
+        table = runner.input_batch.block_table[0]
+        return {"input_ids": _tensor(runner.input_ids), "positions": _tensor(runner.positions),
+                "slot_mapping": _tensor(table.slot_mapping), "query_start_loc": _tensor(runner.query_start_loc),
+                "seq_lens": _tensor(runner.seq_lens), "block_table": _tensor(table.block_table)}
+
+    def forward_inputs(self, args: dict, *, dummy: bool, capturing: bool) -> ForwardInputs:
+        ids = args.get("input_ids")
+        ref = ids if isinstance(ids, torch.Tensor) else args.get("positions")
+        num_tokens = int(ref.shape[-1]) if isinstance(ref, torch.Tensor) else 0
+        runner = self.runner
+        # A dummy (or capture) batch of n tokens has min(n, max_num_reqs) requests in vLLM's _dummy_run.
+        num_reqs = min(num_tokens, runner.max_num_reqs) if dummy or capturing else int(runner.input_batch.num_reqs)
+        return ForwardInputs(runner.input_batch, self.buffers, num_tokens, num_reqs)
+
+    def install_dp(self, tap) -> Callable[[], None]:
+        return dp_agreement.install(tap, self.runner)
+
+    def dp_group(self) -> tuple[Any, Any]:
+        from vllm.v1.worker import dp_utils
+
+        return dp_utils._get_device_and_group(self.runner.parallel_config)
+
+    def install_faults(self, *, skip_dummy_forward: Callable[[], bool],
+                       skip_draft_sync: Callable[[], bool]) -> None:
+        runner = self.runner
+
+        def determine_then_maybe_skip(determine, args, kwargs):
+            out = determine(*args, **kwargs)  # the dummy's DP agreement is in here
+            if skip_dummy_forward():
+                raise SkipDummyForward
+            return out
+        wrap_method(runner, "_determine_batch_execution_and_padding", determine_then_maybe_skip)
+        wrap_method(runner, "_dummy_run", skipping_dummy)
+        drafter = getattr(runner, "drafter", None)
+        if drafter is not None and hasattr(drafter, "dummy_run"):
+            wrap_method(drafter, "dummy_run",
+                        lambda run, args, kwargs: None if skip_draft_sync() else run(*args, **kwargs))

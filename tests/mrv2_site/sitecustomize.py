@@ -1,0 +1,31 @@
+"""Test set-up only (never imported by the package): lets vLLM's Model Runner V2 run on this CPU.
+
+vLLM uses MRV2 only where Triton works; on the CPU its check (`vllm/triton_utils/importing.py`)
+wants a Triton backend named `cpu`, which the installed Triton lacks. With `TRITON_INTERPRET=1`
+Triton's interpreter runs MRV2's kernels on CPU tensors and no driver is ever asked to compile,
+so a stand-in entry whose driver reports active is all the check needs. This file is found as
+`sitecustomize` by every Python process whose PYTHONPATH holds this folder (the tests' DP
+children, vLLM's engine-core and executor processes, the HTTP server), and acts only when the
+MRV2 leg's environment is set: `VLLM_USE_V2_MODEL_RUNNER=1` and `TRITON_INTERPRET=1`.
+"""
+
+import os
+
+if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" and os.environ.get("TRITON_INTERPRET") == "1":
+    try:
+        from triton.backends import Backend, backends
+    except ImportError:  # no Triton: vLLM falls back to V1, and the leg's runner check fails
+        backends = None
+    if backends is not None and "cpu" not in backends:
+
+        class _InterpreterOnlyDriver:
+            """Active, so vLLM's check passes; never used to compile (the interpreter runs)."""
+
+            @staticmethod
+            def is_active() -> bool:
+                return True
+
+        class _InterpreterOnlyCompiler:
+            pass
+
+        backends["cpu"] = Backend(compiler=_InterpreterOnlyCompiler, driver=_InterpreterOnlyDriver)
