@@ -76,3 +76,14 @@ venv-vllm: $(VLLM_STAMP)
 test-vllm: $(VLLM_STAMP)
 	$(VLLM_PY) -c "import vllm" || { echo "make test-vllm: vLLM cannot be imported in $(VLLM_VENV)" >&2; exit 1; }
 	$(VLLM_PY) -m pytest -q -m vllm tests
+	$(MAKE) test-vllm-mrv2
+
+# The same tests on vLLM's Model Runner V2. vLLM picks MRV2 only where Triton works; on this CPU
+# Triton's interpreter runs MRV2's kernels, and tests/mrv2_site/sitecustomize.py (test set-up,
+# never imported by the package) gives vLLM's Triton check the `cpu` backend it looks for. The
+# leg fails, never skips, when vLLM fell back to V1 (tests/conftest.py, test_vllm_worker.py).
+MRV2_ENV := VLLM_USE_V2_MODEL_RUNNER=1 TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR)/tests/mrv2_site
+.PHONY: test-vllm-mrv2
+test-vllm-mrv2: $(VLLM_STAMP)
+	$(MRV2_ENV) $(VLLM_PY) -c "from vllm.triton_utils import HAS_TRITON; assert HAS_TRITON, 'MRV2 needs the Triton stand-in'"
+	$(MRV2_ENV) $(VLLM_PY) -m pytest -q -m "vllm and not runner_independent" tests

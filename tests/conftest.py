@@ -1,6 +1,13 @@
 """Fixtures shared by the test files that run the real model end to end."""
 
+import os
+
 import pytest
+
+# Which vLLM model runner the `vllm` tests run on: `make test-vllm` runs them on V1, then again on
+# Model Runner V2 (`make test-vllm-mrv2`: VLLM_USE_V2_MODEL_RUNNER=1, Triton's interpreter and the
+# stand-in backend of tests/mrv2_site). Tests compare the runner FSMWorker logged with this.
+EXPECTED_RUNNER = "mrv2" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" else "v1"
 
 
 @pytest.fixture(scope="session")
@@ -19,6 +26,12 @@ def _vllm_must_import(request):
     """A `vllm`-marked test fails (never skips) when vLLM cannot be imported in this venv."""
     if request.node.get_closest_marker("vllm") is not None:
         import vllm  # noqa: F401  - an ImportError here is the test's failure
+
+        if EXPECTED_RUNNER == "mrv2":  # the MRV2 leg fails, never falls back to V1 unseen
+            from vllm.triton_utils import HAS_TRITON
+
+            assert HAS_TRITON, ("the MRV2 leg needs vLLM's Triton check to pass: run it as `make test-vllm-mrv2`"
+                                " (PYTHONPATH=tests/mrv2_site, TRITON_INTERPRET=1)")
 
 
 @pytest.fixture(scope="session")

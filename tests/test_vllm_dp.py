@@ -15,6 +15,7 @@ import time
 
 import pytest
 import vllm_dp_cases as c
+from conftest import EXPECTED_RUNNER
 
 from runner_fsm.integrations.vllm.spmd import Job
 
@@ -22,6 +23,8 @@ pytestmark = pytest.mark.vllm
 
 CASES = [("mixtral", False), ("qwen3_moe", False), ("mixtral", True)]
 IDS = ["mixtral", "qwen3_moe", "mixtral-draft_model-k2"]
+if EXPECTED_RUNNER == "mrv2":  # vLLM 0.32's MRV2 draft-model speculator fails under DP by itself
+    CASES, IDS = CASES[:2], IDS[:2]  # (test_vllm_mrv2_dp_drafts.py holds that failure to vLLM's code)
 
 
 @pytest.fixture(scope="module")
@@ -73,14 +76,21 @@ def test_idle_replica_runs_dummy_steps_and_replay_is_sound(suite, case):
     idle = c.records(run_dir / "rank-1.jsonl")
     dummies = [r["step_id"] for r in idle if r["event"] == "transition" and r["dst"] == "idle_dummy"]
     assert len(dummies) >= 5, "replica 1 never ran execute_dummy_batch while replica 0 worked"
-    # Every agreement of a dummy step is tagged dummy, carried in vLLM's [4+5, 2] all-reduce.
+    # Every agreement of a dummy step is tagged dummy, carried in vLLM's own DP all-reduce: V1's
+    # [4, 2] tensor (`_run_ar`), MRV2's [6, 2] (`sync_cudagraph_and_dp_padding`), plus 5 rows.
     agreements = [r for r in idle if r["event"] == "collective" and r["group"] == "dp" and r["stage"] == "done"]
     assert {r["kind"] for r in agreements if r["step_id"] in dummies} == {"dummy"}
-    assert all(r["shapes"] == [[9, 2]] and r["agreed"]["step_id"] == r["step_id"] for r in agreements)
+    rows = {"v1": 4, "mrv2": 6}[EXPECTED_RUNNER] + 5
+    assert all(r["shapes"] == [[rows, 2]] and r["agreed"]["step_id"] == r["step_id"] for r in agreements)
+    sent = [r for r in idle if r["event"] == "collective" and r["group"] == "dp" and r["stage"] == "enqueue"]
+    decode_len = 1 + (c.K if CASES[case][1] else 0)  # vLLM's dummy: one uniform decode row of 1+K tokens
+    assert {r["sent"]["num_tokens"] for r in sent if r["step_id"] in dummies and r["phase"] == 1} == {decode_len}
     code, verdicts = c.replay_json(run_dir)
     assert (code, verdicts) == (0, [])
 
 
+@pytest.mark.skipif(EXPECTED_RUNNER == "mrv2", reason="no DP drafting case on MRV2 (vLLM's own failure,"
+                    " held by test_vllm_mrv2_dp_drafts.py)")
 def test_draft_agreements_counted_per_step_and_rank(suite):
     _, run_dirs = suite
     run_dir = run_dirs[IDS.index("mixtral-draft_model-k2")]
@@ -95,6 +105,8 @@ def test_draft_agreements_counted_per_step_and_rank(suite):
     assert all(per_rank[1][(s, 2)] == 1 and per_rank[1][(s, 3)] == 1 for s in steps)
 
 
+@pytest.mark.skipif(EXPECTED_RUNNER == "mrv2", reason="no DP drafting case on MRV2 (vLLM's own failure,"
+                    " held by test_vllm_mrv2_dp_drafts.py)")
 def test_scheduled_drafts_checked_against_proposals(suite):
     _, run_dirs = suite
     run_dir = run_dirs[IDS.index("mixtral-draft_model-k2")]

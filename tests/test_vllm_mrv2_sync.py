@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch.multiprocessing as mp
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
 
 
 def _case(sync, desc_cls, mode_none, dp_rank, tokens, reqs):

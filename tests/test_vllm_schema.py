@@ -12,7 +12,7 @@ import pytest
 from runner_fsm.integrations.vllm import schema
 from runner_fsm.integrations.vllm.errors import UnsupportedFeatureError, VLLMSchemaError
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
 
 
 def fsm_worker():

@@ -10,6 +10,7 @@ prefill and decode transitions, and its journal must hold what vLLM decided per 
 from __future__ import annotations
 
 import pytest
+from conftest import EXPECTED_RUNNER
 from vllm_checks import assert_replays_sound, records, transitions
 
 from runner_fsm.integrations.vllm import harness as h
@@ -32,11 +33,28 @@ def _structured(llm) -> dict[str, list[int]]:
     return {f"so{i}": list(o.outputs[0].token_ids) for i, o in enumerate(outs)}
 
 
+# Triton's interpreter cannot run MRV2's grammar-bitmask kernel ("mask has unsupported dtype", in
+# vLLM's default worker as in FSMWorker): structured output is checked in the V1 leg only.
+STRUCTURED = EXPECTED_RUNNER == "v1"
+# The model runner class vLLM built, by leg (V1's CPU runner, or MRV2's CPU subclass).
+RUNNER_CLASSES = {"v1": "vllm.v1.worker.cpu_model_runner.CPUModelRunner",
+                  "mrv2": "vllm.v1.worker.cpu.model_runner.CPUModelRunner"}
+
+
+def _runner_of(worker) -> tuple[str, str | None]:
+    cls = type(worker.model_runner)
+    adapter = getattr(worker, "runner_adapter", None)
+    return f"{cls.__module__}.{cls.__qualname__}", adapter.name if adapter is not None else None
+
+
 def _run(model_dir: str, **kwargs) -> dict[str, list[int]]:
     with h.open_llm(**h.llm_kwargs(model_dir, **kwargs)) as llm:
+        runner_class, adapter = h.worker_call(llm, _runner_of)[0]
+        assert runner_class == RUNNER_CLASSES[EXPECTED_RUNNER]
+        assert adapter == (EXPECTED_RUNNER if kwargs.get("worker", h.FSM_WORKER) else None)
         greedy, _ = h.generate(llm, GREEDY)
         seeded, _ = h.generate(llm, SEEDED)
-        structured = _structured(llm)
+        structured = _structured(llm) if STRUCTURED else {}
     return {**greedy, **seeded, **structured}
 
 
@@ -48,7 +66,7 @@ def test_fsm_worker_equals_default_worker(vllm_models, arch, tmp_path):
     outputs = _run(model, run_dir=str(run_dir))
     assert outputs == reference
     assert all(len(outputs[r.req_id]) == r.max_new_tokens for r in GREEDY + SEEDED)
-    assert all(len(outputs[f"so{i}"]) == 1 and 10 <= outputs[f"so{i}"][0] <= 19 for i in range(2))
+    assert not STRUCTURED or all(len(outputs[f"so{i}"]) == 1 and 10 <= outputs[f"so{i}"][0] <= 19 for i in range(2))
     triggers = transitions(run_dir)
     assert triggers[:2] == ["capture", "captured"] and triggers[-1] == "shutdown"
     assert triggers.count("prefill") >= 3 and triggers.count("decode") >= 5

@@ -16,8 +16,9 @@ def transitions(run_dir, rank: int = 0) -> list[str]:
     return [r["trigger"] for r in records(run_dir, rank) if r["event"] == "transition"]
 
 
-def assert_replays_sound(run_dir) -> None:
+def assert_replays_sound(run_dir):
     from runner_fsm.audit.replay import replay
 
     report = replay(run_dir)
     assert report.sound, report.format()
+    return report

@@ -16,7 +16,7 @@ hashes are read back after the step, never before a graph replay.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable, NamedTuple
 
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.log import AuditBatch
@@ -26,6 +26,11 @@ from runner_fsm.integrations.vllm.probe import resolve
 from runner_fsm.states import State, Trigger
 
 CAPTURE_STEP = -1
+
+
+class _Later(NamedTuple):
+    read: Callable[[], Any]
+
 STEP_TRIGGERS = {"prefill": Trigger.PREFILL, "decode": Trigger.DECODE, "idle": Trigger.IDLE}
 
 
@@ -83,6 +88,12 @@ class ReplicaRecorder:
         if self._entry is not None:
             self._entry.update(fields)
 
+    def note_later(self, name: str, read: Callable[[], Any]) -> None:
+        """A journal field whose value exists only after the step (an async output vLLM's engine
+        resolves later): `read()` when the entry is written, dropped if it is still None then."""
+        if self._entry is not None:
+            self._entry[name] = _Later(read)
+
     def end_step(self, drafted: bool = False) -> None:
         """The step's forwards are over. Its records (buffers and graph records, `draft` when
         the drafter ran — proposals, or its dummy run on an idle replica — and `finish`) are
@@ -121,6 +132,13 @@ class ReplicaRecorder:
     def _flush_entry(self) -> None:
         entry, self._entry = self._entry, None
         if entry is not None and self.journal is not None:
+            for name, value in list(entry.items()):
+                if type(value) is _Later:
+                    resolved = value.read()
+                    if resolved is None:
+                        del entry[name]
+                    else:
+                        entry[name] = resolved
             self.journal.write(entry)
 
     # -- faults and the end -----------------------------------------------------------

@@ -136,9 +136,13 @@ class FSMWorkerMixin:
             return super().sample_tokens(grammar_output)
         try:
             out = super().sample_tokens(grammar_output)
-            sampled = getattr(out, "sampled_token_ids", None)  # async outputs stay on the device
+            sampled = getattr(out, "sampled_token_ids", None)
             if isinstance(sampled, list):
                 rec.note(sampled=sampled)
+            elif (output := getattr(out, "model_runner_output", None)) is not None:
+                # An async output (MRV2): its tokens are copied and listed by vLLM's engine
+                # (`get_output()`) after this call, before the next step: read them then.
+                rec.note_later("sampled", lambda: getattr(output, "sampled_token_ids", None) or None)
             rec.end_step(drafted=self.drafting)
             return out
         except BaseException as error:
