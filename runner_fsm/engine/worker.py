@@ -22,6 +22,7 @@ except NameError:  # Python 3.10: anyio depends on the backport
 
 from runner_fsm import flight_recorder
 from runner_fsm.audit import AuditLog
+from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.collectives import CollectiveRunner
 from runner_fsm.dp import GlooAgreement
 from runner_fsm.engine.config import MISSING_MODEL, EngineConfig
@@ -91,7 +92,9 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
     dp_rank, pcp_rank = (groups.dp_rank, groups.pcp_rank) if groups else (0, 0)
     global_rank = cfg.layout.global_rank(dp_rank, pcp_rank)
     rc = cfg.runner_config()
-    audit = AuditLog(cfg.run_dir, cfg.run_id, global_rank, dp_rank, pcp_rank)
+    layout = cfg.layout
+    audit = AuditLog(cfg.run_dir, cfg.run_id, global_rank, dp_rank, pcp_rank,
+                     shape=job_shape_fields(layout.dp_size, layout.pcp_size, dp_rank, pcp_rank))
     model, drafter = _model_and_drafter(cfg, groups)
     replica = Replica(
         rc, dp_rank=dp_rank, pcp_rank=pcp_rank, model=model, drafter=drafter,
