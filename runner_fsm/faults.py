@@ -52,15 +52,67 @@ class Injection:
 
 
 class Injector:
-    """Answers, at each decision point, whether a fault is due on this replica now."""
+    """Answers, at each decision point, whether a fault is due on this replica now, and
+    remembers which injections it applied (`fired`), so that one that never applied is said."""
 
     def __init__(self, injections: Iterable[Injection] = ()):
         self.injections = tuple(injections)
+        self.fired: set[Injection] = set()
 
     def due(self, kind: str, dp_rank: int, step_id: int) -> bool:
         if kind not in KINDS:
             raise ValueError(f"unknown fault kind {kind!r}")
-        return any(i.kind == kind and i.replica == dp_rank and i.step == step_id for i in self.injections)
+        for injection in self.injections:
+            if injection.kind == kind and injection.replica == dp_rank and injection.step == step_id:
+                self.fired.add(injection)
+                return True
+        return False
+
+    def not_fired(self, dp_rank: int) -> tuple[Injection, ...]:
+        """This replica's injections that never applied."""
+        return tuple(i for i in self.injections if i.replica == dp_rank and i not in self.fired)
+
+
+# What a step must be for each kind to apply, beyond being replica R's step S.
+_NEEDS_REAL = frozenset({"wrong-dispatch-count", "pcp-divergence"})
+_NEEDS_DUMMY = frozenset({"skip-dummy-forward", "skip-buffer-refresh", "stale-pcp-context"})
+
+
+def why_not_fired(injection: Injection, seen: tuple[str, bool] | None, last_step: int | None) -> str:
+    """Why `injection` never applied, in words. `seen`: (state, all_idle) of its replica at its
+    step (state prefill, decode or idle_dummy; all_idle: every replica was idle), None when the
+    replica never ran that step; `last_step`: the replica's last step."""
+    r, s = injection.replica, injection.step
+    if seen is None:
+        ended = f"its run ended at step {last_step}" if last_step is not None else "it ran no step"
+        return f"replica {r} never reached step {s}: {ended}"
+    state, all_idle = seen
+    if injection.kind in _NEEDS_REAL and state == "idle_dummy":
+        return f"replica {r} was idle at step {s} ({injection.kind} applies to a step that runs a batch)"
+    if injection.kind in _NEEDS_DUMMY and state != "idle_dummy":
+        return f"replica {r} was not idle at step {s} (it ran a {state} step; {injection.kind} applies to a dummy step)"
+    if all_idle:
+        return f"every replica was idle at step {s}, so no forward ran"
+    if injection.kind == "stale-pcp-context":
+        return f"replica {r} had run no real batch before step {s}, so it had no saved PCP context to reuse"
+    return f"replica {r} ran a {state} step at step {s}, where {injection.kind} found nothing to act on"
+
+
+def static_problem(injection: Injection, dp_size: int, pcp_size: int, spec_tokens: int) -> str | None:
+    """Why `injection` can never apply in a run of this shape (None: it may)."""
+    if injection.replica >= dp_size:
+        return f"--inject {injection}: there is no replica {injection.replica} (dp_size is {dp_size})"
+    if injection.kind == "skip-draft-sync" and spec_tokens < 1:
+        return f"--inject {injection}: the run drafts nothing (num_speculative_tokens=0), so there is no draft sync to skip"
+    if injection.kind == "draft-count-mismatch" and spec_tokens < 2:
+        return (f"--inject {injection}: needs num_speculative_tokens >= 2 (a draft-decode forward to drop),"
+                f" got {spec_tokens}")
+    if injection.kind == "pcp-divergence" and pcp_size < 2:
+        return f"--inject {injection}: needs pcp_size >= 2 (PCP ranks to diverge), got {pcp_size}"
+    if injection.kind == "wrong-dispatch-count" and pcp_size < 2:
+        return (f"--inject {injection}: needs pcp_size >= 2 (with one PCP rank the global token count is"
+                f" the PCP-local one: nothing would be wrong), got {pcp_size}")
+    return None
 
 
 NO_FAULTS = Injector()

@@ -241,7 +241,7 @@ class Replica:
     def _dummy_context(self, rows: int) -> tuple[PCPAttentionContext, dict]:
         """The dummy's own context and its identity; anything else (a saved real one) is refused
         by the rule replay applies too (`checks.context_problem`), with the evidence on record."""
-        if self.fault_due("stale-pcp-context") and self.contexts.last_real is not None:
+        if self.contexts.last_real is not None and self.fault_due("stale-pcp-context"):
             ctx = self.contexts.last_real  # injected: the hand-off bug this runner prevents
             built_for = self._last_real_context_step
         else:

@@ -218,7 +218,7 @@ def test_concurrent_writers_keep_seq_gapless_and_lines_whole(log):
         assert mine == list(range(per_thread))
 
 
-def test_golden_same_script_gives_same_file_except_times(tmp_path):
+def test_same_script_twice_gives_same_file_except_times(tmp_path):
     def run(run_dir: Path) -> Path:
         with AuditLog(run_dir, "golden", global_rank=2, dp_rank=1, pcp_rank=0) as audit:
             audit.transition(None, "capture", "init", "capturing", "ok")

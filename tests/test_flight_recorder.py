@@ -75,6 +75,16 @@ def _plain_job(out_dir, counts):
 
 
 @pytest.mark.multiproc
+def test_flight_recorder_only_names_a_plain_job_s_rank_without_a_dump(tmp_path):
+    _plain_job(tmp_path, [4, 4, 3, 4])  # rank 2 skips one of four
+    (tmp_path / "fr-rank-1.json").unlink()
+    report = replay(tmp_path)
+    assert [(v.kind, v.ranks) for v in report.verdicts] == [("missing_rank", (1,)), ("hang", (2,))]
+    # torch 2.13's gloo groups leave pg_config empty: the ranks come from the file names, said so
+    assert "no group membership" in report.summary.notes[0]
+
+
+@pytest.mark.multiproc
 @pytest.mark.parametrize("counts, behind", [([3, 3, 2], (2,)),  # rank 2 stops before its 3rd
                                             ([4, 3, 4], (1,))])  # rank 1 skips one of four
 def test_flight_recorder_only_names_the_rank_behind(tmp_path, counts, behind):
@@ -132,6 +142,29 @@ def test_flight_recorder_alone_names_the_same_ranks(hang_run, tmp_path):
     report = replay(tmp_path)
     assert sorted(r for v in report.verdicts if v.kind == "hang" for r in v.ranks) == [2, 3]
     assert all(v.evidence == ("flight_recorder",) for v in report.verdicts)
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("rank", [0, 3])
+def test_a_rank_with_neither_log_nor_dump_is_a_missing_rank(hang_run, tmp_path, rank):
+    shutil.copytree(hang_run, tmp_path / "run")
+    (tmp_path / "run" / f"rank-{rank}.jsonl").unlink()
+    (tmp_path / "run" / f"fr-rank-{rank}.json").unlink()
+    missing = [v for v in replay(tmp_path / "run").verdicts if v.kind == "missing_rank"]
+    assert [(v.replica, v.ranks) for v in missing] == [(rank // 2, (rank,))]
+    assert f"rank {rank} (replica {rank // 2}, PCP rank {rank % 2}) left no audit log" in missing[0].detail
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("rank", [0, 1, 3])
+def test_the_runner_s_dumps_alone_name_a_rank_without_a_dump(hang_run, tmp_path, rank):
+    for dump in hang_run.glob("fr-rank-*.json"):
+        if dump.name != f"fr-rank-{rank}.json":
+            shutil.copy(dump, tmp_path)
+    report = replay(tmp_path)
+    missing = [v for v in report.verdicts if v.kind == "missing_rank"]
+    assert [v.ranks for v in missing] == [(rank,)] and report.exit_code == 1
+    assert "lists it in group" in missing[0].detail
 
 
 @pytest.mark.multiproc

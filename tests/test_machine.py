@@ -20,17 +20,66 @@ def _force(machine: ReplicaMachine, state: State) -> None:
     machine.core.force(state)  # test-only: start from any state
 
 
-@pytest.mark.parametrize("src, trigger", [(s, t.trigger) for t in TRANSITIONS for s in t.sources])
+# Every legal edge (src, trigger, dst), written out by hand from DESIGN section 6, not read from
+# the table under test: a changed table fails here until this list is changed with it.
+EXPECTED_EDGES = [
+    ("init", "capture", "capturing"),
+    ("capturing", "captured", "ready"),
+    ("ready", "prefill", "prefill"),
+    ("ready", "decode", "decode"),
+    ("ready", "idle", "idle_dummy"),
+    ("prefill", "draft", "draft_sync"),
+    ("decode", "draft", "draft_sync"),
+    ("idle_dummy", "draft", "draft_sync"),
+    ("prefill", "finish", "ready"),
+    ("decode", "finish", "ready"),
+    ("idle_dummy", "finish", "ready"),
+    ("draft_sync", "finish", "ready"),
+    ("init", "fault", "faulted"),
+    ("capturing", "fault", "faulted"),
+    ("ready", "fault", "faulted"),
+    ("prefill", "fault", "faulted"),
+    ("decode", "fault", "faulted"),
+    ("idle_dummy", "fault", "faulted"),
+    ("draft_sync", "fault", "faulted"),
+    ("init", "shutdown", "stopped"),
+    ("ready", "shutdown", "stopped"),
+    ("faulted", "shutdown", "stopped"),
+]
+
+
+@pytest.mark.parametrize("src, trigger, dst", EXPECTED_EDGES)
 @pytest.mark.asyncio
-async def test_every_legal_transition(src, trigger):
+async def test_every_legal_transition(src, trigger, dst):
+    src, trigger, dst = State(src), Trigger(trigger), State(dst)
     machine, records = _recording_machine()
     _force(machine, src)
     if trigger is Trigger.FAULT:
         await machine.fault(RuntimeError("injected"))
     else:
         await machine.fire(trigger)
-    assert machine.state is next_state(src, trigger)
-    assert records[-1] == (trigger, src, machine.state, "ok")
+    assert machine.state is dst
+    assert records[-1] == (trigger, src, dst, "ok")
+
+
+def test_the_table_has_exactly_the_expected_edges():
+    table = {(src.value, t.trigger.value, t.dest.value) for t in TRANSITIONS for src in t.sources}
+    assert table == set(EXPECTED_EDGES), (f"missing: {set(EXPECTED_EDGES) - table}; unexpected:"
+                                          f" {table - set(EXPECTED_EDGES)}")
+
+
+_LEGAL = {(src, trigger) for src, trigger, _ in EXPECTED_EDGES}
+
+
+@pytest.mark.parametrize("src, trigger", [(s, t) for s in State for t in Trigger
+                                          if t is not Trigger.FAULT and (s.value, t.value) not in _LEGAL])
+@pytest.mark.asyncio
+async def test_every_other_trigger_is_refused(src, trigger):
+    machine, records = _recording_machine()
+    _force(machine, src)
+    with pytest.raises(TransitionRefused):
+        await machine.fire(trigger)
+    assert machine.state is src and records == [(trigger, src, src, "refused")]
 
 
 @pytest.mark.parametrize("src, trigger", [

@@ -67,3 +67,27 @@ def test_graph_form_agrees_with_blocked_eager_form():
     q, cache, inputs, _ = _case()
     diff = (graph_attention(q, 0, cache, inputs) - eager_attention(q, 0, cache, inputs)).abs().max()
     assert float(diff) < 1e-12
+
+
+def test_attention_is_computed_in_query_blocks_against_causal_key_prefixes(monkeypatch):
+    """The blocking itself, not only its result: every score block is at most QUERY_BLOCK rows
+    against the keys up to its last row's position (block counts and shapes written out by hand
+    for the case's segments), so the largest score matrix is bounded by the block, and the
+    scores computed are fewer than in the full [rows, seq_len] matrices (about half for a fresh prompt)."""
+    q, cache, inputs, segments = _case()
+    calls = []
+
+    def recording(q_rows, keys, values, mask):
+        calls.append((q_rows.shape[0], keys.shape[0]))
+        return grouped_attention(q_rows, keys, values, mask)
+
+    monkeypatch.setattr(attention, "grouped_attention", recording)
+    eager_attention(q, 0, cache, inputs)
+    assert attention.QUERY_BLOCK == 256  # the shapes below are for this block size
+    # (query rows, keys) per block: the 700-row chunk from position 300, the 530-row prompt, the decode row
+    assert calls == [(256, 556), (256, 812), (188, 1000),
+                     (256, 256), (256, 512), (18, 530),
+                     (1, 91)]
+    full = sum(rows * (start + rows) for start, rows, _ in segments)
+    assert sum(r * k for r, k in calls) < 0.8 * full  # 0.76 here: the chunk from position 300 sees 300 keys more
+    assert max(r * k for r, k in calls) <= attention.QUERY_BLOCK * max(start + rows for start, rows, _ in segments)

@@ -100,6 +100,29 @@ def test_routed_exchange_dp2_pcp2_matches_dense_reference():
     assert sent_rows[1] <= 2 and sent_rows[1] >= 1, sent_rows
     assert sum(results[1]["fanout"]) == 0 and sum(results[0]["fanout"]) >= 2, [r["fanout"] for r in results]
     assert sum(results[3]["counts"]) <= 2, "rank 3 has one real row: at most top_k entries"
+    _check_bytes_sent(results)
+
+
+# Bytes, written out from the wire format (model/exchange.py) for this case: H=16, k=2, float64,
+# world 4. A dispatched entry is [hidden, weights, ids, tag] = 21 values, a returned result
+# [hidden, tag] = 17; the routed header is 5 + 2 * 4 int64 fields to each of 3 peers.
+ENTRY, RESULT, ROUTED_HEADER = 21 * 8, 17 * 8, 13 * 8 * 3
+# The all-gather exchange: each rank's 5 padded rows of [hidden, weights, ids] = 20 values to
+# each of 3 peers, then its share of a ring all_reduce of the [4 * 5, 16] result (2 * 3 * 5 * 16
+# values), and a header of 5 int64 fields to each peer.
+ALL_GATHER = 3 * 5 * 20 * 8 + 2 * 3 * 5 * 16 * 8 + 5 * 8 * 3
+
+
+def _check_bytes_sent(results):
+    for me, res in enumerate(results):
+        dispatched = sum(c for dest, c in enumerate(res["counts"]) if dest != me)
+        received = sum(r["counts"][me] for peer, r in enumerate(results) if peer != me)
+        # every entry received from a peer goes back to it (a replicated row's to each PCP rank)
+        assert res["sent"] >= dispatched * ENTRY + received * RESULT + ROUTED_HEADER, (me, res)
+        assert res["sent"] < ALL_GATHER, f"rank {me} sent {res['sent']} bytes, the all-gather exchange {ALL_GATHER}"
+    # rank 3 has one real row: at most 2 entries out, and what comes back for others' rows
+    assert results[3]["sent"] <= 2 * ENTRY + sum(r["counts"][3] for r in results[:3]) * RESULT \
+        + sum(r["fanout"][3] for r in results[:3]) * RESULT + ROUTED_HEADER
 
 
 def test_splits_return_replicated_results_to_every_pcp_rank():

@@ -32,3 +32,14 @@ def test_skipped_draft_sync_is_named_with_replica_1_at_step_1(tmp_path, capsys):
     assert "skipped all_reduce DRAFT_PREFILL" in first["detail"]
     # the desync the runner caught online is listed too, after its cause
     assert {(v["kind"], v["replica"], v["step"]) for v in verdicts[1:]} == {("fault", 0, 1), ("fault", 1, 2)}
+
+
+@pytest.mark.parametrize("deleted", [(0,), (3,), (2, 3)])
+def test_a_deleted_log_of_a_real_run_is_a_missing_rank(tmp_path, capsys, deleted):
+    spawn(run_script, LAYOUT, str(tmp_path), CONFIG, SCRIPT, timeout_s=60)
+    for rank in deleted:
+        (tmp_path / f"rank-{rank}.jsonl").unlink()
+    assert main(["replay", str(tmp_path), "--json"]) == 1
+    verdicts = json.loads(capsys.readouterr().out)["verdicts"]
+    assert [(v["kind"], v["replica"], v["ranks"]) for v in verdicts] == [
+        ("missing_rank", rank // 2, [rank]) for rank in deleted]

@@ -104,8 +104,8 @@ def test_deadlock_names_the_replica_that_skipped_ahead(tmp_path):
 def test_gap_says_which_file_and_line(tmp_path):
     report = _judge(tmp_path, defects=[Defect("gap", 1, 2)])
     files = {(v.file, v.line) for v in report.verdicts}
-    assert files == {("rank-2.jsonl", 45), ("rank-3.jsonl", 45)}, report.format()
-    assert "seq 44 missing: seq jumps from 43 to 45" in report.verdicts[0].detail
+    assert files == {("rank-2.jsonl", 46), ("rank-3.jsonl", 46)}, report.format()  # line 1: the job's shape
+    assert "seq 45 missing: seq jumps from 44 to 46" in report.verdicts[0].detail
 
 
 def test_fault_of_the_replica_that_failed_comes_before_relayed_ones(tmp_path):
@@ -151,7 +151,7 @@ def test_seek_step_finds_the_first_line_of_a_step_by_bisection(tmp_path):
         offset += len(line)
     assert len(data) > 4 * (1 << 16)  # large enough for the bisection to take several rounds
     for target in (-3, -1, 0, 1, 137, 398, 399, 400):
-        line = next((i for i, step in enumerate(steps) if step >= target), len(starts))
+        line = next((i for i, step in enumerate(steps) if step is not None and step >= target), len(starts))
         want = starts[line] if line < len(starts) else len(data)
         assert seek_step(path, target) == want, target
         assert newlines_before(path, want) == line  # the line numbers a range reports

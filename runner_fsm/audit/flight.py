@@ -82,21 +82,31 @@ def read_dumps(run_dir: str | os.PathLike[str]) -> dict[int, RankDump]:
 
 
 def read_dump(path: Path, rank: int) -> RankDump:
+    """One dump; `ReplayInputError` (one line, exit status 2) when it cannot be read as one."""
     try:
         document = json.loads(path.read_bytes())
     except (OSError, ValueError) as err:
         raise ReplayInputError(f"cannot read Flight Recorder dump {path}: {err}") from err
     if not isinstance(document, dict):
         raise ReplayInputError(f"{path}: a Flight Recorder dump is a JSON object")
+    try:
+        return _parse_dump(document, path, rank)
+    except (LookupError, TypeError, ValueError, AttributeError) as err:
+        raise ReplayInputError(f"{path}: malformed Flight Recorder dump ({type(err).__name__}: {err})") from None
+
+
+def _parse_dump(document: dict, path: Path, rank: int) -> RankDump:
     dump = RankDump(rank, path.name)
     trace = document
     if "trace" in document:  # the runner's dump: torch's trace plus the audit names of its groups
         trace, dump.reason = document["trace"], document.get("reason")
         for name, group in (document.get("groups") or {}).items():
             dump.names[str(group["pg_name"])] = name
-            dump.members[str(group["pg_name"])] = tuple(group["ranks"])
+            dump.members[str(group["pg_name"])] = tuple(int(r) for r in group["ranks"])
     if not isinstance(trace, dict) or not isinstance(trace.get("entries", []), list):
         raise ReplayInputError(f"{path}: no Flight Recorder `entries` list (is it a torch FR JSON dump?)")
+    for pg, ranks in _configured_members(trace.get("pg_config")).items():
+        dump.members.setdefault(pg, ranks)
     pg_names: dict[str, str] = {}  # pg_status is keyed by pg_id, entries name their group
     for raw in trace.get("entries", []):
         if raw.get("is_p2p"):
@@ -113,6 +123,20 @@ def read_dump(path: Path, rank: int) -> RankDump:
         if pg is not None:  # the counter outlives entries evicted from the ring buffer
             dump.enqueued[pg] = max(dump.enqueued[pg], int(status.get("last_enqueued_collective", 0)))
     return dump
+
+
+def _configured_members(pg_config) -> dict[str, tuple[int, ...]]:
+    """{pg name: member ranks} from torch's `pg_config` ({name: {"desc", "ranks": "[0, 1]"}}).
+    torch fills it where the backend registers its groups (NCCL); gloo in torch 2.13 leaves one
+    entry with no name and no ranks, which says nothing."""
+    members = {}
+    for pg, config in (pg_config or {}).items():
+        ranks = config.get("ranks")
+        if isinstance(ranks, str):
+            ranks = json.loads(ranks or "[]")
+        if str(pg) and ranks:
+            members[str(pg)] = tuple(int(r) for r in ranks)
+    return members
 
 
 @dataclasses.dataclass(frozen=True)
@@ -246,12 +270,45 @@ def flight_only(run_dir: str | os.PathLike[str]) -> bool:
     return bool(dump_paths(directory)) and not any(directory.glob("rank-*.jsonl"))
 
 
+NO_MEMBERSHIP_NOTE = ("the dumps record no group membership (torch's gloo backend leaves pg_config empty):"
+                      " the ranks are taken to be 0..{last} from the dumps' file names, so a missing dump of"
+                      " a rank above {last} cannot be seen")
+
+
+def named_ranks(dumps: dict[int, RankDump]) -> dict[int, str]:
+    """Every rank the dumps show to be in the job, with the evidence in words: the members of
+    each group (the runner's group names, torch's pg_config) and, since global ranks count from
+    0, every rank below the highest one that dumped."""
+    named: dict[int, str] = {}
+    for dump in sorted(dumps.values(), key=lambda d: d.rank):
+        for pg, ranks in dump.members.items():
+            for rank in ranks:
+                named.setdefault(rank, f"{dump.file} lists it in group {dump.names.get(pg, f'pg {pg}')}"
+                                       f" (ranks {_ids(ranks)})")
+    last = max(dumps, default=-1)
+    for rank in range(last + 1):
+        named.setdefault(rank, f"rank {last} dumped, and global ranks count from 0")
+    return named
+
+
+def missing_dump_verdicts(dumps: dict[int, RankDump]) -> list[Verdict]:
+    """`missing_rank` for each rank the dumps name that left no dump of its own."""
+    return [Verdict("missing_rank", None, None, f"rank {rank} left no Flight Recorder dump, though {why};"
+                    f" what it issued cannot be compared with its peers", (rank,), f"fr-rank-{rank}.json",
+                    evidence=EVIDENCE)
+            for rank, why in sorted(named_ranks(dumps).items()) if rank not in dumps]
+
+
 def replay_flight_only(run_dir: str | os.PathLike[str]) -> ReplayReport:
     """Judge a run from its Flight Recorder dumps alone (no replicas known: `replica` is None)."""
     dumps = read_dumps(run_dir)
     entries = sum(len(seqs) for dump in dumps.values() for seqs in dump.entries.values())
-    summary = RunSummary(str(run_dir), len(dumps), 0, 0, entries, None, None)
-    return ReplayReport(summary, sort_verdicts(divergence_verdicts(dumps)))
+    named = named_ranks(dumps)
+    notes = ()
+    if not any(dump.members for dump in dumps.values()):
+        notes = (NO_MEMBERSHIP_NOTE.format(last=max(dumps)),)
+    summary = RunSummary(str(run_dir), len(dumps), 0, 0, entries, None, None, len(named), notes)
+    return ReplayReport(summary, sort_verdicts(missing_dump_verdicts(dumps) + divergence_verdicts(dumps)))
 
 
 def _ids(ranks) -> str:

@@ -12,7 +12,9 @@ What the join adds to a replay:
 - a collective that gloo matched across ranks (same seq) while the audit log shows the ranks
   ran it for different steps or phases (a skipped collective, caught one later) is named on
   the verdict of that step;
-- `source_disagreement`: the two sources count a rank's collectives differently.
+- `source_disagreement`: the two sources count a rank's collectives differently;
+- `missing_rank`: a rank the dumps name (by its own dump or as a member of a group) that left
+  no audit log, when the logs' own job shape did not name it already (logs of an older writer).
 Verdicts that used the dumps carry `evidence` ("audit", "flight_recorder").
 Only the tail of each audit log is read: memory stays flat in the size of the logs.
 """
@@ -25,7 +27,7 @@ from collections.abc import Iterable
 
 import orjson
 
-from runner_fsm.audit.flight import RankDump, describe, group_views, in_flight, read_dumps
+from runner_fsm.audit.flight import RankDump, describe, group_views, in_flight, named_ranks, read_dumps
 from runner_fsm.audit.mapped import data_end
 from runner_fsm.audit.read import RankInfo, discover
 from runner_fsm.audit.report import ReplayReport, Verdict, sort_verdicts
@@ -90,7 +92,7 @@ def join_flight_recorder(report: ReplayReport, run_dir: str | os.PathLike[str]) 
         return report
     tails = {info.global_rank: read_tail(info) for info in discover(run_dir)}
     verdicts = list(report.verdicts)
-    found: list[Verdict] = []
+    found: list[Verdict] = _missing_logs(dumps, tails, verdicts)
     for view in group_views(dumps):
         name = next((dumps[r].names.get(view.pg) for r in view.members if view.pg in dumps[r].names), None)
         if name is None:
@@ -107,6 +109,16 @@ def join_flight_recorder(report: ReplayReport, run_dir: str | os.PathLike[str]) 
             verdicts = _annotate_hang(verdicts, dumps, view, name, seq, tails, steps, f" (audit pg_seq {seq - 1})")
         verdicts = _annotate_rematched(verdicts, dumps, view, name, tails)
     return dataclasses.replace(report, verdicts=sort_verdicts(verdicts + found))
+
+
+def _missing_logs(dumps: dict[int, RankDump], tails: dict[int, AuditTail], verdicts) -> list[Verdict]:
+    """`missing_rank` for each rank the dumps name that has no audit log (and no verdict yet)."""
+    known = {rank for v in verdicts if v.kind == "missing_rank" for rank in v.ranks}
+    pcp_size = 1 + max((tail.info.pcp_rank for tail in tails.values()), default=0)
+    return [Verdict("missing_rank", rank // pcp_size, None, f"rank {rank} left no audit log, though"
+                    f" {'it left a Flight Recorder dump' if rank in dumps else why}; nothing it did can be judged",
+                    (rank,), f"rank-{rank}.jsonl", evidence=BOTH)
+            for rank, why in sorted(named_ranks(dumps).items()) if rank not in tails and rank not in known]
 
 
 def _seq_of_interest(dumps, view) -> int | None:

@@ -35,7 +35,8 @@ _RESERVED = frozenset(HEADER_FIELDS)
 TIME_FIELDS = ("t_ns",)
 COLLECTIVE_STAGES = ("enqueue", "done")
 GRAPH_ACTIONS = ("capture", "replay")
-EVENTS = frozenset({"transition", "collective", "buffers", "graph", "context", "fault"})
+# `job`: the job's shape, the first record of a log (`audit.shape`); the others as DESIGN section 7.
+EVENTS = frozenset({"job", "transition", "collective", "buffers", "graph", "context", "fault"})
 # A transition's fields are a few names from small sets: each body is rendered once.
 _TRANSITION_BODIES: dict[tuple[str, str, str, str], bytes] = {}
 
@@ -164,7 +165,13 @@ class AuditLog(_Records):
         global_rank: int,
         dp_rank: int,
         pcp_rank: int,
+        *,
+        shape: Mapping[str, Any] | None = None,
     ):
+        """`shape`: the job's shape (`audit.shape.job_shape_fields`), written as record 0 so
+        that replay knows every rank the job has, whichever logs it finds."""
+        if shape is not None and shape.keys() & _RESERVED:
+            raise ValueError(f"job record: fields {sorted(shape.keys() & _RESERVED)} are reserved")
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = log_path(run_dir, global_rank)
         self._file = _open_exclusive(self.path)
@@ -180,6 +187,8 @@ class AuditLog(_Records):
         self._next_seq = 0
         self._closed = False
         self._render = RecordRenderer(SCHEMA_VERSION, self._run_id, self._dp_rank, self._pcp_rank).line
+        if shape is not None:
+            self._emit("job", None, dict(shape))
 
     @property
     def next_seq(self) -> int:

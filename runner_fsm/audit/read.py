@@ -2,8 +2,9 @@
 steps merged by step id.
 
 - `discover`: each `rank-<global_rank>.jsonl` with its coordinates, taken from its own records
-  (`dp_rank`, `pcp_rank`); a file with no readable record (killed before its first line was
-  complete) gets them from its global rank and the PCP size its siblings show.
+  (`dp_rank`, `pcp_rank`), and the job's shape its first record declares (`audit.shape`); a
+  file with no readable record (killed before its first line was complete) gets them from its
+  global rank and the PCP size of the shape, or, in logs written without one, of its siblings.
 - `Groups`: which ranks must issue the same collectives. The instance of a group a rank is in
   follows from the layout: `dp` is one group per PCP rank over the replicas (the DP
   agreement's), `pcp` one group per replica over its PCP ranks, anything else (`expert`, ...)
@@ -32,6 +33,7 @@ import re
 import orjson
 
 from runner_fsm.audit.report import ReplayInputError
+from runner_fsm.audit.shape import JOB_EVENT, JobShape
 
 
 RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
@@ -46,6 +48,7 @@ class RankInfo:
     dp_rank: int
     pcp_rank: int
     path: Path
+    shape: JobShape | None = None  # the job as this log's first record declares it
 
     @property
     def file(self) -> str:
@@ -66,30 +69,44 @@ def discover(run_dir: str | os.PathLike[str]) -> list[RankInfo]:
     ranked = sorted((int(m[1]), directory / name) for name in names if (m := RANK_FILE.match(name)))
     if not ranked:
         raise ReplayInputError(f"no rank-<global_rank>.jsonl files in {directory}; is it a run directory?")
-    probed = {rank: _probe_coords(path) for rank, path in ranked}
-    pcp_size = 1 + max((coords[1] for coords in probed.values() if coords), default=0)
-    return [RankInfo(rank, *(probed[rank] or divmod(rank, pcp_size)), path) for rank, path in ranked]
+    probed = {rank: _probe(path) for rank, path in ranked}
+    shape = next((shape for _, shape in probed.values() if shape is not None), None)
+    pcp_size = shape.pcp_size if shape is not None else \
+        1 + max((coords[1] for coords, _ in probed.values() if coords), default=0)
+    return [RankInfo(rank, *(probed[rank][0] or divmod(rank, pcp_size)), path, probed[rank][1])
+            for rank, path in ranked]
 
 
-def _probe_coords(path: Path) -> tuple[int, int] | None:
-    """(dp_rank, pcp_rank) from the first record that has both, or None."""
+def _probe(path: Path) -> tuple[tuple[int, int] | None, JobShape | None]:
+    """(dp_rank, pcp_rank) from the first record that has both (or None), and the job's shape
+    when the first line is a `job` record (or None: a log of a writer that logs no shape)."""
+    coords = shape = None
     try:
         with open(path, "rb") as lines:
-            for raw in islice(lines, _PROBE_LINES):
+            for line_no, raw in enumerate(islice(lines, _PROBE_LINES), 1):
                 try:
                     record = orjson.loads(raw)
                     dp_rank, pcp_rank = record["dp_rank"], record["pcp_rank"]
                 except (orjson.JSONDecodeError, KeyError, TypeError):
                     continue
+                if line_no == 1 and record.get("event") == JOB_EVENT:
+                    try:
+                        shape = JobShape.from_record(record)
+                    except ValueError as err:
+                        raise ReplayInputError(f"{path}:1: unreadable job shape: {err}") from None
                 if isinstance(dp_rank, int) and isinstance(pcp_rank, int):
-                    return dp_rank, pcp_rank
+                    coords = dp_rank, pcp_rank
+                    break
     except OSError as err:
         raise ReplayInputError(f"cannot read {path}: {err}") from err
-    return None
+    return coords, shape
 
 
 def layout_of(infos: list[RankInfo]) -> tuple[int, int]:
-    """(replicas, pcp_size) as the rank files show them."""
+    """(replicas, pcp_size): as the job's shape declares them, else as the rank files show them."""
+    shape = next((i.shape for i in infos if i.shape is not None), None)
+    if shape is not None:
+        return shape.dp_size, shape.pcp_size
     return 1 + max(i.dp_rank for i in infos), 1 + max(i.pcp_rank for i in infos)
 
 

@@ -10,7 +10,8 @@ The package, in the order a replay uses it:
 - `ranges`: large runs judged in ranges of steps side by side, one process each.
 Only one step per rank is held at a time, so memory stays flat however long the run.
 
-Verdict kinds: the contract's `gap`, `missing_replica`, `agreed_mismatch`, `collective_mismatch`,
+Verdict kinds: `missing_rank` (a rank the job's shape names left no log: `job`), the contract's
+`gap`, `missing_replica`, `agreed_mismatch`, `collective_mismatch`,
 `illegal_transition`, `stale_buffer_replay`, `hang`, and, recomputed from logged evidence,
 `dispatch_mismatch`, `stale_context`, `pcp_divergence`; then `fault` (what the runner said about
 itself: listed, never the evidence of another verdict) and `unfinished` (a log that stops with
@@ -27,6 +28,7 @@ import os
 from runner_fsm.audit.crossrank import join_missed
 from runner_fsm.audit.flight import flight_only, replay_flight_only
 from runner_fsm.audit.flight_join import join_flight_recorder
+from runner_fsm.audit.job import check_job
 from runner_fsm.audit.ranges import cpu_count, judge_in_ranges, judge_range
 from runner_fsm.audit.read import RankInfo, discover, layout_of
 from runner_fsm.audit.report import (ReplayInputError, ReplayReport, RunSummary, Timeline, Verdict,
@@ -48,15 +50,16 @@ def replay(run_dir: str | os.PathLike[str], *, timeline: Timeline | None = None,
     if flight_only(run_dir):  # a plain PyTorch job: Flight Recorder dumps and no audit log
         return replay_flight_only(run_dir)
     infos = discover(run_dir)
+    job = check_job(infos)  # before the long pass: logs of different runs are refused at once
     jobs = auto_jobs(infos) if jobs is None else max(1, jobs)
     if jobs > 1 and timeline is None:
         result = judge_in_ranges(infos, jobs)
     else:
         result = judge_range(infos, timeline=timeline)
-    verdicts = result.verdicts + join_missed(result.missed)
+    verdicts = list(job.verdicts) + result.verdicts + join_missed(result.missed)
     replicas, pcp_size = layout_of(infos)
     summary = RunSummary(str(run_dir), len(infos), replicas, pcp_size, result.records,
-                         result.first_step, result.last_step)
+                         result.first_step, result.last_step, job.expected_ranks, job.notes)
     report = ReplayReport(summary, sort_verdicts(drop_explained(merge_same_findings(verdicts))))
     return join_flight_recorder(report, run_dir)  # Flight Recorder dumps, when the run left them
 

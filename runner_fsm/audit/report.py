@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 # Kinds in the order a root cause precedes its consequences within one step.
 KINDS = (
     "gap",  # a missing, repeated or unreadable record: everything after it is suspect
+    "missing_rank",  # a rank the job's shape names left no log (or no Flight Recorder dump)
     "illegal_transition",
     "missing_replica",
     "collective_mismatch",
@@ -111,6 +112,8 @@ class RunSummary:
     records: int
     first_step: int | None
     last_step: int | None
+    expected_ranks: int | None = None  # the ranks the job's shape names (None: not recorded)
+    notes: tuple[str, ...] = ()  # what the judgement could not rest on, in words
 
 
 @dataclasses.dataclass(frozen=True)
@@ -134,14 +137,20 @@ class ReplayReport:
 
     def as_dict(self) -> dict[str, Any]:
         summary = dataclasses.asdict(self.summary)
+        summary["notes"] = list(self.summary.notes)
         summary.update(sound=self.sound, findings=len(self.verdicts), counts=self.counts())
         return {"summary": summary, "verdicts": [v.as_dict() for v in self.verdicts]}
 
     def format(self, *, limit: int = 20) -> str:
         s = self.summary
         steps = "no steps" if s.first_step is None else f"steps {s.first_step}..{s.last_step}"
-        head = (f"replay {s.run_dir}: {s.ranks} ranks ({s.replicas} replicas x {s.pcp_size} PCP),"
-                f" {steps}, {s.records} records")
+        ranks = f"{s.ranks} ranks" if s.expected_ranks in (None, s.ranks) else f"{s.ranks} of {s.expected_ranks} ranks"
+        if s.replicas:
+            head = (f"replay {s.run_dir}: {ranks} ({s.replicas} replicas x {s.pcp_size} PCP),"
+                    f" {steps}, {s.records} records")
+        else:  # Flight Recorder dumps alone: no replicas, no steps, one record per collective
+            head = f"replay {s.run_dir}: {ranks} (Flight Recorder dumps only), {s.records} collectives"
+        head += "".join(f"\nnote: {note}" for note in s.notes)
         if self.sound:
             return f"{head}\nSOUND: no findings"
         lines = [head, f"UNSOUND: {len(self.verdicts)} finding(s); first: {self.verdicts[0]}"]

@@ -15,6 +15,7 @@ from runner_fsm.engine.preflight import prepare
 from runner_fsm.engine.launch import RankFailure, init_process_groups_from_env, spawn, under_torchrun
 from runner_fsm.engine.requests import Request
 from runner_fsm.engine.worker import RankResult, run_rank
+from runner_fsm.faults import Injection
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,6 +38,21 @@ class EngineResult:
     @property
     def ok(self) -> bool:
         return not self.errors
+
+    @property
+    def not_fired(self) -> dict[str, str]:
+        """Injections that never applied ({injection: why}): those every rank of their replica
+        that reported says it never applied (a rank that died reports nothing)."""
+        reasons: dict[str, list[str]] = {}
+        reported: dict[int, int] = {}
+        for rank in self.ranks:
+            if rank.not_fired is None:  # a rank that died before reporting says nothing
+                continue
+            reported[rank.dp_rank] = reported.get(rank.dp_rank, 0) + 1
+            for injection, why in rank.not_fired.items():
+                reasons.setdefault(injection, []).append(why)
+        return {injection: whys[0] for injection, whys in reasons.items()
+                if len(whys) == reported[Injection.parse(injection).replica]}
 
     @property
     def elapsed_s(self) -> float:

@@ -66,7 +66,14 @@ def _cmd_run(args) -> int:
         if result.ok:
             write_outputs(out / "outputs.jsonl", requests, result)
             print(f"outputs: {out / 'outputs.jsonl'}; audit logs: {out}/rank-*.jsonl")
-    return 0 if result.ok else 1
+        for injection, why in result.not_fired.items():
+            print(f"runner-fsm run: --inject {injection} never fired: {why}", file=sys.stderr)
+    if not result.ok:
+        return 1
+    return NOT_FIRED_EXIT if result.not_fired else 0
+
+
+NOT_FIRED_EXIT = 3  # the run went well, but an --inject never applied: it tested nothing
 
 
 def _models(args, out: Path) -> tuple[str, str | None]:

@@ -77,8 +77,11 @@ class EngineConfig:
                               f" and {self.block_size}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
-        from runner_fsm.faults import Injection  # parsing raises on an unknown kind
+        from runner_fsm.faults import Injection, static_problem  # parsing raises on an unknown kind
 
         for text in self.injections:
-            Injection.parse(text)
+            problem = static_problem(Injection.parse(text), self.layout.dp_size, self.layout.pcp_size,
+                                     self.num_speculative_tokens)
+            if problem is not None:  # it could never fire: the run would end as if never asked
+                raise ConfigError(problem)
         return self

@@ -10,7 +10,7 @@ from pathlib import Path
 from types import SimpleNamespace
 
 from runner_fsm.engine.config import EngineConfig
-from runner_fsm.engine.requests import Request, assign
+from runner_fsm.engine.requests import Request, assign, token_id_problem
 from runner_fsm.engine.scheduler import RequestRefused, admission_error
 from runner_fsm.errors import ConfigError
 
@@ -19,8 +19,10 @@ def prepare(cfg: EngineConfig, requests: list[Request]) -> EngineConfig:
     """`cfg` checked, with `max_model_len` taken from the model when not given; raises
     `ConfigError` (or `RequestRefused`) for a bad configuration, model or request."""
     cfg.validate()
+    vocab_size = None
     if cfg.model_dir is not None:
         model = check_model_dir(cfg.model_dir)
+        vocab_size = model.vocab_size
         if cfg.max_model_len is None:
             cfg = dataclasses.replace(cfg, max_model_len=model.max_position_embeddings)
     if cfg.draft_dir is not None and cfg.num_speculative_tokens > 0:
@@ -28,7 +30,7 @@ def prepare(cfg: EngineConfig, requests: list[Request]) -> EngineConfig:
     sched_cfg = cfg.scheduler_config()
     for replica, mine in enumerate(assign(requests, cfg.layout.dp_size)):
         for req in mine:
-            refusal = admission_error(req, sched_cfg)
+            refusal = token_id_problem(req, vocab_size) or admission_error(req, sched_cfg)
             if refusal is not None:
                 raise RequestRefused(f"replica {replica}: {refusal}")
     return cfg

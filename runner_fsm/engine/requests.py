@@ -29,6 +29,17 @@ class Request:
             raise ConfigError(f"request {self.req_id!r} needs max_new_tokens >= 1, got {self.max_new_tokens}")
 
 
+def token_id_problem(req: Request, vocab_size: int | None) -> str | None:
+    """Why `req`'s prompt cannot be embedded: an id outside [0, vocab_size) (None: fine). With
+    no vocabulary known (a model factory), only negative ids are refused."""
+    for position, token in enumerate(req.prompt):
+        if token < 0 or (vocab_size is not None and token >= vocab_size):
+            bound = f"[0, {vocab_size})" if vocab_size is not None else "[0, vocab_size)"
+            return (f"request {req.req_id!r}: prompt token id {token} at position {position} is outside"
+                    f" the vocabulary {bound}")
+    return None
+
+
 def assign(requests: Sequence[Request], dp_size: int) -> list[list[Request]]:
     """Per replica, its requests: trace-pinned ones where pinned, the rest round-robin."""
     per_replica: list[list[Request]] = [[] for _ in range(dp_size)]

@@ -22,6 +22,7 @@ except NameError:  # Python 3.10: anyio depends on the backport
 
 from runner_fsm import flight_recorder
 from runner_fsm.audit import AuditLog
+from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.collectives import CollectiveRunner
 from runner_fsm.dp import GlooAgreement
 from runner_fsm.engine.config import MISSING_MODEL, EngineConfig
@@ -29,7 +30,7 @@ from runner_fsm.engine.requests import Request, assign
 from runner_fsm.engine.scheduler import Scheduler, SchedulerStalled
 from runner_fsm.errors import ConfigError
 from runner_fsm.events import Capture, DummyStep, Event, Fault, RealStep, Shutdown
-from runner_fsm.faults import Injection, Injector
+from runner_fsm.faults import Injection, Injector, why_not_fired
 from runner_fsm.heartbeat import Heartbeat
 from runner_fsm.replica import Replica
 from runner_fsm.runner import Outcome, ReplicaRunner
@@ -52,6 +53,8 @@ class RankResult:
     num_handoffs: int  # real steps followed by an idle_dummy step
     num_agreements: int
     error: dict | None = None
+    # This replica's injections that never applied, with why; None from a rank that died unheard.
+    not_fired: dict[str, str] | None = None
 
 
 def _model_and_drafter(cfg: EngineConfig, groups):
@@ -91,7 +94,9 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
     dp_rank, pcp_rank = (groups.dp_rank, groups.pcp_rank) if groups else (0, 0)
     global_rank = cfg.layout.global_rank(dp_rank, pcp_rank)
     rc = cfg.runner_config()
-    audit = AuditLog(cfg.run_dir, cfg.run_id, global_rank, dp_rank, pcp_rank)
+    layout = cfg.layout
+    audit = AuditLog(cfg.run_dir, cfg.run_id, global_rank, dp_rank, pcp_rank,
+                     shape=job_shape_fields(layout.dp_size, layout.pcp_size, dp_rank, pcp_rank))
     model, drafter = _model_and_drafter(cfg, groups)
     replica = Replica(
         rc, dp_rank=dp_rank, pcp_rank=pcp_rank, model=model, drafter=drafter,
@@ -136,6 +141,8 @@ async def _step_loop(submit, runner: ReplicaRunner, sched: Scheduler, cfg: Engin
         out = await submit(RealStep(batch) if batch is not None else DummyStep(pending=sched.num_unfinished))
         counts["steps"] += 1
         state = out.trigger.value if batch is not None else "idle_dummy"
+        if step in counts["watched"]:  # a step an injection names: what it was, if it never fires
+            counts["watched"][step] = (state, bool(out.agreed.all_idle))
         counts["states"][state] = counts["states"].get(state, 0) + 1
         counts["handoffs"] += int(batch is None and counts["last_real"])
         counts["last_real"] = batch is not None
@@ -174,6 +181,8 @@ def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
     start = time.perf_counter()
     error = None
     runner = build_runner(cfg, groups)
+    injector = runner.replica.injector
+    counts["watched"] = {i.step: None for i in injector.injections if i.replica == dp_rank}
     try:
         anyio.run(_serve, runner, sched, cfg, counts)
     except Exception as exc:  # reported as data: every rank's own typed error matters
@@ -184,10 +193,13 @@ def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
         if groups is not None:  # the Flight Recorder's buffer, beside the audit log
             flight_recorder.dump_beside(cfg.run_dir, cfg.layout.global_rank(dp_rank, pcp_rank),
                                         flight_recorder.groups_of(groups), flight_recorder.reason_of(error))
+    last_step = counts["steps"] - 1 if counts["steps"] else None
+    not_fired = {str(i): why_not_fired(i, counts["watched"].get(i.step), last_step)
+                 for i in injector.not_fired(dp_rank)}
     return RankResult(cfg.layout.global_rank(dp_rank, pcp_rank), dp_rank, pcp_rank, sched.results(),
                       counts["steps"], counts["real"], sched.num_preemptions, counts["tokens"],
                       time.perf_counter() - start, counts["states"], counts["handoffs"],
-                      runner.replica.num_agreements, error)
+                      runner.replica.num_agreements, error, not_fired)
 
 
 def _unwrap_group(exc: BaseException) -> BaseException:

@@ -65,6 +65,7 @@ class MixtralConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any], *, source: str = CONFIG_FILE) -> "MixtralConfig":
         _check_architecture(raw, source)
+        _check_implemented(raw, source)
         missing = [k for k in _REQUIRED if k not in raw]
         if missing:
             raise UnsupportedModelError(f"{source}: missing required Mixtral fields {missing}")
@@ -73,6 +74,9 @@ class MixtralConfig:
         for name in _OPTIONAL:
             if raw.get(name) is not None:
                 fields[name] = raw[name]
+        theta = _rope_parameters_theta(raw, source)
+        if theta is not None:
+            fields["rope_theta"] = theta
         return cls(**fields)
 
     @classmethod
@@ -107,6 +111,51 @@ _REQUIRED = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layer
              "num_attention_heads", "num_key_value_heads", "num_local_experts", "num_experts_per_tok")
 _OPTIONAL = ("rms_norm_eps", "rope_theta", "max_position_embeddings", "tie_word_embeddings",
              "torch_dtype", "bos_token_id", "eos_token_id")
+
+
+# Fields of Hugging Face configs that change what the model computes, which the reference model
+# does not implement, with the values under which it computes the same thing anyway. Any other
+# value is refused by name: computing as if it were unset would be another model, silently.
+_NEUTRAL_VALUES: dict[str, tuple] = {
+    "sliding_window": (None,),  # attention over a window of recent tokens only
+    "rope_scaling": (None,),  # scaled rotary positions (linear, dynamic, yarn, llama3, ...)
+    "hidden_act": (None, "silu"),  # the experts' activation
+    "partial_rotary_factor": (None, 1, 1.0),  # rotary embedding on part of each head
+    "attention_bias": (None, False),  # biases on the q/k/v/o projections
+    "mlp_bias": (None, False),
+    "quantization_config": (None,),  # quantised weights
+}
+_DEFAULT_ROPE_TYPES = (None, "default")
+
+
+def _check_implemented(raw: dict[str, Any], source: str) -> None:
+    """`UnsupportedModelError` naming every field set to something the model does not compute."""
+    unsupported = [f"{name}={raw[name]!r}" for name, neutral in _NEUTRAL_VALUES.items()
+                   if name in raw and not _is_neutral(raw[name], neutral)]
+    rope = raw.get("rope_parameters")  # transformers >= 5: {"rope_type", "rope_theta", ...}
+    if rope is not None and (not isinstance(rope, dict)
+                             or rope.get("rope_type", rope.get("type")) not in _DEFAULT_ROPE_TYPES):
+        unsupported.append(f"rope_parameters={rope!r}")
+    if unsupported:
+        raise UnsupportedModelError(
+            f"{source}: {', '.join(unsupported)}: runner_fsm.model does not implement"
+            f" {'this' if len(unsupported) == 1 else 'these'}, and computing as if unset would be another model")
+
+
+def _is_neutral(value: Any, neutral: tuple) -> bool:
+    """`value` is one of `neutral`, of the same type (True is no 1, 1.0 no True)."""
+    return any(value is n if n is None else (type(value) is type(n) and value == n) for n in neutral)
+
+
+def _rope_parameters_theta(raw: dict[str, Any], source: str) -> float | None:
+    """The rotary base from transformers 5's `rope_parameters`, when the config keeps it there."""
+    rope = raw.get("rope_parameters")
+    theta = rope.get("rope_theta") if isinstance(rope, dict) else None
+    top = raw.get("rope_theta")
+    if theta is not None and top is not None and float(theta) != float(top):
+        raise UnsupportedModelError(f"{source}: rope_theta={top!r} and rope_parameters.rope_theta={theta!r}"
+                                    " disagree")
+    return theta
 
 
 def _check_architecture(raw: dict[str, Any], source: str) -> None:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from runner_fsm.audit import AuditLog
+from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.batch import ScheduledBatch
 from runner_fsm.collectives import CollectiveRunner
 from runner_fsm.config import RunnerConfig
@@ -19,7 +20,8 @@ def make_runner(config: RunnerConfig, agreement, *, run_dir=None, run_id: str = 
                 on_close=None, injector=None) -> ReplicaRunner:
     layout = config.layout
     global_rank = layout.global_rank(dp_rank, pcp_rank)
-    audit = AuditLog(run_dir, run_id, global_rank, dp_rank, pcp_rank) if run_dir is not None else None
+    shape = job_shape_fields(layout.dp_size, layout.pcp_size, dp_rank, pcp_rank)
+    audit = AuditLog(run_dir, run_id, global_rank, dp_rank, pcp_rank, shape=shape) if run_dir is not None else None
     if drafter is None and config.num_speculative_tokens > 0:
         drafter = FakeDrafter(config.num_speculative_tokens)
     # Only the single-replica agreement is known to have no peers; other fakes may act one out.

@@ -18,6 +18,7 @@ from pathlib import Path
 import orjson
 
 from runner_fsm.audit.log import log_path
+from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.dp import wire_shape
 from runner_fsm.pcp.buffers import BUFFER_NAMES
 
@@ -43,6 +44,7 @@ class SynthSpec:
     model_collectives: bool = False  # a 'pcp' all_gather per forward when pcp_size > 1
     seed: int = 0
     run_id: str = "synth"
+    job_shape: bool = True  # each log begins with the job's shape, as the runner's do
 
 
 @dataclasses.dataclass(frozen=True)
@@ -164,6 +166,9 @@ class _RankWriter:
     # -- a run ------------------------------------------------------------------------------
 
     def start(self) -> None:
+        if self.spec.job_shape:
+            self._add("job", None, **job_shape_fields(self.spec.dp_size, self.spec.pcp_size, self.dp_rank,
+                                                      self.pcp_rank))
         if self.spec.graphs:
             for size in CAPTURE_SIZES:
                 self._add("graph", -1, action="capture", num_tokens=size, backend="static")

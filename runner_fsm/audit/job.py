@@ -1,0 +1,81 @@
+"""Every rank the job's shape names must have left a log (`missing_rank`).
+
+The shape is read from the first record of each log (`audit.shape`); all logs of one run
+declare the same one, each for the rank its file name says. What contradicts that is not a
+finding about the run but input that cannot be judged (logs of several runs in one
+directory, a file renamed): `ReplayInputError`, exit status 2.
+
+Logs written before the shape was logged (runner_fsm before issue 16, or a worker that does
+not write it yet) are judged as before, from the files found, and the report says so in a
+note: a missing log cannot be seen there (the Flight Recorder dumps, when the run left them,
+still name members without a log: `audit.flight_join`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from runner_fsm.audit.mapped import data_end
+from runner_fsm.audit.read import RankInfo
+from runner_fsm.audit.report import ReplayInputError, Verdict
+from runner_fsm.audit.shape import JobShape
+
+NO_SHAPE_NOTE = ("no log begins with the job's shape (logs of an older writer): the ranks are taken"
+                 " from the files found, so the logs alone cannot show a rank whose log is missing")
+
+
+@dataclasses.dataclass(frozen=True)
+class JobCheck:
+    """The shape the logs declare (None: none does), the verdicts it implies and notes."""
+
+    shape: JobShape | None
+    verdicts: tuple[Verdict, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def expected_ranks(self) -> int | None:
+        return None if self.shape is None else self.shape.world_size
+
+
+def check_job(infos: list[RankInfo]) -> JobCheck:
+    """The job's shape from `infos` and a `missing_rank` verdict per rank it names with no log."""
+    declared = [info for info in infos if info.shape is not None]
+    if not declared:
+        return JobCheck(None, notes=(NO_SHAPE_NOTE,))
+    first = declared[0]
+    shape = first.shape
+    for info in declared[1:]:
+        if info.shape != shape:
+            raise ReplayInputError(
+                f"{info.file} declares the job {info.shape.text()}, {first.file} declares {shape.text()}:"
+                f" logs of different runs in one directory?")
+    for info in infos:
+        _check_place(info, shape, first.file)
+    present = {info.global_rank for info in infos}
+    verdicts = tuple(_missing(rank, shape, first.file) for rank in range(shape.world_size) if rank not in present)
+    undeclared = [info.file for info in infos if info.shape is None and data_end(info.path)]
+    notes = ()
+    if undeclared:
+        notes = (f"{', '.join(undeclared)} do(es) not begin with the job's shape that {first.file} begins"
+                 f" with (its first record is lost, or another writer wrote it)",)
+    return JobCheck(shape, verdicts, notes)
+
+
+def _check_place(info: RankInfo, shape: JobShape, source: str) -> None:
+    """A log must be one of the job's ranks, at the coordinates the shape gives that rank."""
+    if info.global_rank >= shape.world_size:
+        raise ReplayInputError(f"{info.file} is not a rank of the job {shape.text()} ({source}'s first record):"
+                               f" global ranks run 0..{shape.world_size - 1}")
+    expected = shape.coords(info.global_rank)
+    if (info.dp_rank, info.pcp_rank) != expected:
+        raise ReplayInputError(
+            f"{info.file}: its records say replica {info.dp_rank}, PCP rank {info.pcp_rank}; the job"
+            f" {shape.text()} puts global rank {info.global_rank} at replica {expected[0]}, PCP rank {expected[1]}")
+
+
+def _missing(rank: int, shape: JobShape, source: str) -> Verdict:
+    replica, pcp_rank = shape.coords(rank)
+    return Verdict("missing_rank", replica, None,
+                   f"rank {rank} (replica {replica}, PCP rank {pcp_rank}) left no audit log: the job's shape"
+                   f" ({shape.text()}, in the first record of {source}) names it, and rank-{rank}.jsonl is"
+                   f" missing; nothing it did can be judged", (rank,), f"rank-{rank}.jsonl")
