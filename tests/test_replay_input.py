@@ -187,3 +187,56 @@ def test_random_damage_is_judged_never_crashes(tmp_path):
         for jobs in (1, 2):
             report = replay(run, jobs=jobs)
             assert report.exit_code == 1 and report.verdicts
+
+
+def _drop(path, keep) -> None:
+    """Rewrite a rank's log keeping the records `keep(record)` accepts (seq stays gapless)."""
+    records = [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+    kept = [r for r in records if keep(r)]
+    assert [r["seq"] for r in kept] == list(range(len(kept))), "only a tail may be dropped"
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in kept))
+
+
+def _not_shutdown(record) -> bool:
+    return not (record["event"] == "transition" and record["trigger"] == "shutdown")
+
+
+def test_every_rank_stopped_between_steps_is_a_quiescent_stop_not_a_finding(tmp_path):
+    """As vLLM's Ctrl-C leaves a served DP job: every worker killed once idle, no shutdown."""
+    run = _run(tmp_path)
+    for rank in range(4):
+        _drop(run / f"rank-{rank}.jsonl", _not_shutdown)
+    report = replay(run)
+    assert report.sound, report.format()
+    assert report.summary.notes == (f"every rank stopped between steps after step {SPEC.steps - 1} without"
+                                    " logging shutdown (killed at a quiescent point, e.g. vLLM's Ctrl-C):"
+                                    " nothing was left half done",)
+
+
+@pytest.mark.parametrize("rank", [0, 3])
+def test_one_rank_killed_mid_step_keeps_every_unfinished_verdict(tmp_path, rank):
+    run = _run(tmp_path)
+    for other in range(4):
+        _drop(run / f"rank-{other}.jsonl", _not_shutdown)
+    last = SPEC.steps - 1  # this rank dies inside its last step, right after entering it
+    path = run / f"rank-{rank}.jsonl"
+    records = [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+    entered = max(i for i, r in enumerate(records) if r["event"] == "transition" and r["step_id"] == last
+                  and r["trigger"] in ("prefill", "decode", "idle"))
+    _drop(path, lambda r: r["seq"] <= entered)
+    report = replay(run)
+    unfinished = {r: v for v in report.verdicts if v.kind == "unfinished" for r in v.ranks}
+    assert set(unfinished) == {0, 1, 2, 3} and not report.summary.notes, report.format()
+    assert f"at step {last} without shutdown, fault" in unfinished[rank].detail  # mid-step, in its step's state
+    assert all("between steps" in v.detail for r, v in unfinished.items() if r != rank)
+
+
+def test_ranks_stopped_after_different_steps_are_not_a_quiescent_stop(tmp_path):
+    run = _run(tmp_path)
+    for rank in range(4):
+        _drop(run / f"rank-{rank}.jsonl", _not_shutdown)
+    last = SPEC.steps - 1
+    _drop(run / "rank-3.jsonl", lambda r: r["step_id"] != last)  # replica 1 stopped a step earlier
+    report = replay(run)
+    assert not report.sound and not report.summary.notes, report.format()
+    assert (3,) in [v.ranks for v in report.verdicts if v.kind == "unfinished"]

@@ -51,12 +51,15 @@ def test_sigkill_at_a_random_step_leaves_replayable_logs(tmp_path):
 
     report = replay(out)  # must not raise: the cut is a finding, not a crash of the tool
     kinds = {v.kind for v in report.verdicts}
-    assert not report.sound, "the cut went unreported"
+    # Unsound, unless every rank happened to be between steps after the same step: nothing
+    # was half done then, and replay says so in a note (`settle_quiescent_stop`).
+    quiescent = any("stopped between steps" in note for note in report.summary.notes)
+    assert not report.sound or quiescent, "the cut went unreported"
     # Every process is killed at once: a rank caught between two steps, with no peer waiting
     # for it, is `unfinished` (its log stops with no shutdown); one caught in a collective is a
     # `hang`; one behind its peers is `missing_replica`; a cut line is a `gap`.
     assert kinds <= {"hang", "gap", "missing_replica", "unfinished"}, report.format()
-    assert kinds & {"hang", "missing_replica", "unfinished"}, report.format()
+    assert quiescent or kinds & {"hang", "missing_replica", "unfinished"}, report.format()
 
     cli = subprocess.run([sys.executable, "-m", "runner_fsm.cli", "replay", str(out)],
                          capture_output=True, text=True, timeout=120)

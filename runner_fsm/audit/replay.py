@@ -15,7 +15,8 @@ Verdict kinds: `missing_rank` (a rank the job's shape names left no log: `job`),
 `illegal_transition`, `stale_buffer_replay`, `hang`, and, recomputed from logged evidence,
 `dispatch_mismatch`, `stale_context`, `pcp_divergence`; then `fault` (what the runner said about
 itself: listed, never the evidence of another verdict) and `unfinished` (a log that stops with
-no shutdown, fault or hang to say why).
+no shutdown, fault or hang to say why; when every rank stopped between steps after the same
+step, a quiescent stop, that is a note instead).
 
 API: `replay(run_dir, *, timeline=None, jobs=None) -> ReplayReport`; `report.exit_code` is 0 when
 the run is sound and 1 otherwise; unreadable input raises `ReplayInputError` (exit code 2).
@@ -33,6 +34,7 @@ from runner_fsm.audit.ranges import cpu_count, judge_in_ranges, judge_range
 from runner_fsm.audit.read import RankInfo, discover, layout_of
 from runner_fsm.audit.report import (ReplayInputError, ReplayReport, RunSummary, Timeline, Verdict,
                                      sort_verdicts)
+from runner_fsm.audit.scan import BETWEEN_STEPS
 
 __all__ = ["ReplayInputError", "ReplayReport", "Verdict", "replay", "replay_with_plot"]
 
@@ -57,9 +59,10 @@ def replay(run_dir: str | os.PathLike[str], *, timeline: Timeline | None = None,
     else:
         result = judge_range(infos, timeline=timeline)
     verdicts = list(job.verdicts) + result.verdicts + join_missed(result.missed)
+    verdicts, stop_note = settle_quiescent_stop(verdicts, {i.global_rank for i in infos}, job.expected_ranks)
     replicas, pcp_size = layout_of(infos)
     summary = RunSummary(str(run_dir), len(infos), replicas, pcp_size, result.records,
-                         result.first_step, result.last_step, job.expected_ranks, job.notes)
+                         result.first_step, result.last_step, job.expected_ranks, job.notes + stop_note)
     report = ReplayReport(summary, sort_verdicts(drop_explained(merge_same_findings(verdicts))))
     return join_flight_recorder(report, run_dir)  # Flight Recorder dumps, when the run left them
 
@@ -84,6 +87,23 @@ def replay_with_plot(run_dir: str | os.PathLike[str], plot_path: str | os.PathLi
     verdict = "sound" if report.sound else f"{len(report.verdicts)} finding(s)"
     plot(timeline, report.verdicts, plot_path, f"{run_dir}: {verdict}")
     return report
+
+
+def settle_quiescent_stop(verdicts: list[Verdict], ranks: set[int],
+                          expected: int | None) -> tuple[list[Verdict], tuple[str, ...]]:
+    """A job whose every rank stopped between steps, after the same step, without shutdown
+    (vLLM force-kills its DP workers on Ctrl-C once they are idle) left nothing half done: its
+    `unfinished` verdicts become one note. A rank stopped mid-step, a rank missing, or ranks
+    stopped after different steps (one went on alone) keep every verdict."""
+    stops = [v for v in verdicts if v.kind == "unfinished" and v.detail.startswith(BETWEEN_STEPS)]
+    stopped = {rank for v in stops for rank in v.ranks}
+    steps = {v.step for v in stops}
+    if len(steps) != 1 or expected not in (None, len(ranks)) or stopped != ranks \
+            or any(v.kind == "unfinished" and v not in stops for v in verdicts):
+        return verdicts, ()
+    note = (f"every rank stopped between steps after step {steps.pop()} without logging shutdown"
+            " (killed at a quiescent point, e.g. vLLM's Ctrl-C): nothing was left half done")
+    return [v for v in verdicts if v not in stops], (note,)
 
 
 def drop_explained(verdicts: list[Verdict]) -> list[Verdict]:

@@ -24,6 +24,8 @@ from runner_fsm.audit.read import RankInfo, RankStep, StepBuilder
 from runner_fsm.audit.report import Verdict, label
 
 TERMINAL_STATES = ("stopped", "faulted")
+QUIESCENT_STATE = "ready"  # between steps: no forward, no collective, nothing half done
+BETWEEN_STEPS = "the log ends between steps, in state 'ready'"
 STEP_TRIGGERS = frozenset({"prefill", "decode", "idle"})
 TIMEOUT_ERRORS = frozenset({"CollectiveTimeout", "TimeoutError"})
 # Groups whose members must pass equal shapes (an all_reduce, an all_gather of equal parts).
@@ -147,8 +149,12 @@ class RankScanner:
             timed_out = hang is not None and last.fault is not None
         state = self.transitions.state
         if hang is None and not self._truncated and state not in TERMINAL_STATES:
-            self._verdict("unfinished", f"the log ends in state {state!r} at step {last.step} without"
-                          " shutdown, fault or a collective in flight (process killed or still running?)")
+            if state == QUIESCENT_STATE:  # every step it began, it finished: see `settle_quiescent_stop`
+                self._verdict("unfinished", f"{BETWEEN_STEPS} after step {last.step}, without shutdown"
+                              " (process killed between steps, or still running?)")
+            else:
+                self._verdict("unfinished", f"the log ends in state {state!r} at step {last.step} without"
+                              " shutdown, fault or a collective in flight (process killed or still running?)")
         return last.seal(self.info.global_rank, self._signatures, ended=True, hang=hang, timed_out=timed_out)
 
     # -- gaps ----------------------------------------------------------------------

@@ -70,3 +70,11 @@ def install(cls=None) -> list[str]:
     for name in added:
         setattr(cls, name, {"all_gatherv": all_gatherv, "reduce_scatterv": reduce_scatterv}[name])
     return added
+
+
+def supplied(cls=None) -> list[str]:
+    """The collectives of `cls` that are this module's (installed here, in this process)."""
+    if cls is None:
+        from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator as cls
+    ours = {"all_gatherv": all_gatherv, "reduce_scatterv": reduce_scatterv}
+    return [name for name, fn in ours.items() if getattr(cls, name, None) is fn]

@@ -3,7 +3,8 @@
 The worker calls three things (see worker.py): `DPSupport.for_worker(worker)` once vLLM's
 groups exist, `attach(model_runner)` once the model is loaded, and `close()` at shutdown.
 Step ids and kinds are read from the worker's `ReplicaRecorder`. Installed here:
-- the MoE exchange collectives vLLM's CPU communicator lacks (`cpu_collectives`);
+- (the MoE exchange collectives vLLM's CPU communicator lacks, `cpu_collectives`, are
+  installed by the worker before its log opens, so that the log's first record names them);
 - the agreement rows in vLLM's own DP all-reduce, with phase tags (`dp_agreement`);
 - the expert exchange of every target forward as a `collective` record (group "expert", op
   "forward"), so `runner-fsm replay` sees which replica did not join a forward;
@@ -22,7 +23,7 @@ from runner_fsm import dp
 from runner_fsm.config import ParallelLayout
 from runner_fsm.errors import BatchError
 from runner_fsm.heartbeat import Heartbeat
-from runner_fsm.integrations.vllm import cpu_collectives, dp_agreement, dp_schema, inject
+from runner_fsm.integrations.vllm import dp_agreement, dp_schema, inject
 from runner_fsm.integrations.vllm.drafts import DraftLedger
 from runner_fsm.integrations.vllm.inject import VLLMInjector
 from runner_fsm.integrations.vllm.runners import RunnerAdapter
@@ -30,12 +31,10 @@ from runner_fsm.integrations.vllm.watchdog import Watchdog
 
 
 class DPSupport:
-    def __init__(self, recorder, *, dp_rank: int, dp_size: int, timeout_s: float, injection=None,
-                 device_type: str = "cpu", flight=None):
+    def __init__(self, recorder, *, dp_rank: int, dp_size: int, timeout_s: float, injection=None, flight=None):
         self.recorder, self.dp_rank, self.audit = recorder, dp_rank, recorder.audit
         self.flight = flight  # the worker's WorkerFlight: dumped when the watchdog fires
         self.injector = VLLMInjector(injection, dp_rank)
-        self.added_collectives = cpu_collectives.install() if device_type == "cpu" else []
         store = dist.distributed_c10d._get_default_store()  # the job's store, as the embedded engine uses
         heartbeat = Heartbeat(store, ParallelLayout(dp_size=dp_size, pcp_size=1).validate(), dp_rank)
         self.watchdog = Watchdog(heartbeat, timeout_s, dp_rank=dp_rank, on_fault=self._log_fault).start()
@@ -59,7 +58,7 @@ class DPSupport:
         opts = worker.fsm_options
         return cls(worker.recorder, dp_rank=int(par.data_parallel_rank), dp_size=int(par.data_parallel_size),
                    timeout_s=opts.collective_timeout_s, injection=inject.parse(opts.inject) if opts.inject else None,
-                   device_type=str(worker.device_config.device_type), flight=worker.flight)
+                   flight=worker.flight)
 
     def attach(self, adapter: RunnerAdapter) -> None:
         """Once vLLM's model runner (and drafter) are loaded: agreement, phase tags, forwards, faults."""

@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from runner_fsm.audit import AuditLog
-from runner_fsm.integrations.vllm import schema
+from runner_fsm.audit.shape import job_shape_fields
+from runner_fsm.integrations.vllm import cpu_collectives, schema
 from runner_fsm.integrations.vllm.dp_support import DPSupport
 from runner_fsm.integrations.vllm.flight import WorkerFlight, start as start_flight_recorder
 from runner_fsm.integrations.vllm.journal import Journal
@@ -75,12 +76,31 @@ class FSMWorkerMixin:
         opts = self.fsm_options
         run_dir = shared_run_dir(opts.run_dir, int(self.parallel_config.data_parallel_size))
         run_id = opts.run_id or Path(run_dir).name
-        audit = AuditLog(run_dir, run_id, self.global_rank, self.dp_rank, self.pcp_rank)
+        audit = AuditLog(run_dir, run_id, self.global_rank, self.dp_rank, self.pcp_rank, shape=self._job_shape())
         self.run_dir = run_dir
         self.flight = WorkerFlight(run_dir, self.global_rank, self.parallel_config)
         self.recorder = ReplicaRecorder(audit, Journal(run_dir, self.global_rank),
                                         fingerprints=opts.audit == "full")
         self.install_extensions()
+
+    def _job_shape(self) -> dict:
+        """The log's first record: the job's shape, the runner and its adapter, the vLLM
+        version, and what the worker supplies that the installed vLLM lacks here."""
+        par = self.parallel_config
+        dp_size, pcp_size = int(par.data_parallel_size), int(getattr(par, "prefill_context_parallel_size", 1) or 1)
+        supplied = []
+        if dp_size > 1 and str(self.device_config.device_type) == "cpu":
+            cpu_collectives.install()  # DP with an MoE model needs them; a vLLM that has them keeps its own
+            supplied += [f"CpuCommunicator.{name}" for name in cpu_collectives.supplied()]
+        # vLLM's DP agreement and its naive DP MoE exchange both run over the DP group: the
+        # same PCP rank of every replica.
+        dp_ranks = [r * pcp_size + self.pcp_rank for r in range(dp_size)]
+        groups = {"dp": dp_ranks, "expert": dp_ranks}
+        if pcp_size > 1:
+            groups["pcp"] = [self.dp_rank * pcp_size + r for r in range(pcp_size)]
+        return job_shape_fields(dp_size, pcp_size, self.dp_rank, self.pcp_rank, groups=groups,
+                                vllm=schema.installed_version(), **self.runner_adapter.describe(),
+                                supplied=supplied)
 
     def install_extensions(self) -> None:
         """Where extra collectives and interceptions are installed (vLLM's groups exist now,
