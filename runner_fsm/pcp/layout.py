@@ -169,7 +169,6 @@ def rows(segs: Segments, shared: np.ndarray, num_scheduled: np.ndarray, num_comp
     row_bounds = _bounds(counts)
     end_row = np.cumsum(length)
     first_row = end_row - length
-    first_in_rank = seg_bounds[:-1][segs.per_rank > 0]
     req_start = np.cumsum(num_scheduled) - num_scheduled
     token0 = req_start[segs.req] + segs.offset
     pos0 = num_computed[segs.req] + segs.offset
@@ -184,19 +183,7 @@ def rows(segs: Segments, shared: np.ndarray, num_scheduled: np.ndarray, num_comp
     gathered = block[:pcp_size * padded].reshape(pcp_size, padded)
     positions, req, restore = np.split(block[pcp_size * padded:], [total_rows, 2 * total_rows])
 
-    # Gathered layout: rank r's rows at [r, :n_r], each rank's row restarting the runs.
-    local_first = first_row - row_bounds[segs.rank]
-    for r, n_r in enumerate(counts.tolist()):
-        gathered[r, :n_r] = 1
-        gathered[r, n_r:] = 0
-    _jumps(gathered.reshape(-1), segs.rank * padded + local_first, token0, length, 1, first_in_rank)
-    pads = np.flatnonzero(counts < padded)
-    if pads.size:  # a rank's padding starts with the jump from its last token back to 0
-        last = np.zeros(pcp_size, dtype=np.int64)
-        ends = seg_bounds[1:][segs.per_rank > 0] - 1
-        last[segs.rank[ends]] = token0[ends] + length[ends] - 1
-        gathered.reshape(-1)[pads * padded + counts[pads]] = -last[pads]
-    np.cumsum(gathered, axis=1, out=gathered)
+    local_first = gathered_rows(gathered, segs, token0, first_row, row_bounds, seg_bounds)
 
     positions.fill(1)
     _jumps(positions, first_row, pos0, length, 1)
@@ -205,20 +192,62 @@ def rows(segs: Segments, shared: np.ndarray, num_scheduled: np.ndarray, num_comp
     _jumps(req, first_row, segs.req, length, 0)
     np.cumsum(req, out=req)
 
-    # The write mask, padding included, in one repeat: each rank's segments then its pad.
     owned = (segs.rank == 0) | ~shared[segs.req]
-    in_pieces = np.arange(length.size) + segs.rank
-    piece_len = np.zeros(length.size + pcp_size, dtype=np.int64)
-    piece_len[in_pieces] = length
-    piece_len[seg_bounds[1:] + np.arange(pcp_size)] = padded - counts
-    piece_owned = np.zeros(piece_len.size, dtype=bool)
-    piece_owned[in_pieces] = owned
-    write_mask = np.repeat(piece_owned, piece_len).reshape(pcp_size, padded)
-
+    write_mask = write_mask_rows(segs, owned, seg_bounds, padded)
     _restore(restore, token0[owned], (segs.rank * padded + local_first)[owned], length[owned])
+    in_pieces = np.arange(length.size) + segs.rank
     qsl = np.zeros(length.size + pcp_size, dtype=np.int64)
     qsl[in_pieces + 1] = end_row - row_bounds[segs.rank]
     return Rows(gathered, write_mask, restore, req, positions, qsl, seq_lens, row_bounds, seg_bounds)
+
+
+def gathered_rows(gathered: np.ndarray, segs: Segments, token0: np.ndarray, first_row: np.ndarray,
+                  row_bounds: np.ndarray, seg_bounds: np.ndarray) -> np.ndarray:
+    """Fill the [P, N] gathered layout (rank r's rows at [r, :n_r], 0 for padding); each
+    rank's row restarts the runs. Returns each segment's first row inside its rank."""
+    pcp_size, padded = gathered.shape
+    counts, length = segs.tokens_per_rank, segs.length
+    local_first = first_row - row_bounds[segs.rank]
+    for r, n_r in enumerate(counts.tolist()):
+        gathered[r, :n_r] = 1
+        gathered[r, n_r:] = 0
+    _jumps(gathered.reshape(-1), segs.rank * padded + local_first, token0, length, 1,
+           seg_bounds[:-1][segs.per_rank > 0])
+    pads = np.flatnonzero(counts < padded)
+    if pads.size:  # a rank's padding starts with the jump from its last token back to 0
+        last = np.zeros(pcp_size, dtype=np.int64)
+        ends = seg_bounds[1:][segs.per_rank > 0] - 1
+        last[segs.rank[ends]] = token0[ends] + length[ends] - 1
+        gathered.reshape(-1)[pads * padded + counts[pads]] = -last[pads]
+    np.cumsum(gathered, axis=1, out=gathered)
+    return local_first
+
+
+def write_mask_rows(segs: Segments, owned: np.ndarray, seg_bounds: np.ndarray, padded: int) -> np.ndarray:
+    """[P, N] write mask, padding included, in one repeat: each rank's segments, then its pad."""
+    pcp_size, length = segs.per_rank.size, segs.length
+    in_pieces = np.arange(length.size) + segs.rank
+    piece_len = np.zeros(length.size + pcp_size, dtype=np.int64)
+    piece_len[in_pieces] = length
+    piece_len[seg_bounds[1:] + np.arange(pcp_size)] = padded - segs.tokens_per_rank
+    piece_owned = np.zeros(piece_len.size, dtype=bool)
+    piece_owned[in_pieces] = owned
+    return np.repeat(piece_owned, piece_len).reshape(pcp_size, padded)
+
+
+def gathered_layout(segs: Segments, shared: np.ndarray, req_start: np.ndarray, total: int, padded: int):
+    """Only the gathered layout: (gathered [P, N], write mask [P, N], restore [T]), what
+    vLLM MRV2's `_build_batch_layout` makes, without the per-rank rows."""
+    pcp_size, length = segs.per_rank.size, segs.length
+    seg_bounds, row_bounds = _bounds(segs.per_rank), _bounds(segs.tokens_per_rank)
+    first_row = np.cumsum(length) - length
+    token0 = req_start[segs.req] + segs.offset
+    block = np.empty(pcp_size * padded + total, dtype=np.int64)
+    gathered, restore = block[:pcp_size * padded].reshape(pcp_size, padded), block[pcp_size * padded:]
+    local_first = gathered_rows(gathered, segs, token0, first_row, row_bounds, seg_bounds)
+    owned = (segs.rank == 0) | ~shared[segs.req]
+    _restore(restore, token0[owned], (segs.rank * padded + local_first)[owned], length[owned])
+    return gathered, write_mask_rows(segs, owned, seg_bounds, padded), restore
 
 
 def _bounds(counts: np.ndarray) -> np.ndarray:
