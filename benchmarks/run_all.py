@@ -48,6 +48,7 @@ REPO = HERE.parent
 # name -> module; in the order of the issue's table.
 SUITE = {
     "plan": "bench_plan",  # planning speed, scaling, padding waste
+    "layout": "bench_pcp_layout",  # the PCP layout vs vLLM MRV2's own (in .venv-vllm; n/a without it)
     "dp": "bench_dp_sync",  # DP agreement latency
     "bookkeeping": "bench_bookkeeping",  # bookkeeping per step
     "evidence": "bench_evidence",  # what the replay evidence costs a step (on vs off), records per step

@@ -1,10 +1,14 @@
-"""The plan's fast path (no request cut: decodes only, or one rank) equals the general path."""
+"""Batches that cut no request (decodes only, or one rank) skip the chunk arithmetic
+(`layout._whole_grid` alone); their plan equals the old planner's general cut."""
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from runner_fsm.pcp import plan as P
+import plan_oracle as O
+from runner_fsm.pcp import layout
+from runner_fsm.pcp.plan import plan_batch
+from test_plan_oracle import assert_identical
 
 
 @st.composite
@@ -16,21 +20,22 @@ def uncut_batches(draw):
                                max_size=num_reqs))
     scheduled = [draw(st.integers(1, 70) if p else st.integers(1, 5)) for p in prefilling]
     computed = [draw(st.sampled_from([0, 0, 3, 17])) if p else draw(st.integers(1, 300)) for p in prefilling]
-    return P._Batch(np.array(scheduled), np.array(prefilling), np.array(computed)), pcp
+    return np.array(scheduled), np.array(prefilling), np.array(computed), pcp
 
 
 @settings(max_examples=300, deadline=None)
 @given(uncut_batches())
-def test_whole_segments_equal_the_general_cut(case):
-    batch, pcp = case
-    fast = P._whole_segments(batch, pcp)
-    general = P._cut_segments(batch, pcp, "ceil", np.ones(batch.num_scheduled.size, dtype=bool))
+def test_uncut_plan_equals_the_general_cut(case):
+    scheduled, prefilling, computed, pcp = case
+    batch = O._Batch(scheduled.astype(np.int64), prefilling, computed.astype(np.int64))
+    general = O._cut_segments(batch, pcp, "ceil", np.ones(scheduled.size, dtype=bool))
+    segs = layout.segments(layout.segment_grid(batch.num_scheduled, prefilling, batch.num_computed, pcp, "ceil"))
     for name in ("rank", "req", "offset", "length"):
-        assert getattr(fast, name).tolist() == getattr(general, name).tolist(), name
-        assert getattr(fast, name).dtype == np.int64, name
+        assert getattr(segs, name).tolist() == getattr(general, name).tolist(), name
+        assert getattr(segs, name).dtype == np.int64, name
+    assert_identical(plan_batch(*case), O.oracle_plan_batch(*case))
 
 
 def test_one_rank_moves_pure_prefills_last():
-    batch = P._Batch(np.array([4, 1, 3]), np.array([True, False, True]), np.array([0, 9, 2]))
-    segs = P._whole_segments(batch, 1)
-    assert segs.req.tolist() == [1, 2, 0]  # the decode, the continued prefill, then the pure one
+    plan = plan_batch([4, 1, 3], [True, False, True], [0, 9, 2], 1)
+    assert plan.ranks[0].seg_req_idx.tolist() == [1, 2, 0]  # the decode, the continued prefill, then the pure one

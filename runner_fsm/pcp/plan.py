@@ -2,9 +2,9 @@
 
 DESIGN.md section 3 is the contract. Prefill requests are cut into ``C = 2P`` chunks and
 rank ``r`` takes chunk ``r`` (head) and chunk ``C-1-r`` (tail); decode requests (including
-verify rows of ``1+K`` tokens) are replicated on every rank. Everything is vectorised over
-segments and tokens; the only Python loop is over prefill requests, in the ``balanced``
-policy, where each request's extra tokens depend on the loads left by the ones before it.
+verify rows of ``1+K`` tokens) are replicated on every rank. A third policy, ``mrv2``,
+is vLLM Model Runner V2's layout (``PCPManager._build_batch_layout``). The mechanics, with
+no Python loop over requests or tokens, are in `runner_fsm.pcp.layout`.
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import dataclasses
 import numpy as np
 
 from runner_fsm.errors import BatchError
+from runner_fsm.pcp import layout
 from runner_fsm.pcp.arrays import ArrayLike, int_array
 
 
@@ -76,8 +77,8 @@ def _validate(
 ) -> _Batch:
     if not isinstance(pcp_size, (int, np.integer)) or pcp_size < 1:
         raise BatchError(f"pcp_size must be an integer >= 1, got {pcp_size!r}")
-    if chunking not in ("ceil", "balanced"):
-        raise BatchError(f"chunking must be 'ceil' or 'balanced', got {chunking!r}")
+    if chunking not in layout.POLICIES:
+        raise BatchError(f"chunking must be one of {', '.join(layout.POLICIES)}, got {chunking!r}")
     scheduled = int_array("num_scheduled", num_scheduled)
     if type(is_prefilling) is np.ndarray and is_prefilling.dtype == np.bool_ and is_prefilling.ndim == 1:
         prefilling = is_prefilling  # already a bool vector (the per-step case)
@@ -96,7 +97,8 @@ def _validate(
             bad = np.flatnonzero(arr < 0)
             raise BatchError(f"{name} must be >= 0, got {arr[bad[0]]} for request {bad[0]}")
     empty = np.flatnonzero(scheduled == 0) if scheduled.size and scheduled.min() == 0 else ()
-    if len(empty) and len(empty) != scheduled.size:
+    # MRV2 skips a request with no tokens; the other policies call it a scheduler bug.
+    if len(empty) and len(empty) != scheduled.size and chunking != "mrv2":
         kind = "prefill" if prefilling[empty[0]] else "decode"
         raise BatchError(
             f"request {empty[0]} ({kind}) has 0 scheduled tokens in a batch with real ones;"
@@ -110,50 +112,30 @@ def _validate(
     return _Batch(scheduled, prefilling, computed)
 
 
-def _dispatch_count(batch: _Batch, pcp_size: int, chunking: str) -> int:
-    """N = widest rank-local batch, computed without building the plan."""
+def _dispatch_count(batch: _Batch, pcp_size: int, chunking: str, dcp_size: int) -> int:
+    """N = widest rank-local batch, computed without building the rows."""
     lengths, prefilling = batch.num_scheduled, batch.is_prefilling
+    if chunking == "mrv2":
+        grid = layout.segment_grid(lengths, prefilling, batch.num_computed, pcp_size, chunking, dcp_size)
+        return int(grid.length.reshape(pcp_size, -1).sum(axis=1).max()) if lengths.size else 0
     decode_tokens = int(lengths[~prefilling].sum())
     prefill_lengths = lengths[prefilling]
     if pcp_size == 1 or prefill_lengths.size == 0:
         return decode_tokens + int(prefill_lengths.sum())
     if chunking == "balanced":  # meets its lower bound by construction
         return decode_tokens + -(-int(prefill_lengths.sum()) // pcp_size)
-    sizes = _ceil_chunk_sizes(prefill_lengths, 2 * pcp_size)
+    num_chunks = 2 * pcp_size
+    width = -(-prefill_lengths // num_chunks)
+    # Rank r holds chunks r and C-1-r; only the chunks from the last full one on are short.
+    starts = np.arange(num_chunks) * width[:, None]
+    sizes = np.minimum(np.maximum(prefill_lengths[:, None] - starts, 0), width[:, None])
     per_rank = sizes[:, :pcp_size] + sizes[:, ::-1][:, :pcp_size]
     return decode_tokens + int(per_rank.sum(axis=0).max())
 
 
-def _ceil_chunk_sizes(lengths: np.ndarray, num_chunks: int) -> np.ndarray:
-    """[R, C] chunk sizes: every chunk ceil(L/C) long, later ones short or empty."""
-    chunk = -(-lengths // num_chunks)
-    starts = np.arange(num_chunks)[None, :] * chunk[:, None]
-    return np.clip(lengths[:, None] - starts, 0, chunk[:, None])
-
-
-def _balanced_chunk_sizes(lengths: np.ndarray, pcp_size: int) -> np.ndarray:
-    """[R, C] chunk sizes: floor(L/C) or one more, extras to the least-loaded ranks so far.
-
-    Per request, extras go one at a time to the rank of least load (ties to the lower
-    rank, at most one extra per chunk: head first, then tail). Loads stay within one of
-    each other, so that greedy order has a closed form: the ranks at the low level
-    ascending, then every rank ascending, then the ranks at the high level ascending.
-    """
-    num_chunks = 2 * pcp_size
-    base = lengths // num_chunks
-    sizes = np.repeat(base[:, None], num_chunks, axis=1)
-    loads = [0] * pcp_size
-    ranks = list(range(pcp_size))
-    for i, extra in enumerate((lengths % num_chunks).tolist()):
-        low = min(loads)
-        order = [r for r in ranks if loads[r] == low] + ranks + [r for r in ranks if loads[r] > low]
-        given = [0] * pcp_size
-        for r in order[:extra]:
-            sizes[i, r if given[r] == 0 else num_chunks - 1 - r] += 1
-            given[r] += 1
-        for r in ranks:
-            loads[r] += given[r]
-    return sizes
+def _check_dcp(dcp_size: int) -> None:
+    if not isinstance(dcp_size, (int, np.integer)) or dcp_size < 1:
+        raise BatchError(f"dcp_size must be an integer >= 1, got {dcp_size!r}")
 
 
 def num_tokens_for_dispatch(
@@ -163,14 +145,16 @@ def num_tokens_for_dispatch(
     *,
     chunking: str = "ceil",
     max_num_tokens: int | None = None,
+    dcp_size: int = 1,
 ) -> int:
     """Dispatch count N of a replica's batch: the widest rank-local batch.
 
     It never reads ``num_computed``: dispatch sizing must not depend on request state that
-    may be stale.
+    may be stale. ``dcp_size`` matters to ``mrv2`` only (see `plan_batch`).
     """
+    _check_dcp(dcp_size)
     batch = _validate(num_scheduled, is_prefilling, None, pcp_size, chunking, max_num_tokens)
-    return _dispatch_count(batch, pcp_size, chunking)
+    return _dispatch_count(batch, pcp_size, chunking, dcp_size)
 
 
 def plan_batch(
@@ -182,12 +166,23 @@ def plan_batch(
     padded_num_tokens: int | None = None,
     chunking: str = "ceil",
     max_num_tokens: int | None = None,
+    dcp_size: int = 1,
 ) -> PCPPlan:
-    """Cut a global batch into ``pcp_size`` rank-local batches (DESIGN.md section 3)."""
+    """Cut a global batch into ``pcp_size`` rank-local batches (DESIGN.md section 3).
+
+    ``chunking="mrv2"`` is vLLM MRV2's layout instead: prefills cut into ``ceil`` chunks;
+    inside a rank decodes first, then prefills, each in request order; with ``dcp_size ==
+    1`` every request that is not cut (decodes) runs on one rank only, the k-th such
+    request with tokens on rank ``k mod P`` (vLLM's ``shard_decode_requests``), and with
+    ``dcp_size > 1`` it is replicated, as is every prefill too short to fill all ``2P``
+    chunks. Requests with 0 tokens are allowed there and get no rows.
+    """
+    _check_dcp(dcp_size)
     batch = _validate(num_scheduled, is_prefilling, num_computed, pcp_size, chunking, max_num_tokens)
-    segs = _segments(batch, pcp_size, chunking)
-    rows = _rows(segs, batch)
-    counts = np.bincount(segs.rank, weights=segs.length, minlength=pcp_size).astype(np.int64)
+    grid = layout.segment_grid(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp_size,
+                               chunking, dcp_size)
+    segs = layout.segments(grid)
+    counts = segs.tokens_per_rank
     widest = int(counts.max()) if counts.size else 0
     n = widest if padded_num_tokens is None else int(padded_num_tokens)
     if n < widest:
@@ -195,147 +190,31 @@ def plan_batch(
             f"padded_num_tokens={padded_num_tokens} is below the widest rank-local batch"
             f" ({widest} tokens, per rank {counts.tolist()})"
         )
-    return _assemble(batch, segs, rows, counts, n, pcp_size)
+    rows = layout.rows(segs, grid.shared, batch.num_scheduled, batch.num_computed, n)
+    return _assemble(rows, segs, n, pcp_size)
 
 
-@dataclasses.dataclass(frozen=True)
-class _Segments:
-    """All non-empty segments of all ranks, sorted by rank and then in-rank order."""
-
-    rank: np.ndarray
-    req: np.ndarray
-    offset: np.ndarray  # first token's offset inside its request
-    length: np.ndarray
-
-
-def _segments(batch: _Batch, pcp_size: int, chunking: str) -> _Segments:
-    lengths, prefilling = batch.num_scheduled, batch.is_prefilling
-    num_chunks = 2 * pcp_size
-    # With one rank there is nothing to cut: a prefill is one whole segment, like a decode.
-    whole = ~prefilling if pcp_size > 1 else np.ones_like(prefilling)
-    if whole.all():
-        return _whole_segments(batch, pcp_size)
-    return _cut_segments(batch, pcp_size, chunking, whole)
-
-
-def _cut_segments(batch: _Batch, pcp_size: int, chunking: str, whole: np.ndarray) -> _Segments:
-    """Whole segments for the requests marked `whole`, head and tail chunks for the others."""
-    lengths, prefilling = batch.num_scheduled, batch.is_prefilling
-    num_chunks = 2 * pcp_size
-    decode_req = np.flatnonzero(whole)
-    prefill_req = np.flatnonzero(~whole)
-    ranks = np.arange(pcp_size)
-
-    # Decode: one whole-request segment per rank (replicated).
-    d_rank = np.repeat(ranks[None, :], decode_req.size, axis=0)
-    d_req = np.repeat(decode_req[:, None], pcp_size, axis=1)
-    d_off = np.zeros_like(d_rank)
-    d_len = np.repeat(lengths[decode_req][:, None], pcp_size, axis=1)
-    d_sub = np.zeros_like(d_rank)
-
-    # Prefill: chunk r (head, sub 0) and chunk C-1-r (tail, sub 1) on rank r.
-    p_len_all = lengths[prefill_req]
-    if chunking == "ceil":
-        sizes = _ceil_chunk_sizes(p_len_all, num_chunks)
-    else:
-        sizes = _balanced_chunk_sizes(p_len_all, pcp_size)
-    starts = np.cumsum(sizes, axis=1) - sizes
-    head, tail = ranks, num_chunks - 1 - ranks
-    p_rank = np.concatenate([np.broadcast_to(ranks, sizes[:, head].shape)] * 2, axis=1)
-    p_req = np.repeat(prefill_req[:, None], 2 * pcp_size, axis=1)
-    p_off = np.concatenate([starts[:, head], starts[:, tail]], axis=1)
-    p_len = np.concatenate([sizes[:, head], sizes[:, tail]], axis=1)
-    p_sub = np.repeat([0, 1], pcp_size)[None, :].repeat(prefill_req.size, axis=0)
-
-    rank = np.concatenate([d_rank.ravel(), p_rank.ravel()])
-    req = np.concatenate([d_req.ravel(), p_req.ravel()])
-    off = np.concatenate([d_off.ravel(), p_off.ravel()])
-    length = np.concatenate([d_len.ravel(), p_len.ravel()])
-    sub = np.concatenate([d_sub.ravel(), p_sub.ravel()])
-    # Pure prefill: a prefill segment that starts at absolute position 0; it goes last.
-    pure = prefilling[req] & (batch.num_computed[req] + off == 0)
-    keep = length > 0
-    order = np.lexsort((sub[keep], req[keep], pure[keep], rank[keep]))
-    return _Segments(rank[keep][order], req[keep][order], off[keep][order], length[keep][order])
-
-
-def _whole_segments(batch: _Batch, pcp_size: int) -> _Segments:
-    """No request is cut (decodes only, or one rank): every rank holds every request whole,
-    in request order with pure prefills last (the order `_segments` sorts into)."""
-    lengths = batch.num_scheduled
-    req = np.flatnonzero(lengths > 0)
-    pure = batch.is_prefilling[req] & (batch.num_computed[req] == 0)
-    if pure.any():
-        req = np.concatenate([req[~pure], req[pure]])
-    n, length = req.size, lengths[req]
-    if pcp_size > 1:  # the same segments on every rank
-        req, length = np.tile(req, pcp_size), np.tile(length, pcp_size)
-    return _Segments(np.repeat(np.arange(pcp_size), n), req, np.zeros(n * pcp_size, dtype=np.int64), length)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Rows:
-    token: np.ndarray
-    req: np.ndarray
-    position: np.ndarray
-
-
-def _rows(segs: _Segments, batch: _Batch) -> _Rows:
-    """Expand segments into rows without a Python loop over tokens.
-
-    Row k of segment s has offset ``off[s] + (k - first_row[s])`` in its request, so each
-    per-row array is one ``arange`` plus a per-segment constant repeated over the segment.
-    """
-    req_start = np.cumsum(batch.num_scheduled) - batch.num_scheduled
-    total = int(segs.length.sum())
-    first_row = np.cumsum(segs.length) - segs.length
-    row = np.arange(total, dtype=np.int64)
-    shift = segs.offset - first_row
-    token = row + np.repeat(req_start[segs.req] + shift, segs.length)
-    position = row + np.repeat(batch.num_computed[segs.req] + shift, segs.length)
-    return _Rows(token, np.repeat(segs.req, segs.length), position)
-
-
-def _assemble(
-    batch: _Batch, segs: _Segments, rows: _Rows, counts: np.ndarray, n: int, pcp_size: int
-) -> PCPPlan:
-    seg_counts = np.bincount(segs.rank, minlength=pcp_size)
-    row_bounds = np.concatenate([[0], np.cumsum(counts)])
-    seg_bounds = np.concatenate([[0], np.cumsum(seg_counts)])
-    seq_lens_all = batch.num_computed[segs.req] + segs.offset + segs.length
-    ranks = []
-    for r in range(pcp_size):
-        rs, ss = slice(row_bounds[r], row_bounds[r + 1]), slice(seg_bounds[r], seg_bounds[r + 1])
-        qsl = np.concatenate([[0], np.cumsum(segs.length[ss])]).astype(np.int64)
-        ranks.append(
-            RankBatch(
-                token_idx=rows.token[rs],
-                req_idx=rows.req[rs],
-                positions=rows.position[rs],
-                query_start_loc=qsl,
-                seq_lens=seq_lens_all[ss],
-                seg_req_idx=segs.req[ss],
-            )
+def _assemble(rows: layout.Rows, segs: layout.Segments, n: int, pcp_size: int) -> PCPPlan:
+    """The plan, each rank's arrays views of the shared ones (nothing copied)."""
+    rb, sb = rows.row_bounds.tolist(), rows.seg_bounds.tolist()
+    counts = segs.tokens_per_rank.tolist()
+    ranks = tuple(
+        RankBatch(
+            token_idx=rows.gathered[r, :counts[r]],
+            req_idx=rows.req[rb[r]:rb[r + 1]],
+            positions=rows.positions[rb[r]:rb[r + 1]],
+            query_start_loc=rows.query_start_loc[sb[r] + r:sb[r + 1] + r + 1],
+            seq_lens=rows.seq_lens[sb[r]:sb[r + 1]],
+            seg_req_idx=segs.req[sb[r]:sb[r + 1]],
         )
-
-    # Rank r's rows are contiguous in the gathered layout: rows r*N .. r*N + n_r - 1.
-    gather_idx = np.zeros(pcp_size * n, dtype=np.int64)
-    write_mask = np.zeros(pcp_size * n, dtype=bool)
-    restore = np.zeros(int(batch.num_scheduled.sum()), dtype=np.int64)
-    for r, rank in enumerate(ranks):
-        rows_r = slice(r * n, r * n + rank.num_tokens)
-        gather_idx[rows_r] = rank.token_idx
-        # Decode rows are replicated: only rank 0's copy writes K/V and restores hidden states.
-        owned = np.ones(rank.num_tokens, bool) if r == 0 else batch.is_prefilling[rank.req_idx]
-        write_mask[rows_r] = owned
-        owned_rows = np.flatnonzero(owned)
-        restore[rank.token_idx[owned_rows]] = r * n + owned_rows
+        for r in range(pcp_size)
+    )
     return PCPPlan(
         pcp_size=pcp_size,
-        per_rank_num_tokens=tuple(int(c) for c in counts),
+        per_rank_num_tokens=tuple(counts),
         num_tokens_padded=n,
-        padded_gather_idx=gather_idx,
-        kv_write_mask=write_mask,
-        hidden_restore_idx=restore,
-        ranks=tuple(ranks),
+        padded_gather_idx=rows.gathered.reshape(-1),
+        kv_write_mask=rows.write_mask.reshape(-1),
+        hidden_restore_idx=rows.restore,
+        ranks=ranks,
     )
