@@ -69,5 +69,6 @@ def test_preemption_prefix_cache_logprobs_abort(vllm_models, tmp_path):
     triggers = transitions(run_dir)
     assert "prefill" in triggers and "decode" in triggers
     journal = read_journal(str(run_dir))
-    assert sum(e["resumed"] for e in journal) >= 1  # a preempted request came back as a prefill
+    # A preempted request came back as a prefill: V1 schedules it as resumed, MRV2 as new again.
+    assert sum(e["resumed"] for e in journal) + sum(e["new"] for e in journal) - len(requests) >= 1
     assert_replays_sound(run_dir)

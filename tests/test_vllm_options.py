@@ -34,3 +34,15 @@ def test_defaults_without_any_option():
 def test_bad_options_are_refused_by_name(section, message):
     with pytest.raises(ConfigError, match=message):
         WorkerOptions.from_vllm(config(section), {})
+
+
+@pytest.mark.parametrize("section, env, expected", [
+    ({"fast_pcp_layout": True}, {}, True), ({"fast_pcp_layout": "false"}, {"RUNNER_FSM_FAST_PCP_LAYOUT": "1"}, False),
+    ({}, {"RUNNER_FSM_FAST_PCP_LAYOUT": "on"}, True), ({}, {}, False)])
+def test_fast_pcp_layout_is_opt_in(section, env, expected):
+    assert WorkerOptions.from_vllm(config(section), env).fast_pcp_layout is expected
+
+
+def test_a_fast_pcp_layout_that_is_no_flag_is_refused():
+    with pytest.raises(ConfigError, match=r"fast_pcp_layout must be true or false, got 'sometimes'"):
+        WorkerOptions.from_vllm(config({"fast_pcp_layout": "sometimes"}), {})

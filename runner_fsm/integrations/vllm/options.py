@@ -10,6 +10,7 @@ else from `RUNNER_FSM_*` environment variables, else the defaults:
 | collective_timeout_s  | RUNNER_FSM_COLLECTIVE_TIMEOUT_S  | 120                                  |
 | inject                | RUNNER_FSM_INJECT                | none (fault injection, `KIND@replica=R,step=S`) |
 | audit                 | RUNNER_FSM_AUDIT                 | full (`transitions`: no buffers records) |
+| fast_pcp_layout       | RUNNER_FSM_FAST_PCP_LAYOUT       | false (true: MRV2's PCP layout vectorised, `pcp_layout`) |
 
 Everything else (graphs, capture sizes, speculation, limits) is vLLM's own configuration.
 Duck-typed on vLLM's config objects (no vLLM import).
@@ -37,6 +38,7 @@ class WorkerOptions:
     collective_timeout_s: float = 120.0
     inject: str | None = None
     audit: str = "full"
+    fast_pcp_layout: bool = False
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, environ: Mapping[str, str] = os.environ) -> "WorkerOptions":
@@ -63,7 +65,19 @@ class WorkerOptions:
             raise ConfigError(f"collective_timeout_s must be positive, got {timeout_s}")
         inject = pick("inject")
         return cls(run_dir=_opt_str(pick("run_dir")), run_id=_opt_str(pick("run_id")),
-                   collective_timeout_s=timeout_s, inject=_opt_str(inject), audit=audit)
+                   collective_timeout_s=timeout_s, inject=_opt_str(inject), audit=audit,
+                   fast_pcp_layout=_flag("fast_pcp_layout", pick("fast_pcp_layout")))
+
+
+def _flag(name: str, value: Any) -> bool:
+    if value is None or isinstance(value, bool):
+        return bool(value)
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off", ""):
+        return False
+    raise ConfigError(f"{name} must be true or false, got {value!r}")
 
 
 def _opt_str(value: Any) -> str | None:

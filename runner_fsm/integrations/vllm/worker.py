@@ -98,9 +98,12 @@ class FSMWorkerMixin:
         groups = {"dp": dp_ranks, "expert": dp_ranks}
         if pcp_size > 1:
             groups["pcp"] = [self.dp_rank * pcp_size + r for r in range(pcp_size)]
+        changed = {}
+        if self.fsm_options.fast_pcp_layout:  # opt-in: a change of vLLM behaviour (DESIGN section 10)
+            changed["fast_pcp_layout"] = self.runner_adapter.install_fast_pcp_layout()
         return job_shape_fields(dp_size, pcp_size, self.dp_rank, self.pcp_rank, groups=groups,
                                 vllm=schema.installed_version(), **self.runner_adapter.describe(),
-                                supplied=supplied)
+                                supplied=supplied, **changed)
 
     def install_extensions(self) -> None:
         """Where extra collectives and interceptions are installed (vLLM's groups exist now,

@@ -101,6 +101,10 @@ class RunnerAdapter:
         the drafter's DP syncs already carry the agreement)."""
         return None
 
+    def install_fast_pcp_layout(self) -> dict:
+        """The `fast_pcp_layout` option: what was installed, or why not (recorded as is)."""
+        return {"installed": False, "reason": f"the {self.name} runner has no PCP manager to speed up"}
+
     def describe(self) -> dict:
         """For the log's first record: which runner and adapter."""
         cls = type(self.runner)

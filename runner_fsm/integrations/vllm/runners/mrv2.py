@@ -124,6 +124,12 @@ class MRV2Runner(RunnerAdapter):
                 return propose(*args, **kwargs)
             wrap_method(speculator, "propose", propose_unless_skipped)
 
+    def install_fast_pcp_layout(self) -> dict:
+        """Into the PCP manager class this runner builds (`pcp_manager_cls`), before it is built."""
+        from runner_fsm.integrations.vllm.pcp_layout import install_fast_pcp_layout
+
+        return install_fast_pcp_layout(self.runner.pcp_manager_cls)
+
     def draft_model(self) -> torch.nn.Module | None:
         spec = self.runner.speculator
         if spec is None or not any(f"{c.__module__}.{c.__qualname__}" in self.SYNC_FREE_SPECULATORS
