@@ -3,10 +3,12 @@
 
 Each kind runs Mixtral with draft_model drafting (K=2; not on MRV2, whose draft-model speculator
 fails under DP in vLLM 0.32 itself) on two DP engines; replica 1 is idle from step ~2 on. The
-skips hit the idle replica 1 at step S; the desync is sent by the busy replica 0. `skip-dummy-forward` and `skip-draft-sync`
-leave replica 0 waiting in an expert exchange or a draft all-reduce that replica 1 never
-joins (vLLM would hang): the watchdog ends both after `collective_timeout_s`. `desync` is
-caught in the very all-reduce it corrupts. The three runs share the machine at once.
+skips hit the idle replica 1 at step S; the desync is sent by the busy replica 0 (so both
+replicas are named by some case). `skip-dummy-forward` and `skip-draft-sync` leave replica 0
+waiting in an expert exchange or a draft all-reduce that replica 1 never joins (vLLM would
+hang): the watchdog ends both after `collective_timeout_s`. `desync` is caught in the very
+all-reduce it corrupts: with two replicas no majority decides, the replica ahead in (step,
+phase, sequence) order is named. The runs share the machine at once.
 Every rank leaves its Flight Recorder dump (`fr-rank-<r>.json`, on by default), and replay
 joins it: the verdict naming the culprit rests on both sources.
 """
@@ -97,7 +99,7 @@ def test_replay_names_same_replica_and_step(runs, kind):
 FLIGHT_RECORDER_SAW = {
     "skip-dummy-forward": "flight recorder: group expert",
     "skip-draft-sync": "flight recorder: group dp",
-    "desync": "matched by gloo as one collective, but the audit log says rank 0 as step 5 TARGET; rank 1 as step 6",
+    "desync": "matched by gloo as one collective, but the audit log says rank 0 as step 6 TARGET; rank 1 as step 5",
 }
 
 

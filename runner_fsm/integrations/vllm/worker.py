@@ -34,7 +34,7 @@ import torch
 
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.shape import job_shape_fields
-from runner_fsm.integrations.vllm import cpu_collectives, schema
+from runner_fsm.integrations.vllm import cpu_collectives, cpu_rope, schema
 from runner_fsm.integrations.vllm.dp_support import DPSupport
 from runner_fsm.integrations.vllm.flight import WorkerFlight, start as start_flight_recorder
 from runner_fsm.integrations.vllm.journal import Journal
@@ -51,6 +51,8 @@ class FSMWorkerMixin:
     recorder: ReplicaRecorder | None = None
     dp_support: DPSupport | None = None
     runner_adapter: RunnerAdapter | None = None
+    rope_verdict: cpu_rope.RopeSelfTest | None = None  # the CPU rotary op's self-test (CPU only)
+    rope_installed: str | None = None  # what install_stride_safe_rope did (None: nothing)
     flight: WorkerFlight = WorkerFlight()  # no run dir yet: dumps nothing
 
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
@@ -99,6 +101,13 @@ class FSMWorkerMixin:
         if pcp_size > 1:
             groups["pcp"] = [self.dp_rank * pcp_size + r for r in range(pcp_size)]
         changed = {}
+        if str(self.device_config.device_type) == "cpu":
+            # Not opt-in: a start-up self-test decides (DESIGN section 10). The verdict opens the
+            # log; a defective op is replaced in the MLA layers once the model exists (load_model).
+            self.rope_verdict = cpu_rope.self_test()
+            changed["cpu_rope"] = {"defective": self.rope_verdict.defective, "self_test": self.rope_verdict.describe(),
+                                   "action": ("a stride-safe rotary replaces the CPU op in MLA layers"
+                                              if self.rope_verdict.defective else "none: vLLM's own op kept")}
         if self.fsm_options.fast_pcp_layout:  # opt-in: a change of vLLM behaviour (DESIGN section 10)
             changed["fast_pcp_layout"] = self.runner_adapter.install_fast_pcp_layout()
         return job_shape_fields(dp_size, pcp_size, self.dp_rank, self.pcp_rank, groups=groups,
@@ -113,6 +122,8 @@ class FSMWorkerMixin:
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
         adapter = self.runner_adapter
+        if self.rope_verdict is not None and self.rope_verdict.defective:
+            self.rope_installed = cpu_rope.install_stride_safe_rope(adapter.runner.model, self.rope_verdict)
         schema.check_runner(adapter)
         rec = self.recorder
         adapter.attach(step_of=lambda: rec.step_id if rec.in_step else -1)
