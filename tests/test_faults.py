@@ -98,7 +98,25 @@ def check_fault(models, tmp_path, kind, dp_size, pcp_size, culprit):
     removed = strip_runner_verdicts(run_dir, tmp_path / "stripped")
     assert removed > 0, f"{kind}: the run logged no fault record to remove"
     _check_offline(kind, culprit, step, tmp_path / "stripped")
+    if kind == "stale-pcp-context":
+        _check_context_evidence_missing(culprit, step, tmp_path / "stripped")
     return run_dir
+
+
+def _check_context_evidence_missing(culprit, step, run_dir):
+    """Without the context identity on the culprit's forward, replay cannot judge the context:
+    no `stale_context`, but a `gap` naming the replica and step, never SOUND."""
+    for path in run_dir.glob("rank-*.jsonl"):
+        records = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+        for record in records:
+            if record["event"] == "collective" and record["op"] == "forward" and record["dp_rank"] == culprit \
+                    and record["step_id"] == step:
+                del record["ctx"]
+        path.write_bytes(b"".join(orjson.dumps(record) + b"\n" for record in records))
+    report = replay(run_dir)
+    assert report.exit_code == 1 and not [v for v in report.verdicts if v.kind == "stale_context"], report.format()
+    gaps = [v for v in report.verdicts if v.kind == "gap" and v.replica == culprit and v.step == step]
+    assert gaps and "cannot be judged" in gaps[0].detail, report.format()
 
 
 # The default suite: every kind at DP=2 x PCP=2, the culprit alternating between the two
