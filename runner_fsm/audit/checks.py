@@ -14,7 +14,10 @@ Buffer fingerprints are tuples `(ptr, shape, version, digest)` (`BufferFingerpri
   (write counts moved) and must not hold the very bytes of the last real batch (content
   digests): `buf.copy_(buf)` moves the counter, not the data. A graph replay must also read
   the storage it was captured on. Forward points are graph replays, eager target forwards, and
-  forwards the runner refused (a `buffers` record with reason `refused`: the inputs it had).
+  forwards the runner refused in logs written before the checks moved inside the forward (a
+  `buffers` record with reason `refused`). The runner now logs the inputs of a forward that
+  wrote none this step (reason `forward`) before the forward's own record, which is where
+  they are judged: a refused forward leaves the same evidence as one that ran.
 - the PCP context (`stale_context`): a forward uses the context built for its own batch: the
   identity the context carries (the step it was built for, dummy or real, rows, the digest of
   its own arrays) against the identity of the step's batch (the digest taken from its plan or

@@ -4,7 +4,8 @@ The package, in the order a replay uses it:
 - `log`: writing the records (the runner's side);
 - `read`: the rank files, the layout and its groups, per-step summaries merged by step id;
 - `scan`: one pass over each rank's file, the checks that need no peer;
-- `crossrank` and `sequences`: the checks across the ranks of each merged step;
+- `crossrank`, `sequences` and `pairing`: the checks across the ranks of each merged step
+  (`pairing` names a DP desync's culprit by `order`, the rule `dp.agree` applies online);
 - `checks`: every rule, written once, shared with the runner's online checks;
 - `report`: the verdicts, their text and JSON, the timeline picture;
 - `ranges`: large runs judged in ranges of steps side by side, one process each.
