@@ -233,9 +233,10 @@ class Replica:
                 written = self._log_buffers("dummy")
             if not self.fault_due("skip-dummy-forward"):
                 step = ForwardStep(self.step_id, rows, agreed, 0, is_dummy=True)
-                batch_id = evidence.identity(self.step_id, True, rows,
-                                             dummy_digest(rows, self.config.layout.pcp_size, self.pcp_rank))
-                self.model.restore(await self._forward(step, written, evidence.context_identity(ctx), batch_id), ctx)
+                digest = dummy_digest(rows, self.config.layout.pcp_size, self.pcp_rank)
+                batch_id = evidence.identity(self.step_id, True, rows, digest)
+                local = await self._forward(step, written, evidence.context_identity(ctx), batch_id)
+                self.model.restore(local, ctx)
         self.output = StepOutput(self.step_id, Trigger.IDLE, agreed, rows, agreed.use_graph)
 
     def _dummy_context(self, rows: int) -> PCPAttentionContext:

@@ -57,7 +57,8 @@ class OutOfOrder:
         if self.basis == MAJORITY:
             why = "the others sent the majority's key"
         else:
-            why = "no majority; it is ahead in (step, phase, sequence) order: it skipped a collective its peers are still in"
+            why = ("no majority; it is ahead in (step, phase, sequence) order: it skipped a collective"
+                   " its peers are still in")
         return (f"culprit: {noun} {who} at step {self.step} ({why}); expected {key_text(self.expected)},"
                 f" odd one(s) out: replica(s) {who}")
 
