@@ -71,7 +71,11 @@ class Heartbeat:
         try:
             positions = self.positions()
         except Exception as exc:  # the store lives in rank 0: if rank 0 died, so did it
-            return f"positions unreadable ({type(exc).__name__}: {exc}); rank 0 (replica 0) may be gone"
+            # Its server runs on a thread of rank 0's process, so it answers while rank 0 hangs:
+            # unreachable, the process is gone, and its replica is the one to name.
+            replica = self.layout.coords(0)[0]
+            return (f"culprit: replica {replica} (the job's store, held by rank 0, is unreachable:"
+                    f" rank 0 is gone; {type(exc).__name__}: {exc})")
         return describe_positions(positions, self.layout)
 
 

@@ -43,3 +43,15 @@ def test_three_positions_without_majority_name_nobody():
     layout = ParallelLayout(3, 1)
     where = {0: (4, 1, AGREE), 1: (4, 1, FORWARD), 2: (4, 2, AGREE)}
     assert describe_positions(_positions(layout, where), layout).startswith("no replica stands out (")
+
+
+def test_an_unreachable_store_names_replica_0_whose_rank_0_holds_it():
+    from runner_fsm.heartbeat import Heartbeat
+
+    class GoneStore:
+        def set_timeout(self, _):
+            raise ConnectionResetError("Connection reset by peer")
+
+    sentence = Heartbeat(GoneStore(), ParallelLayout(3, 2), 4).describe()
+    assert sentence.startswith("culprit: replica 0 (the job's store, held by rank 0, is unreachable")
+    assert "Connection reset by peer" in sentence
