@@ -121,11 +121,19 @@ class CollectiveRunner:
         if self._audit is not None:
             self._audit.collective(step_id, group, op, phase, shapes, pg_seq, "enqueue",
                                    **(enqueue_extra or {}))
-        if worker is None:
-            result = fn(*args)
-        else:
-            result = await self._in_thread(group, worker, fn, args, f"{op} on group {group!r} (pg_seq"
-                                           f" {pg_seq}, phase {phase}) at step {step_id}")
+        try:
+            if worker is None:
+                result = fn(*args)
+            else:
+                result = await self._in_thread(group, worker, fn, args, f"{op} on group {group!r} (pg_seq"
+                                               f" {pg_seq}, phase {phase}) at step {step_id}")
+        except CollectiveTimeout:
+            raise  # still where its peers wait: its position stays
+        except BaseException:
+            # It refused or failed the call itself (a check inside it): it will not join, so
+            # its position says so, and a peer's timeout names it rather than nobody.
+            self._beat(step_id, phase, "")
+            raise
         if self._audit is not None:
             self._audit.collective(step_id, group, op, phase, shapes, pg_seq, "done",
                                    **(done_extra(result) if done_extra else {}))

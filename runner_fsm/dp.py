@@ -8,7 +8,6 @@ columns reaches the same ``DPSyncState`` (or raises the same error) without a se
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 from collections.abc import Sequence
 
@@ -16,6 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from runner_fsm.audit.order import PHASE_NAMES as _ORDERED_PHASES, out_of_order
 from runner_fsm.errors import DesyncError, ReplicaFault
 
 # Phases of a step, each with its own agreement.
@@ -23,6 +23,7 @@ TARGET = 1
 DRAFT_PREFILL = 2
 DRAFT_DECODE = 3
 PHASE_NAMES = {TARGET: "TARGET", DRAFT_PREFILL: "DRAFT_PREFILL", DRAFT_DECODE: "DRAFT_DECODE"}
+assert PHASE_NAMES == _ORDERED_PHASES, "audit.order must order the phases this module sends"
 
 # Graph modes as sent on the wire; the agreed mode is the minimum, so eager wins.
 GRAPH_EAGER = 0
@@ -235,18 +236,16 @@ def _raise_on_desync(rows: list[list[int]]) -> None:
     if min(steps) == max(steps) and min(phases) == max(phases):
         return
     sent = dict(enumerate(zip(steps, phases)))
-    # The majority is taken as expected; ties go to the lowest replica's value.
-    expected = collections.Counter(sent.values()).most_common(1)[0][0]
-    odd = [rank for rank, value in sent.items() if value != expected]
+    # The rule replay applies too (`audit.order`): majority, else the side ahead, else a tie.
+    found = out_of_order(sent)
     each = ", ".join(
         f"replica {rank} sent step {step} {phase_name(phase)}"
         for rank, (step, phase) in sent.items()
     )
     raise DesyncError(
-        f"DP desync: replicas disagree on step id or phase ({each}); expected step"
-        f" {expected[0]} {phase_name(expected[1])}, odd one(s) out: replica(s)"
-        f" {', '.join(map(str, odd))} (skipped or repeated a collective)",
-        sent=sent,
+        f"DP desync: replicas disagree on step id or phase ({each}); {found.describe()}"
+        + ("" if found.tie else " (skipped or repeated a collective)"),
+        sent=sent, culprits=found.culprits, culprit_step=found.step,
     )
 
 

@@ -22,12 +22,16 @@ class BatchError(RunnerError, ValueError):
 class DesyncError(RunnerError):
     """Replicas disagree on the step id or phase of a collective they all joined.
 
-    `sent` maps each DP rank to the (step_id, phase) it sent.
+    `sent` maps each DP rank to the (step_id, phase) it sent; `culprits` are the replicas
+    out of order and `culprit_step` the step they went wrong in (`audit.order`; empty and None
+    on a tie, or where the raiser does not know).
     """
 
-    def __init__(self, message: str, sent: dict[int, tuple[int, int]] | None = None):
+    def __init__(self, message: str, sent: dict[int, tuple[int, int]] | None = None, *,
+                 culprits: tuple[int, ...] = (), culprit_step: int | None = None):
         super().__init__(message)
         self.sent = dict(sent or {})
+        self.culprits, self.culprit_step = tuple(culprits), culprit_step
 
 
 class CollectiveTimeout(RunnerError):

@@ -11,10 +11,18 @@ import dataclasses
 from runner_fsm import dp
 
 
-def identity(step: int, dummy: bool, rows: int) -> dict:
+def identity(step: int, dummy: bool, rows: int, digest: int) -> dict:
     """What a batch or a PCP attention context is: the step it was built for, real or dummy,
-    its rows per PCP rank (`checks.context_problem` compares two of them)."""
-    return {"step": int(step), "dummy": bool(dummy), "rows": int(rows)}
+    its rows per PCP rank and the digest of its layout arrays (`pcp.context.layout_digest`);
+    `checks.context_problem` compares two of them."""
+    return {"step": int(step), "dummy": bool(dummy), "rows": int(rows), "digest": int(digest)}
+
+
+def context_identity(ctx) -> dict:
+    """The identity a PCP attention context carries: what it was built for, by its own record
+    (`built_for_step`) and its own arrays (`digest`), never by what the caller meant it for."""
+    return identity(-1 if ctx.built_for_step is None else ctx.built_for_step, ctx.is_dummy,
+                    ctx.num_tokens_padded, ctx.digest)
 
 
 def gather_output_digests(group, step_id: int, digest: int) -> list[tuple[int, int]]:

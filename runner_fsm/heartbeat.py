@@ -6,8 +6,10 @@ into the c10d store that the process group already runs. When a collective times
 the rank reads every position and names the replica that is not where its peers are:
 - a replica outside any collective while its peers wait inside one never arrived (it hung,
   faulted or died);
-- when every replica waits, one further along the step (later step, later phase, or past
-  the agreement into the forward) ran past a collective its peers are still in.
+- when every replica waits, the rule of `audit.order` (shared with `dp.agree` and replay)
+  over where each waits (step, phase, the agreement before the forward): the replicas off a
+  strict majority's position; else, between two positions, the one further along ran past a
+  collective its peers are still in; else a tie, and no replica stands out.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 
+from runner_fsm.audit.order import out_of_order
 from runner_fsm.config import ParallelLayout
 
 _KEY = "runner_fsm/position/{rank}"
@@ -68,7 +71,11 @@ class Heartbeat:
         try:
             positions = self.positions()
         except Exception as exc:  # the store lives in rank 0: if rank 0 died, so did it
-            return f"positions unreadable ({type(exc).__name__}: {exc}); rank 0 (replica 0) may be gone"
+            # Its server runs on a thread of rank 0's process, so it answers while rank 0 hangs:
+            # unreachable, the process is gone, and its replica is the one to name.
+            replica = self.layout.coords(0)[0]
+            return (f"culprit: replica {replica} (the job's store, held by rank 0, is unreachable:"
+                    f" rank 0 is gone; {type(exc).__name__}: {exc})")
         return describe_positions(positions, self.layout)
 
 
@@ -89,8 +96,7 @@ def describe_positions(positions: dict[int, Position], layout: ParallelLayout) -
 
 def _culprits(positions: dict[int, Position], layout: ParallelLayout) -> list[int]:
     """Replicas outside any collective while others wait in one; else, when every replica
-    waits, the ones furthest along the step's fixed order (they ran past a collective their
-    peers are still in)."""
+    waits, the ones out of order (`audit.order`)."""
     outside, furthest = set(), {}
     for p in positions.values():
         replica = layout.coords(p.rank)[0]
@@ -101,6 +107,7 @@ def _culprits(positions: dict[int, Position], layout: ParallelLayout) -> list[in
         return []
     if outside:
         return sorted(outside)
-    latest = max(furthest.values())
-    ahead = [d for d, order in furthest.items() if order == latest]
-    return sorted(ahead) if len(ahead) < len(furthest) else []
+    # Every replica waits: the rule the DP agreement names its culprit by (`audit.order`),
+    # over where each one waits: a strict majority, else the side ahead, else nobody (a tie).
+    found = out_of_order(furthest)
+    return list(found.culprits) if found is not None else []

@@ -29,11 +29,11 @@ from runner_fsm.components import Agreement, Drafter, ForwardStep, Model
 from runner_fsm.config import GraphMode, RunnerConfig
 from runner_fsm.events import RealStep
 from runner_fsm.faults import NO_FAULTS, Injector
-from runner_fsm.errors import DesyncError, StaleBufferError, StaleContextError
+from runner_fsm.errors import DesyncError, StaleContextError
 from runner_fsm.graphs import Fingerprints, GraphRunner, backend_for, check_refreshed
 from runner_fsm.machine import Handler, ReplicaMachine
 from runner_fsm.pcp.buffers import PersistentBuffers
-from runner_fsm.pcp.context import PCPAttentionContext, PCPContextState
+from runner_fsm.pcp.context import PCPAttentionContext, PCPContextState, dummy_digest, plan_digest
 from runner_fsm.pcp.plan import plan_batch
 from runner_fsm.spec import tokens_per_request
 from runner_fsm.states import Trigger
@@ -91,7 +91,6 @@ class Replica:
         self._batch: ScheduledBatch | None = None
         self._step_start_fingerprint = None
         self._last_real_inputs = None  # fingerprint (with digests) of the last real batch's buffers
-        self._last_real_context_step = None  # the step the saved real PCP context was built for
         self.machine = ReplicaMachine(self._handlers(), on_record=self._record_transition,
                                       on_fault=self._record_fault)
 
@@ -203,13 +202,13 @@ class Replica:
         if padded != n:
             plan = plan_batch(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp,
                               padded_num_tokens=padded, chunking=cfg.chunking)
-        ctx = self.contexts.for_real(plan, batch.block_tables, cfg.block_size)
-        self._last_real_context_step = self.step_id
+        ctx = self.contexts.for_real(plan, batch.block_tables, cfg.block_size, step_id=self.step_id)
         self.buffers.write_real(plan, self.pcp_rank, batch.token_ids, batch.block_tables,
                                 ctx.gathered_slot_mapping)
         written = self._log_buffers("real")
-        mine = evidence.identity(self.step_id, False, ctx.num_tokens_padded)
-        local = await self._forward(ForwardStep(self.step_id, padded, agreed, n), written, mine, mine)
+        batch_id = evidence.identity(self.step_id, False, plan.num_tokens_padded, plan_digest(plan))
+        local = await self._forward(ForwardStep(self.step_id, padded, agreed, n), written,
+                                    evidence.context_identity(ctx), batch_id)
         self._last_real_inputs = written
         restored = self.model.restore(local, ctx)
         sampled = tokens_per_request(np.asarray(self.model.sample(restored)), batch)
@@ -227,52 +226,58 @@ class Replica:
         if not agreed.all_idle:
             # Eager peers keep their own counts (ours is 0): a one-row dummy joins them.
             rows = max(1, agreed.num_tokens_for(self.dp_rank))
-            ctx, ctx_id = self._dummy_context(rows)
+            ctx = self._dummy_context(rows)
             written = None
             if not self.fault_due("skip-buffer-refresh"):
                 self.buffers.write_dummy(1, rows)
                 written = self._log_buffers("dummy")
             if not self.fault_due("skip-dummy-forward"):
                 step = ForwardStep(self.step_id, rows, agreed, 0, is_dummy=True)
-                batch_id = evidence.identity(self.step_id, True, rows)
-                self.model.restore(await self._forward(step, written, ctx_id, batch_id), ctx)
+                digest = dummy_digest(rows, self.config.layout.pcp_size, self.pcp_rank)
+                batch_id = evidence.identity(self.step_id, True, rows, digest)
+                local = await self._forward(step, written, evidence.context_identity(ctx), batch_id)
+                self.model.restore(local, ctx)
         self.output = StepOutput(self.step_id, Trigger.IDLE, agreed, rows, agreed.use_graph)
 
-    def _dummy_context(self, rows: int) -> tuple[PCPAttentionContext, dict]:
-        """The dummy's own context and its identity; anything else (a saved real one) is refused
-        by the rule replay applies too (`checks.context_problem`), with the evidence on record."""
+    def _dummy_context(self, rows: int) -> PCPAttentionContext:
+        """The dummy's own context, built from the dummy alone for this step."""
         if self.contexts.last_real is not None and self.fault_due("stale-pcp-context"):
-            ctx = self.contexts.last_real  # injected: the hand-off bug this runner prevents
-            built_for = self._last_real_context_step
-        else:
-            ctx = self.contexts.for_dummy(rows, num_reqs=1)
-            built_for = self.step_id
-        ctx_id = evidence.identity(built_for, ctx.is_dummy, ctx.num_tokens_padded)
-        batch_id = evidence.identity(self.step_id, True, rows)
-        problem = context_problem(self.step_id, batch_id, ctx_id)
-        if problem is not None:
-            if self.audit is not None:
-                self.audit.context(self.step_id, "refused", ctx=ctx_id, batch=batch_id)
-            raise StaleContextError(f"replica {self.dp_rank}, step {self.step_id}: {problem}")
-        return ctx, ctx_id
+            return self.contexts.last_real  # injected: the hand-off bug this runner prevents
+        return self.contexts.for_dummy(rows, num_reqs=1, step_id=self.step_id)
 
     async def _forward(self, step: ForwardStep, written: Fingerprints | None, ctx_id: dict, batch_id: dict):
         """The target forward (graph replay or eager), watched and logged as the expert
         group's collective: every replica must run it whenever any replica has work.
-        Its record names the PCP context it uses and the batch it runs (`ctx`, `batch`).
+        Its record names the PCP context it uses (`ctx`: what the context says it was built
+        for) and the batch it runs (`batch`: taken from the step's plan or dummy); the checks
+        run after that record, inside the forward, so a refused forward leaves the same
+        evidence as one that ran, and replay judges it without the runner's word.
         A dummy must not run on the bytes of the last real batch (`last_real`)."""
         last_real = self._last_real_inputs if step.is_dummy else None
         if step.agreed.use_graph:
-            fn = functools.partial(self.graphs.replay, step.num_rows, step_id=self.step_id,
-                                   since=self._step_start_fingerprint, last_real=last_real)
+            run = functools.partial(self.graphs.replay, step.num_rows, step_id=self.step_id,
+                                    since=self._step_start_fingerprint, last_real=last_real)
         else:
-            self._check_refreshed(written or self.buffers.fingerprint(content=True), last_real)
-            fn = functools.partial(self.model.forward, self.buffers, step)
+            if written is None:  # nothing logged this step: the inputs it reads go on record
+                written = self._log_buffers("forward")
+            run = functools.partial(self._eager_forward, step, written, last_real)
         return await self.collectives.run(
-            "expert", "forward", fn, step_id=self.step_id, phase=dp.TARGET, shapes=[(step.num_rows,)],
+            "expert", "forward", self._checked_forward, run, ctx_id, batch_id,
+            step_id=self.step_id, phase=dp.TARGET, shapes=[(step.num_rows,)],
             enqueue_extra={"rows": step.num_rows, "dispatch_count": step.dispatch_count,
                            "graph": step.agreed.use_graph, "ctx": ctx_id, "batch": batch_id},
             done_extra=self._exchange_stats)
+
+    def _checked_forward(self, run, ctx_id: dict, batch_id: dict):
+        """`run()` on the context built for this step's batch only (the rule replay applies)."""
+        problem = context_problem(self.step_id, batch_id, ctx_id)
+        if problem is not None:
+            raise StaleContextError(f"replica {self.dp_rank}, step {self.step_id}: {problem}")
+        return run()
+
+    def _eager_forward(self, step: ForwardStep, now: Fingerprints, last_real: Fingerprints | None):
+        check_refreshed(self._step_start_fingerprint, now, step_id=self.step_id, last_real=last_real)
+        return self.model.forward(self.buffers, step)
 
     def _exchange_stats(self, _output) -> dict:
         """The bytes the forward's expert exchanges moved, when the model reports them."""
@@ -293,13 +298,6 @@ class Replica:
         if len({d for _, d in gathered}) > 1 or any(s != self.step_id for s, _ in gathered):
             raise DesyncError(f"replica {self.dp_rank}, step {self.step_id}: its PCP ranks sampled"
                               f" different tokens (output digest per PCP rank {[d for _, d in gathered]})")
-
-    def _check_refreshed(self, now: Fingerprints, last_real: Fingerprints | None) -> None:
-        try:
-            check_refreshed(self._step_start_fingerprint, now, step_id=self.step_id, last_real=last_real)
-        except StaleBufferError:
-            self._log_buffers("refused", now)  # on record: the versions that did not move
-            raise
 
     async def _run_draft(self, _event) -> None:
         batch, k, drafter = self._batch, self.config.num_speculative_tokens, self.drafter

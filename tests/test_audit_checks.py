@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from runner_fsm import dp
-from runner_fsm.audit.checks import (context_problem, divergent_outputs, output_digest, own_agreement_problem,
+from runner_fsm.audit.checks import (context_evidence_missing, context_problem, divergent_outputs, output_digest,
+                                     own_agreement_problem,
                                      recomputed_dispatch_count, stale_inputs)
 from runner_fsm.audit.checks import dispatch_inputs
 from runner_fsm.audit.replay import replay
@@ -40,10 +41,43 @@ def test_stale_inputs_unwritten_buffer_and_dummy_on_the_bytes_of_the_last_real_b
 
 
 def test_context_must_be_built_for_the_forward_s_own_batch():
-    dummy_batch = identity(7, True, 2)
-    assert context_problem(7, dummy_batch, identity(7, True, 2)) is None
-    assert "used a real batch's PCP context built at step 5" in context_problem(7, dummy_batch, identity(5, False, 2))
-    assert "for 4 rows" in context_problem(7, dummy_batch, identity(7, True, 4))
+    dummy_batch = identity(7, True, 2, 0xAB)
+    assert context_problem(7, dummy_batch, identity(7, True, 2, 0xAB)) is None
+    assert "used a real batch's PCP context built at step 5" in context_problem(7, dummy_batch, identity(5, False, 2, 0xCD))
+    assert "for 4 rows" in context_problem(7, dummy_batch, identity(7, True, 4, 0xAB))
+    # same step, rows and kind, but arrays that are not the dummy's: the digest tells
+    assert "its layout arrays are not the step's dummy's: digests differ" in \
+        context_problem(7, dummy_batch, identity(7, True, 2, 0xCD))
+
+
+def test_context_evidence_missing_is_named_not_read_as_sound():
+    whole = identity(7, True, 2, 0xAB)
+    assert context_evidence_missing(whole, whole) is None
+    assert context_evidence_missing(whole, None) == "no `ctx` identity"
+    assert context_evidence_missing(None, whole) == "no `batch` identity"
+    old = {"step": 7, "dummy": True, "rows": 2}  # a writer from before the digest
+    assert context_evidence_missing(whole, old) == "its `ctx` identity lacks digest"
+
+
+def test_context_digest_is_the_plan_s_and_differs_from_a_dummy_s():
+    from runner_fsm.evidence import context_identity
+    from runner_fsm.pcp.context import build_dummy_context, build_real_context, dummy_digest, plan_digest
+    from runner_fsm.pcp.plan import plan_batch
+
+    plan = plan_batch([1, 10], [False, True], [37, 0], 2)
+    tables = np.arange(8).reshape(2, 4)
+    for rank in range(2):
+        real = build_real_context(plan, rank, tables, 16, step_id=3)
+        dummy = build_dummy_context(plan.num_tokens_padded, 2, rank, step_id=4)
+        assert context_identity(real) == identity(3, False, plan.num_tokens_padded, plan_digest(plan))
+        assert context_identity(dummy) == identity(4, True, plan.num_tokens_padded,
+                                                   dummy_digest(plan.num_tokens_padded, 2, rank))
+        # the real context reused for the dummy of step 4 (the hand-off bug), and a context
+        # stamped for the right step but holding the real plan's arrays: both refused
+        dummy_batch = identity(4, True, plan.num_tokens_padded, dummy_digest(plan.num_tokens_padded, 2, rank))
+        assert "built at step 3" in context_problem(4, dummy_batch, context_identity(real))
+        forged = dict(context_identity(real), step=4, dummy=True)
+        assert "digests differ" in context_problem(4, dummy_batch, forged)
 
 
 def test_own_agreement_rule_eager_exact_graph_at_least():

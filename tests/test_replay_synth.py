@@ -73,7 +73,12 @@ def test_a_skipped_collective_is_one_verdict_not_one_per_later_step(tmp_path):
     assert verdict.detail == (
         "replica 1 skipped all_reduce DRAFT_PREFILL [[14]] that its peers issued (DRAFT_PREFILL: 0"
         " collectives where its peers ran 1) in group 'dp'; and skipped draft_prefill DRAFT_PREFILL that its"
-        " peers issued (DRAFT_PREFILL: 0 collectives where its peers ran 1) in group 'expert' at step 4")
+        " peers issued (DRAFT_PREFILL: 0 collectives where its peers ran 1) in group 'expert' at step 4"
+        # the same finding from the agreement both met (audit.pairing, by the rule of dp.agree)
+        "; and replica 1: its DP agreement met its peers' with another step or phase (replica 0 sent step 4"
+        " DRAFT_PREFILL, replica 1 sent step 5 TARGET): culprit: replica 1 at step 4 (no majority; it is"
+        " ahead in (step, phase, sequence) order: it skipped a collective its peers are still in); expected"
+        " step 4 DRAFT_PREFILL, odd one(s) out: replica(s) 1")
 
 
 def test_tie_between_two_replicas_names_the_one_that_skipped(tmp_path):

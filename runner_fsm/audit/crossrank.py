@@ -1,11 +1,12 @@
 """The checks across ranks, run once per merged step: collective sequences and hangs
-(`sequences`), agreements that differ between ranks (`agreed_mismatch`), PCP ranks that
+(`sequences`), the DP agreements paired across steps and their culprit (`pairing`, by the rule
+of `dp.agree`), agreements that differ between ranks (`agreed_mismatch`), PCP ranks that
 sampled different tokens (`pcp_divergence`), and ranks missing from a step others agreed on
 (`missing_replica`).
 
 `DPSyncState` is identical on every replica by contract (DESIGN section 5), and the PCP ranks
 of a replica send the same column, so for one step and phase every rank of the run must have
-agreed on the same state (ties go to the lowest rank's value, as `dp.agree` breaks ties).
+agreed on the same state (the majority's state is the reference, ties to the lowest rank's).
 A step that some replicas agreed on while a rank has no record of it at all is a missed step;
 consecutive missed steps of one rank make one finding, so a replica that died early is one
 verdict, not one per step.
@@ -20,6 +21,7 @@ import dataclasses
 import orjson
 
 from runner_fsm.audit.checks import divergent_outputs
+from runner_fsm.audit.pairing import AgreementPairs
 from runner_fsm.audit.read import Groups, RankStep, StepMerger
 from runner_fsm.audit.report import Verdict, phase_label
 from runner_fsm.audit.sequences import SequenceChecker, check_hangs
@@ -53,6 +55,7 @@ class CrossRankChecker:
         self.emit = verdicts.append
         self.ranks = tuple(sorted(groups.infos))
         self.sequences = SequenceChecker(groups, self.emit)
+        self.pairs = AgreementPairs(groups, self.emit)
         self.missed: list[MissedSteps] = []  # closed runs; see finish()
         self._open: dict[int, MissedSteps] = {}
 
@@ -63,6 +66,7 @@ class CrossRankChecker:
             for rank in [r for r in self._open if r in present]:
                 self.missed.append(self._open.pop(rank))
         self.sequences.check(step, present)
+        self.pairs.check(step, present)
         check_agreed(step, present, self.groups, self.emit)
         check_outputs(step, present, self.groups, self.emit)
         check_hangs(step, present, self.groups, self.merger, self.emit)
@@ -83,6 +87,7 @@ class CrossRankChecker:
             if rank in present:
                 continue
             self.sequences.mark_out_of_step(rank)
+            self.pairs.forget(rank)
             missed = self._open.get(rank)
             if missed is None:
                 self._open[rank] = MissedSteps(rank, self.groups.replica(rank), step, step, set(agreed_by),

@@ -36,7 +36,7 @@ TIME_FIELDS = ("t_ns",)
 COLLECTIVE_STAGES = ("enqueue", "done")
 GRAPH_ACTIONS = ("capture", "replay")
 # `job`: the job's shape, the first record of a log (`audit.shape`); the others as DESIGN section 7.
-EVENTS = frozenset({"job", "transition", "collective", "buffers", "graph", "context", "fault"})
+EVENTS = frozenset({"job", "transition", "collective", "buffers", "graph", "fault"})
 # A transition's fields are a few names from small sets: each body is rendered once.
 _TRANSITION_BODIES: dict[tuple[str, str, str, str], bytes] = {}
 
@@ -120,14 +120,6 @@ class _Records:
         if reserved:
             raise ValueError(f"graph record: extra fields {sorted(reserved)} are reserved")
         self._emit("graph", step_id, {"action": action, **extra})
-
-    def context(self, step_id: int | None, reason: str, **evidence: Any) -> None:
-        """The PCP attention context a forward was about to use (`ctx`) and the step's batch
-        (`batch`), each as {step, dummy, rows}; written when the forward is refused."""
-        reserved = evidence.keys() & _RESERVED
-        if reserved:
-            raise ValueError(f"context record: fields {sorted(reserved)} are reserved")
-        self._emit("context", step_id, {"reason": reason, **evidence})
 
     def fault(self, step_id: int | None, error: str | BaseException, message: str) -> None:
         error_name = type(error).__name__ if isinstance(error, BaseException) else str(error)

@@ -4,7 +4,8 @@ The package, in the order a replay uses it:
 - `log`: writing the records (the runner's side);
 - `read`: the rank files, the layout and its groups, per-step summaries merged by step id;
 - `scan`: one pass over each rank's file, the checks that need no peer;
-- `crossrank` and `sequences`: the checks across the ranks of each merged step;
+- `crossrank`, `sequences` and `pairing`: the checks across the ranks of each merged step
+  (`pairing` names a DP desync's culprit by `order`, the rule `dp.agree` applies online);
 - `checks`: every rule, written once, shared with the runner's online checks;
 - `report`: the verdicts, their text and JSON, the timeline picture;
 - `ranges`: large runs judged in ranges of steps side by side, one process each.
@@ -63,7 +64,7 @@ def replay(run_dir: str | os.PathLike[str], *, timeline: Timeline | None = None,
     replicas, pcp_size = layout_of(infos)
     summary = RunSummary(str(run_dir), len(infos), replicas, pcp_size, result.records,
                          result.first_step, result.last_step, job.expected_ranks, job.notes + stop_note)
-    report = ReplayReport(summary, sort_verdicts(drop_explained(merge_same_findings(verdicts))))
+    report = ReplayReport(summary, sort_verdicts(drop_explained(join_mismatches(merge_same_findings(verdicts)))))
     return join_flight_recorder(report, run_dir)  # Flight Recorder dumps, when the run left them
 
 
@@ -110,6 +111,30 @@ def drop_explained(verdicts: list[Verdict]) -> list[Verdict]:
     """Drop `unfinished` for ranks a `hang` already names as never arriving: one finding, one verdict."""
     culprits = {rank for v in verdicts if v.kind == "hang" for rank in v.ranks}
     return [v for v in verdicts if not (v.kind == "unfinished" and set(v.ranks) <= culprits)]
+
+
+def join_mismatches(verdicts: list[Verdict]) -> list[Verdict]:
+    """One `collective_mismatch` per replica and step: what its collective sequence shows
+    (`sequences`) and what its DP agreement met (`pairing`) are one finding, told together."""
+    joined: dict[tuple, Verdict] = {}
+    out: list[Verdict] = []
+    for verdict in verdicts:
+        if verdict.kind != "collective_mismatch" or verdict.replica is None:
+            out.append(verdict)
+            continue
+        key = (verdict.replica, verdict.step)
+        seen = joined.get(key)
+        if seen is None:
+            joined[key] = verdict
+            out.append(verdict)
+            continue
+        both = Verdict(seen.kind, seen.replica, seen.step, f"{seen.detail}; and {verdict.detail}",
+                       tuple(sorted(set(seen.ranks) | set(verdict.ranks))),
+                       seen.file if seen.file == verdict.file else None,
+                       seen.line if seen.file == verdict.file else None, seen.error,
+                       tuple(dict.fromkeys(seen.evidence + verdict.evidence)))
+        out[out.index(seen)] = joined[key] = both
+    return out
 
 
 def merge_same_findings(verdicts: list[Verdict]) -> list[Verdict]:
