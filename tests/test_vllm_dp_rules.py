@@ -29,7 +29,7 @@ def test_in_step_agrees_with_vllms_counts():
 def test_desync_names_culprit_and_step(columns, culprit, step):
     with pytest.raises(DesyncError, match=rf"^culprit: replica {culprit} at step {step} ") as err:
         check_columns(rows(*columns), [1] * len(columns), [0] * len(columns))
-    assert (err.value.culprit_replicas, err.value.culprit_step) == ((culprit,), step)
+    assert (err.value.culprits, err.value.culprit_step) == ((culprit,), step)
 
 
 def test_abort_status_stops_every_replica_naming_sender():

@@ -100,7 +100,7 @@ def _child(rank: int, init: str, out_dir: str) -> None:
             result["desync"] = None
         except Exception as exc:
             result["desync"] = {"type": type(exc).__name__, "message": str(exc),
-                                "culprit": [list(exc.culprit_replicas), exc.culprit_step]}
+                                "culprit": [list(exc.culprits), exc.culprit_step]}
         # Replica 1 fails before step 3's agreement: it sends an abort status in that agreement.
         tap.begin_step(3, dummy=False)
         if rank == 1:

@@ -16,7 +16,6 @@ is TARGET; the drafter's is DRAFT_PREFILL for its first sync in a step, DRAFT_DE
 
 from __future__ import annotations
 
-import collections
 import contextlib
 import dataclasses
 import functools
@@ -26,6 +25,7 @@ import torch
 import torch.distributed as dist
 
 from runner_fsm import dp
+from runner_fsm.audit.order import out_of_order
 from runner_fsm.errors import DesyncError, ReplicaFault
 
 VLLM_ROWS = ("orig_num_tokens", "padded_num_tokens", "should_ubatch", "cudagraph_mode")
@@ -74,26 +74,13 @@ def check_columns(ours: list[list[int]], num_tokens: list[int], graph_modes: lis
     return agreed
 
 
-def culprits(sent: list[tuple[int, int, int]]) -> tuple[list[int], int]:
-    """(culprit replicas, step) of a desync over (step, phase, seq) columns."""
-    counts = collections.Counter(sent)
-    top, n = counts.most_common(1)[0]
-    if n > len(sent) / 2:
-        odd = [r for r, value in enumerate(sent) if value != top]
-        return odd, top[0]
-    latest = max(sent)
-    ahead = [r for r, value in enumerate(sent) if value == latest]
-    return ahead, min(value[0] for value in sent)
-
-
 def _named(exc: DesyncError, sent: list[tuple[int, int, int]]) -> DesyncError:
-    odd, step = culprits(sent)
+    """`exc` with its culprit named by the rule the embedded engine and replay apply
+    (`audit.order`: a majority, else the replica ahead in (step, phase, sequence), else a tie)."""
+    found = out_of_order(dict(enumerate(sent)))
     each = ", ".join(f"replica {r} sent step {s} {dp.phase_name(p)} seq {q}" for r, (s, p, q) in enumerate(sent))
-    message = (f"culprit: replica {', '.join(map(str, odd))} at step {step} (DP desync in vLLM's DP"
-               f" all-reduce: {each}). {exc}")
-    error = DesyncError(message, sent=getattr(exc, "sent", None))
-    error.culprit_replicas, error.culprit_step = tuple(odd), step
-    return error
+    message = f"{found.describe()} (DP desync in vLLM's DP all-reduce: {each}). {exc}"
+    return DesyncError(message, sent=getattr(exc, "sent", None), culprits=found.culprits, culprit_step=found.step)
 
 
 class AgreementTap:
