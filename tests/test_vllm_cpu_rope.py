@@ -14,7 +14,7 @@ import torch
 
 from runner_fsm.integrations.vllm import cpu_rope
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]  # runs V1 here and MRV2 in a child
 
 NOPE, ROPE_DIM, KV_LORA_RANK = 32, 64, 512
 
@@ -173,7 +173,7 @@ def run_end_to_end(model_dir: str) -> dict:
 
 
 def _run_under_mrv2(model_dir: str) -> dict:
-    """`run_end_to_end` in a fresh process with Model Runner V2 (tests/mrv2_cpu.py must act
+    """`run_end_to_end` in a fresh process with Model Runner V2 (tests/mrv2_site must act
     before vLLM is imported, and this process has imported it)."""
     import json
     import os
@@ -182,10 +182,11 @@ def _run_under_mrv2(model_dir: str) -> dict:
     from pathlib import Path
 
     tests = Path(__file__).parent
-    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import mrv2_cpu; mrv2_cpu.enable(); "
+    code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
             "import test_vllm_cpu_rope as t; print('RESULT ' + json.dumps(t.run_end_to_end(sys.argv[2])))")
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tests.parent), os.environ.get("PYTHONPATH", "")]),
-           "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    paths = [str(tests / "mrv2_site"), str(tests.parent), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1"}
     run = subprocess.run([sys.executable, "-c", code, str(tests), model_dir], capture_output=True, text=True,
                          env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]
