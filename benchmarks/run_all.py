@@ -59,6 +59,7 @@ SUITE = {
     "perfetto": "bench_perfetto",  # Flight Recorder on vs off; replay --perfetto export speed
     "replay": None,  # hook: benchmarks/bench_replay.py (owned elsewhere)
     "vllm": None,  # hook: benchmarks/bench_vllm_worker.py with .venv-vllm (owned elsewhere)
+    "vllm-mrv2": None,  # the same on vLLM's Model Runner V2 (Triton's interpreter on the CPU)
 }
 HOOK_TIMEOUT_S = 150
 
@@ -144,17 +145,20 @@ def _replay_rows(quick: bool, extra: list[str]) -> list[Row]:
     return _script_rows("runner-fsm replay", cmd, extra, _parse_replay)
 
 
-def _vllm_rows(quick: bool, extra: list[str]) -> list[Row]:
+def _vllm_rows(quick: bool, extra: list[str], runner: str = "v1") -> list[Row]:
     script, python = HERE / "bench_vllm_worker.py", REPO / ".venv-vllm" / "bin" / "python"
+    name = "FSMWorker in vLLM vs default CPU worker" + ("" if runner == "v1" else " (MRV2)")
     if not python.exists() or not script.exists():
         missing = ".venv-vllm" if not python.exists() else "benchmarks/bench_vllm_worker.py"
-        return [Row("FSMWorker in vLLM vs default CPU worker", "-", "-", "-", "report the ratio", "n/a",
-                    note=f"hook: {missing} not present")]
-    # Three interleaved measurements per worker, each a fresh vLLM process (~15 s here): one of
-    # each swings the ratio by tens of percent on a shared machine, and the median of three is
-    # a run that happened, not the mean of two.
-    cmd = [str(python), str(script), "--repeats", "3"]
-    return _script_rows("FSMWorker in vLLM vs default CPU worker", cmd, extra, _parse_vllm, timeout_s=480)
+        return [Row(name, "-", "-", "-", "report the ratio", "n/a", note=f"hook: {missing} not present")]
+    # Three interleaved measurements per worker, each a fresh vLLM process (~15 s here on V1):
+    # one of each swings the ratio by tens of percent on a shared machine, and the median of
+    # three is a run that happened, not the mean of two. MRV2 runs its kernels in Triton's
+    # interpreter here: a smaller workload keeps it to a few minutes.
+    cmd = [str(python), str(script), "--repeats", "3", "--runner", runner]
+    if runner == "mrv2":
+        cmd += ["--requests", "16", "--max-new", "16"]
+    return _script_rows(name, cmd, extra, _parse_vllm, timeout_s=480 if runner == "v1" else 1200)
 
 
 def _machine() -> dict[str, str]:
@@ -180,15 +184,15 @@ def run(names: list[str], quick: bool) -> tuple[list[Row], list[str], bool]:
         try:
             if name == "replay":
                 got = _replay_rows(quick, extra)
-            elif name == "vllm":
-                got = _vllm_rows(quick, extra)
+            elif name in ("vllm", "vllm-mrv2"):
+                got = _vllm_rows(quick, extra, runner="v1" if name == "vllm" else "mrv2")
             else:
                 got = importlib.import_module(SUITE[name]).rows(quick=quick)
         except Exception as exc:  # a wrong output or a crash: report it, keep going
             traceback.print_exc()
             ok = False
             got = [Row(name, "-", "-", "-", "-", "error", note=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])]
-        ok = ok and all(r.status != "error" for r in got if name not in ("replay", "vllm"))
+        ok = ok and all(r.status != "error" for r in got if name not in ("replay", "vllm", "vllm-mrv2"))
         rows.extend(got)
         print(f"[bench] {name} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return rows, extra, ok

@@ -67,7 +67,7 @@ class InputProbe:
             # On the CPU the bytes of the whole buffer as a memoryview, made once, sliced per
             # forward by bytes per row: far cheaper than slicing a tensor or a numpy array.
             if buf.device.type == "cpu":
-                view, row = memoryview(buf.numpy()).cast("B"), buf[:1].numel() * buf.element_size()
+                view, row = memoryview(buf.numpy()).cast("B"), buf.stride(0) * buf.element_size()
             else:
                 view, row = buf, 1
             views.append((view, row, name in TOKEN_BUFFERS, int(name == "query_start_loc")))

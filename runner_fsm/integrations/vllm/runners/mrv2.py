@@ -24,7 +24,7 @@ import torch
 
 from runner_fsm import dp
 from runner_fsm.integrations.vllm import mrv2_sync
-from runner_fsm.integrations.vllm.runners.base import (ForwardInputs, RunnerAdapter, SkipDummyForward,
+from runner_fsm.integrations.vllm.runners.base import (NAMES, ForwardInputs, RunnerAdapter, SkipDummyForward,
                                                        skipping_dummy, unwrap_method, wrap_method)
 
 NO_STEP = -1
@@ -46,6 +46,7 @@ class MRV2Runner(RunnerAdapter):
         self._prepared: tuple | None = None  # (input batch, block tables, slot mappings) of the next forward
         self.prepared_step = NO_STEP  # the step whose target inputs were prepared last
         self._step_of: Callable[[], int] = lambda: NO_STEP
+        self._bases: tuple[torch.Tensor, ...] | None = None  # the persistent buffers, once the KV cache exists
 
     def attach(self, step_of: Callable[[], int] | None = None) -> None:
         """Observe each forward's inputs; `step_of()` names the worker's current step."""
@@ -69,20 +70,29 @@ class MRV2Runner(RunnerAdapter):
             ids = args.get("input_ids")
             ref = ids if isinstance(ids, torch.Tensor) else args.get("positions")
             num_tokens = int(ref.shape[-1]) if isinstance(ref, torch.Tensor) else 0
-            return ForwardInputs(self.runner.input_buffers, self._persistent, num_tokens,
+            return ForwardInputs(self._persistent_set(), self._persistent, num_tokens,
                                  min(num_tokens, self.runner.max_num_reqs))
         batch, block_tables, slot_mappings = prepared
-        views = {"input_ids": batch.input_ids, "positions": batch.positions, "slot_mapping": slot_mappings[0],
-                 "query_start_loc": batch.query_start_loc, "seq_lens": batch.seq_lens,
-                 "block_table": block_tables[0]}
-        return ForwardInputs(batch, lambda: views, int(batch.num_tokens_after_padding),
-                             int(batch.num_reqs_after_padding))
+        views = (batch.input_ids, batch.positions, slot_mappings[0], batch.query_start_loc, batch.seq_lens,
+                 block_tables[0])
+        rows = int(batch.num_tokens_after_padding), int(batch.num_reqs_after_padding)
+        persistent = self._persistent_set()
+        if all(view.data_ptr() == base.data_ptr() for view, base in zip(views, persistent)):
+            # The views begin the runner's own persistent buffers (no PCP): the probe keeps its
+            # views of those across steps and reads the rows this forward reads.
+            return ForwardInputs(persistent, self._persistent, *rows)
+        return ForwardInputs(batch, lambda: dict(zip(NAMES, views)), *rows)  # PCP-local: per forward
+
+    def _persistent_set(self) -> tuple[torch.Tensor, ...]:
+        """The runner's persistent buffers in NAMES order (one tuple, made once)."""
+        if self._bases is None:
+            bufs, tables = self.runner.input_buffers, self.runner.block_tables
+            self._bases = (bufs.input_ids, bufs.positions, tables.slot_mappings[0], bufs.query_start_loc,
+                           bufs.seq_lens, tables.input_block_tables[0])
+        return self._bases
 
     def _persistent(self) -> dict[str, torch.Tensor]:
-        bufs, tables = self.runner.input_buffers, self.runner.block_tables
-        return {"input_ids": bufs.input_ids, "positions": bufs.positions, "slot_mapping": tables.slot_mappings[0],
-                "query_start_loc": bufs.query_start_loc, "seq_lens": bufs.seq_lens,
-                "block_table": tables.input_block_tables[0]}
+        return dict(zip(NAMES, self._persistent_set()))
 
     # -- DP
 
