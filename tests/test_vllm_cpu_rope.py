@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vllm_checks import hf_greedy
 
 from runner_fsm.integrations.vllm import cpu_rope
 
@@ -131,19 +132,6 @@ def deepseek_v2(tmp_path_factory):
     return make_model(tmp_path_factory.mktemp("mla") / "deepseek_v2", "deepseek_v2", seed=3)
 
 
-def _hf_greedy(model_dir: str) -> dict[str, list[int]]:
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = {}
-    for name, prompt in PROMPTS.items():
-        ids = torch.tensor([prompt])
-        generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                   do_sample=False, pad_token_id=0)
-        out[name] = generated[0, len(prompt):].tolist()
-    return out
-
-
 def _vllm_greedy(llm, names) -> dict[str, list[int]]:
     from vllm import SamplingParams
 
@@ -159,7 +147,7 @@ def run_end_to_end(model_dir: str) -> dict:
     from runner_fsm.testing.vllm_models import MLA_BLOCK_SIZE
 
     names = list(PROMPTS)
-    out = {"hf": _hf_greedy(model_dir)}
+    out = {"hf": hf_greedy(model_dir, PROMPTS, NEW_TOKENS)}
     # No prefix caching: the same prompts run before and after the fix on one engine.
     with h.open_llm(**h.llm_kwargs(model_dir, worker=None, block_size=MLA_BLOCK_SIZE,
                                    enable_prefix_caching=False)) as llm:

@@ -19,8 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
-from vllm_checks import assert_replays_sound, records
+from vllm_checks import assert_replays_sound, hf_greedy, records
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
 
@@ -30,19 +29,6 @@ PROMPTS = {"short": [5, 6, 7], "near": [(7 * i) % 500 + 3 for i in range(2 * PCP
            "long": [(11 * i) % 500 + 3 for i in range(150)]}
 NEW_TOKENS = 8
 RUNS = [("pcp1", 1, None), ("pcp2", PCP, None), ("pcp2-fast", PCP, {"fast_pcp_layout": True})]
-
-
-def _hf_greedy(model_dir: str) -> dict[str, list[int]]:
-    import transformers as tf
-
-    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    out = {}
-    for name, prompt in PROMPTS.items():
-        ids = torch.tensor([prompt])
-        generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=NEW_TOKENS,
-                                   do_sample=False, pad_token_id=0)
-        out[name] = generated[0, len(prompt):].tolist()
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +46,8 @@ def mla(tmp_path_factory):
                            capture_output=True, text=True, env=env, timeout=1200)
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-4000:]
     result = json.loads(next(line for line in child.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    return {"hf": _hf_greedy(model), "vllm": result, "run_dirs": {r["name"]: Path(r["run_dir"]) for r in runs}}
+    return {"hf": hf_greedy(model, PROMPTS, NEW_TOKENS), "vllm": result,
+            "run_dirs": {r["name"]: Path(r["run_dir"]) for r in runs}}
 
 
 @pytest.mark.parametrize("run", [name for name, _, _ in RUNS])

@@ -22,3 +22,18 @@ def assert_replays_sound(run_dir):
     report = replay(run_dir)
     assert report.sound, report.format()
     return report
+
+
+def hf_greedy(model_dir: str, prompts: dict[str, list[int]], new_tokens: int) -> dict[str, list[int]]:
+    """Hugging Face transformers' greedy continuation of each prompt (float32, no vLLM)."""
+    import torch
+    import transformers as tf
+
+    model = tf.AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    out = {}
+    for name, prompt in prompts.items():
+        ids = torch.tensor([prompt])
+        generated = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                                   do_sample=False, pad_token_id=0)
+        out[name] = generated[0, len(prompt):].tolist()
+    return out
