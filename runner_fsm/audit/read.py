@@ -150,6 +150,11 @@ class Groups:
                          for d, rs in sorted(by_replica.items()))
 
 
+def freeze(value):
+    """Lists to tuples, recursively: shapes become hashable sequence keys."""
+    return tuple(map(freeze, value)) if isinstance(value, list) else value
+
+
 class StepBuilder:
     """The step a scanner is reading; sealed into a `RankStep` when the next one starts."""
 
@@ -171,6 +176,10 @@ class StepBuilder:
         self.output: int | None = None  # digest of what this rank sampled, when logged
         self.faulted = False  # its state machine took the `faulted` edge in this step
         self.aborted = False  # it sent a non-ok status to a DP agreement: the step is aborted
+
+    def open_collective(self) -> tuple | None:
+        """The last collective of the step still awaiting its `done`."""
+        return max((p for pending in self.open.values() for p in pending), key=lambda p: p[5], default=None)
 
     def seal(self, rank: int, interned: dict, *, ended=False, hang: tuple | None = None,
              timed_out=False) -> RankStep:

@@ -5,10 +5,9 @@ follows from the table and chains onto the previous one (`illegal_transition`); 
 eager or graph, reads inputs written for its step (`stale_buffer_replay`) through the PCP
 context built for its batch (`stale_context`, from the identities on the forward's record; a
 forward of a writer that logs them, without a complete pair, is a `gap`: unjudged is not
-sound); the count sent to each agreement is the one the
-logged batch yields (`dispatch_mismatch`) and the agreement gives it back (`agreed_mismatch`);
-faults (`fault`: what the runner said, listed, never evidence) and logs that just stop
-(`unfinished`).
+sound); the count sent to each agreement is the one the logged batch yields (`dispatch_mismatch`)
+and the agreement gives it back (`agreed_mismatch`); faults (`fault`: what the runner said,
+listed, never evidence) and logs that just stop (`unfinished`).
 What peers must agree on (collectives, agreements) goes into a `RankStep` per step, which
 `crossrank` merges across ranks. Only the current step is held: memory does not grow.
 """
@@ -22,7 +21,7 @@ import orjson
 from runner_fsm.audit.checks import (BufferTracker, TransitionChecker, check_own_agreement,
                                      context_evidence_missing, context_problem, dispatch_problem)
 from runner_fsm.audit.mapped import is_blank, rest_is_blank
-from runner_fsm.audit.read import RankInfo, RankStep, StepBuilder
+from runner_fsm.audit.read import RankInfo, RankStep, StepBuilder, freeze as _freeze
 from runner_fsm.audit.report import Verdict, label
 
 TERMINAL_STATES = ("stopped", "faulted")
@@ -30,15 +29,9 @@ QUIESCENT_STATE = "ready"  # between steps: no forward, no collective, nothing h
 BETWEEN_STEPS = "the log ends between steps, in state 'ready'"
 STEP_TRIGGERS = frozenset({"prefill", "decode", "idle"})
 TIMEOUT_ERRORS = frozenset({"CollectiveTimeout", "TimeoutError"})
-# Groups whose members must pass equal shapes (an all_reduce, an all_gather of equal parts).
-# Elsewhere shapes are each rank's own rows (the expert group's forward), so only op and
-# phase must match there.
+# Groups whose members must pass equal shapes (an all_reduce, an all_gather of equal parts);
+# elsewhere (the expert group's forward) shapes are each rank's own rows: op and phase match.
 SHAPE_MATCHED_GROUPS = frozenset({"dp", "pcp"})
-
-
-def _freeze(value):
-    """Lists to tuples, recursively: shapes become hashable sequence keys."""
-    return tuple(map(_freeze, value)) if isinstance(value, list) else value
 
 
 class RankScanner:
@@ -147,16 +140,15 @@ class RankScanner:
         if hang is None and (last.fault is None or last.fault[0] in TIMEOUT_ERRORS):
             # The log ends with a collective open: the rank stopped in it. A fault of another
             # error only explains it away (the collective ran, its rule refused the result).
-            hang = self._open_collective(last)
+            hang = last.open_collective()
             timed_out = hang is not None and last.fault is not None
         state = self.transitions.state
         if hang is None and not self._truncated and state not in TERMINAL_STATES:
-            if state == QUIESCENT_STATE:  # every step it began, it finished: see `settle_quiescent_stop`
-                self._verdict("unfinished", f"{BETWEEN_STEPS} after step {last.step}, without shutdown"
-                              " (process killed between steps, or still running?)")
-            else:
-                self._verdict("unfinished", f"the log ends in state {state!r} at step {last.step} without"
-                              " shutdown, fault or a collective in flight (process killed or still running?)")
+            # Between steps every step it began, it finished (see replay's `settle_quiescent_stop`).
+            self._verdict("unfinished", f"{BETWEEN_STEPS} after step {last.step}, without shutdown (process killed"
+                          " between steps, or still running?)" if state == QUIESCENT_STATE else
+                          f"the log ends in state {state!r} at step {last.step} without shutdown, fault or a"
+                          " collective in flight (process killed or still running?)")
         return last.seal(self.info.global_rank, self._signatures, ended=True, hang=hang, timed_out=timed_out)
 
     # -- gaps ----------------------------------------------------------------------
@@ -356,10 +348,3 @@ class RankScanner:
     def _graph(self, record) -> None:
         for detail in self.buffers.graph(record, self.current.step):
             self._verdict("stale_buffer_replay", detail)
-
-    # -- helpers -------------------------------------------------------------------
-
-    @staticmethod
-    def _open_collective(step: StepBuilder) -> tuple | None:
-        """The last collective of the step still awaiting its `done`."""
-        return max((p for pending in step.open.values() for p in pending), key=lambda p: p[5], default=None)
