@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from runner_fsm import dp, evidence
-from runner_fsm.audit.checks import context_problem, dispatch_inputs, output_digest, own_agreement_problem
+from runner_fsm.audit.checks import dispatch_inputs, output_digest, own_agreement_problem
+from runner_fsm.audit.context_rule import context_problem
 from runner_fsm.batch import ScheduledBatch, validate_batch
 from runner_fsm.collectives import CollectiveRunner
 from runner_fsm.components import Agreement, Drafter, ForwardStep, Model

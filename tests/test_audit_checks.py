@@ -9,10 +9,10 @@ import numpy as np
 import pytest
 
 from runner_fsm import dp
-from runner_fsm.audit.checks import (context_evidence_missing, context_problem, divergent_outputs, output_digest,
-                                     own_agreement_problem,
+from runner_fsm.audit.checks import (divergent_outputs, output_digest, own_agreement_problem,
                                      recomputed_dispatch_count, stale_inputs)
 from runner_fsm.audit.checks import dispatch_inputs
+from runner_fsm.audit.context_rule import context_evidence_missing, context_problem
 from runner_fsm.audit.replay import replay
 from runner_fsm.config import GraphMode, ParallelLayout, RunnerConfig
 from runner_fsm.errors import StaleBufferError
@@ -46,7 +46,7 @@ def test_context_must_be_built_for_the_forward_s_own_batch():
     assert "used a real batch's PCP context built at step 5" in context_problem(7, dummy_batch, identity(5, False, 2, 0xCD))
     assert "for 4 rows" in context_problem(7, dummy_batch, identity(7, True, 4, 0xAB))
     # same step, rows and kind, but arrays that are not the dummy's: the digest tells
-    assert "its layout arrays are not the step's dummy's: digests differ" in \
+    assert "its arrays are not the step's dummy's: digests differ" in \
         context_problem(7, dummy_batch, identity(7, True, 2, 0xCD))
 
 

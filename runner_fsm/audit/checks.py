@@ -14,14 +14,9 @@ Buffer fingerprints are tuples `(ptr, shape, version, digest)` (`BufferFingerpri
   (write counts moved) and must not hold the very bytes of the last real batch (content
   digests): `buf.copy_(buf)` moves the counter, not the data. A graph replay must also read
   the storage it was captured on. Forward points are graph replays, eager target forwards, and
-  forwards the runner refused in logs written before the checks moved inside the forward (a
-  `buffers` record with reason `refused`). The runner now logs the inputs of a forward that
-  wrote none this step (reason `forward`) before the forward's own record, which is where
-  they are judged: a refused forward leaves the same evidence as one that ran.
-- the PCP context (`stale_context`): a forward uses the context built for its own batch: the
-  identity the context carries (the step it was built for, dummy or real, rows, the digest of
-  its own arrays) against the identity of the step's batch (the digest taken from its plan or
-  dummy), both on the forward's record. A forward record without them is not read as sound.
+  (older logs) `refused` snapshots; a forward that wrote no inputs this step logs them first.
+- the PCP context (`stale_context`): in `context_rule`, the identity a forward's context
+  carries against its batch's (from the step's plan or dummy), both on the forward's record.
 - the own agreement (`agreed_mismatch`): a replica's copy of an agreement is for its step and
   phase and gives it what it sent (DESIGN section 5).
 - the dispatch count (`dispatch_mismatch`): recomputed from the logged batch inputs.
@@ -74,46 +69,6 @@ def stale_inputs(now: Mapping[str, Sequence], since: Mapping[str, Sequence] | No
         return ("every buffer holds the bytes of the last real batch (content digests unchanged):"
                 " the inputs were not refreshed")
     return None
-
-
-# ---------------------------------------------------------------- the PCP context (stale_context)
-
-
-CONTEXT_FIELDS = ("step", "dummy", "rows", "digest")
-
-
-def context_evidence_missing(batch, ctx) -> str | None:
-    """What a forward's record lacks to judge its PCP context, or None when it is complete."""
-    for name, value in (("ctx", ctx), ("batch", batch)):
-        if not isinstance(value, Mapping):
-            return f"no `{name}` identity"
-        absent = [f for f in CONTEXT_FIELDS if f not in value]
-        if absent:
-            return f"its `{name}` identity lacks {', '.join(absent)}"
-    return None
-
-
-def context_problem(step: int, batch: Mapping, ctx: Mapping) -> str | None:
-    """Why the PCP attention context `ctx` does not belong to the step's batch, or None.
-
-    Both are identities `{"step", "dummy", "rows", "digest"}`: the step a context (batch) was
-    built for, whether it is a dummy, its rows per rank and the digest of its layout arrays
-    (the batch's taken from the step's own plan or dummy, the context's from its own arrays).
-    A forward must use the context built for its own batch, in its own step: a dummy on a saved
-    real context is the hand-off bug; a context whose arrays are not its plan's is one too.
-    """
-    if ctx["step"] == batch["step"] and bool(ctx["dummy"]) == bool(batch["dummy"]) \
-            and ctx["rows"] == batch["rows"] and ctx.get("digest") == batch.get("digest"):
-        return None
-    kind = "dummy" if batch["dummy"] else "real"
-    got = "a dummy" if ctx["dummy"] else "a real batch's"
-    problem = (f"the {kind} forward of step {step} ({batch['rows']} rows) used {got} PCP context"
-               f" built at step {ctx['step']} for {ctx['rows']} rows")
-    if ctx.get("digest") != batch.get("digest"):
-        # Digests differ per PCP rank (each restores its own rows): not quoted, so the finding
-        # reads the same from every rank of the replica and is reported once.
-        problem += f" (its layout arrays are not the step's {'dummy' if batch['dummy'] else 'plan'}'s: digests differ)"
-    return problem
 
 
 # ---------------------------------------------------------------- the own agreement (agreed_mismatch)

@@ -6,7 +6,7 @@ The package, in the order a replay uses it:
 - `scan`: one pass over each rank's file, the checks that need no peer;
 - `crossrank`, `sequences` and `pairing`: the checks across the ranks of each merged step
   (`pairing` names a DP desync's culprit by `order`, the rule `dp.agree` applies online);
-- `checks`: every rule, written once, shared with the runner's online checks;
+- `checks`, `context_rule`, `order`: every rule, written once, shared with the runner's online checks;
 - `report`: the verdicts, their text and JSON, the timeline picture;
 - `ranges`: large runs judged in ranges of steps side by side, one process each.
 Only one step per rank is held at a time, so memory stays flat however long the run.

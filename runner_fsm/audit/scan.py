@@ -3,11 +3,11 @@
 Checked here, by the rules of `checks`: `seq` runs gapless from 0 (`gap`); every transition
 follows from the table and chains onto the previous one (`illegal_transition`); every forward,
 eager or graph, reads inputs written for its step (`stale_buffer_replay`) through the PCP
-context built for its batch (`stale_context`, from the identities on the forward's record; a
-forward of a writer that logs them, without a complete pair, is a `gap`: unjudged is not
-sound); the count sent to each agreement is the one the logged batch yields (`dispatch_mismatch`)
-and the agreement gives it back (`agreed_mismatch`); faults (`fault`: what the runner said,
-listed, never evidence) and logs that just stop (`unfinished`).
+context built for its batch (`stale_context`, by `context_rule`; a forward without the
+identities is a `gap`, unjudged); the count sent to each agreement is the one the
+logged batch yields (`dispatch_mismatch`) and the agreement gives it back (`agreed_mismatch`);
+faults (`fault`: what the runner said, listed, never evidence) and logs that just stop
+(`unfinished`).
 What peers must agree on (collectives, agreements) goes into a `RankStep` per step, which
 `crossrank` merges across ranks. Only the current step is held: memory does not grow.
 """
@@ -18,8 +18,8 @@ from collections.abc import Iterator
 
 import orjson
 
-from runner_fsm.audit.checks import (BufferTracker, TransitionChecker, check_own_agreement,
-                                     context_evidence_missing, context_problem, dispatch_problem)
+from runner_fsm.audit.checks import BufferTracker, TransitionChecker, check_own_agreement, dispatch_problem
+from runner_fsm.audit.context_rule import ContextEvidence
 from runner_fsm.audit.mapped import is_blank, rest_is_blank
 from runner_fsm.audit.read import RankInfo, RankStep, StepBuilder, freeze as _freeze
 from runner_fsm.audit.report import Verdict, label
@@ -55,7 +55,7 @@ class RankScanner:
         self.stopped = False  # the scan ended at `stop_step`, not at the end of the file
         self.count_from: int | None = None  # count only records of steps from here on
         self._uncounted: int | None = None  # records read before the first such step
-        self._logs_contexts = False  # this writer puts context identities on its forwards
+        self.contexts = ContextEvidence()
 
     # -- verdicts ------------------------------------------------------------------
 
@@ -306,24 +306,12 @@ class RankScanner:
 
     def _forward_evidence(self, record) -> None:
         """A target forward: the PCP context it used is its batch's; eager, its inputs are fresh."""
-        ctx, batch = record.get("ctx"), record.get("batch")
-        if ctx is not None or batch is not None or self._logs_contexts:
-            self._logs_contexts = True
-            missing = context_evidence_missing(batch, ctx)
-            if missing is None:
-                self._context_evidence(ctx, batch)
-            else:  # no evidence is no proof: the forward cannot be judged, and says so
-                self._verdict("gap", f"replica {self.info.dp_rank}: the target forward of step"
-                              f" {self.current.step} logged {missing}: whether it used the PCP context"
-                              " built for its batch (stale_context) cannot be judged")
+        found = self.contexts.forward(self.current.step, record.get("ctx"), record.get("batch"))
+        if found is not None:
+            self._verdict(found[0], f"replica {self.info.dp_rank}: {found[1]}")
         if record.get("graph") is False:
             for detail in self.buffers.eager_forward(self.current.step):
                 self._verdict("stale_buffer_replay", detail)
-
-    def _context_evidence(self, ctx, batch) -> None:
-        problem = context_problem(self.current.step, batch, ctx)
-        if problem is not None:
-            self._verdict("stale_context", f"replica {self.info.dp_rank}: {problem}")
 
     def _dispatch_evidence(self, inputs, sent) -> None:
         """The count the replica sent against the count its logged batch yields."""
