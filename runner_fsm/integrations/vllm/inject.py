@@ -18,7 +18,12 @@ KINDS = (
     "skip-dummy-forward",  # the idle replica agrees, then returns without its dummy forward
     "skip-draft-sync",  # the idle replica skips the drafter's dummy run (vLLM issue #35294)
     "desync",  # the replica reports the next step id in its agreement rows
+    # MRV2's PCP manager (`pcp_evidence`), the hand-off bugs vLLM-Ascend's "Adapt PCP for DP" fixed:
+    "stale-pcp-context",  # the idle replica's dummy reads the last real batch's PCP slot mappings
+    "skip-buffer-refresh",  # the dummy runs over the PCP input buffers the last real batch left
+    "wrong-dispatch-count",  # the global token count sent where the PCP-local one is due
 )
+PCP_KINDS = KINDS[3:]
 
 
 def parse(text: str) -> Injection:
