@@ -95,28 +95,38 @@ def own_agreement_problem(step: int, phase: int, sent_tokens: int | None, agreed
 # ---------------------------------------------------------------- the dispatch count (dispatch_mismatch)
 
 
-def dispatch_inputs(num_scheduled, is_prefilling, pcp_size: int, chunking: str) -> dict:
+def dispatch_inputs(num_scheduled, is_prefilling, pcp_size: int, chunking: str, *,
+                    per_decode: bool = False) -> dict:
     """What determines the PCP-local dispatch count, compactly: decode tokens in one sum (they
-    are replicated on every PCP rank), each prefill's length (prefills are few)."""
+    are replicated on every PCP rank), each prefill's length (prefills are few). `per_decode`:
+    each decode's length too (`decodes`), where decodes are sharded over the PCP ranks (vLLM
+    MRV2 without DCP gives each decode one owner rank), so one sum would not yield the count."""
     import numpy as np  # the runner has it loaded already; a replay never calls this
 
     scheduled = np.asarray(num_scheduled)
     prefilling = np.asarray(is_prefilling, dtype=bool)
-    return {"decode": int(scheduled[~prefilling].sum()), "prefill": scheduled[prefilling].tolist(),
-            "pcp": int(pcp_size), "chunking": chunking}
+    inputs = {"decode": int(scheduled[~prefilling].sum()), "prefill": scheduled[prefilling].tolist(),
+              "pcp": int(pcp_size), "chunking": chunking}
+    if per_decode:
+        inputs["decodes"] = scheduled[~prefilling].tolist()
+    return inputs
 
 
 def recomputed_dispatch_count(inputs: Mapping) -> int:
     """The dispatch count N the logged `inputs` yield (`pcp.plan.num_tokens_for_dispatch`)."""
-    return _dispatch_count(int(inputs["decode"]), tuple(inputs["prefill"]), int(inputs["pcp"]), inputs["chunking"])
+    decodes = inputs.get("decodes")
+    return _dispatch_count(int(inputs["decode"]), tuple(inputs["prefill"]), int(inputs["pcp"]), inputs["chunking"],
+                           None if decodes is None else tuple(decodes))
 
 
 @functools.lru_cache(maxsize=4096)  # replay meets the same batch shapes again and again
-def _dispatch_count(decode: int, prefills: tuple, pcp: int, chunking: str) -> int:
+def _dispatch_count(decode: int, prefills: tuple, pcp: int, chunking: str, decodes: tuple | None = None) -> int:
     from runner_fsm.pcp.plan import num_tokens_for_dispatch  # numpy only, loaded on first use
 
-    lengths = ([decode] if decode else []) + list(prefills)
-    flags = ([False] if decode else []) + [True] * len(prefills)
+    if decodes is None:  # replicated decodes: their sum is one request's worth on every rank
+        decodes = (decode,) if decode else ()
+    lengths = list(decodes) + list(prefills)
+    flags = [False] * len(decodes) + [True] * len(prefills)
     if not lengths:
         return 0
     return num_tokens_for_dispatch(lengths, flags, pcp, chunking=chunking)

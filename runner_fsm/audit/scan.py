@@ -318,7 +318,7 @@ class RankScanner:
         if not isinstance(sent, dict):
             return
         told = sent["num_tokens"]
-        if not inputs["prefill"] and told == inputs["decode"]:
+        if not inputs["prefill"] and told == inputs["decode"] and "decodes" not in inputs:
             return  # decode only: the count is the decode tokens, replicated on every PCP rank
         problem = dispatch_problem(inputs, told)
         if problem is not None:

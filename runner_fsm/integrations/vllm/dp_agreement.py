@@ -94,10 +94,12 @@ class AgreementTap:
     def __init__(self, dp_rank: int, dp_size: int, *, audit=None,
                  beat: Callable[[int, int, str], None] | None = None,
                  rows_hook: Callable[[AgreementRows], AgreementRows] | None = None,
-                 position: Callable[[], tuple[int, bool]] | None = None):
+                 position: Callable[[], tuple[int, bool]] | None = None,
+                 enqueue_extra: Callable[[AgreementRows], dict] | None = None):
         self.dp_rank, self.dp_size = dp_rank, dp_size
         self.audit, self._beat, self._rows_hook = audit, beat, rows_hook
         self._position = position  # () -> (step id or NO_STEP, dummy?): the worker's step
+        self._enqueue_extra = enqueue_extra  # more fields for an enqueue record (the dispatch inputs)
         self.step_id, self.kind = NO_STEP, KIND_REAL
         self.phase = 0  # set by the tagged `_determine_batch_execution_and_padding` (V1)
         # MRV2: no per-phase method to tag; the runner adapter tells the phase of a sync instead.
@@ -164,7 +166,8 @@ class AgreementTap:
         vllm_column = tensor[:, self.dp_rank].tolist()
         sent = {"rows": rows.column(), "vllm": vllm_column, "num_tokens": vllm_column[num_tokens_row]}
         logged = rows.step_id if rows.step_id != NO_STEP else None  # the step this replica reported
-        self._record(logged, rows, "enqueue", [[n + len(AGREEMENT_ROWS), self.dp_size]], sent=sent)
+        more = self._enqueue_extra(rows) if self._enqueue_extra is not None else {}
+        self._record(logged, rows, "enqueue", [[n + len(AGREEMENT_ROWS), self.dp_size]], sent=sent, **more)
         dist.all_reduce(carried, group=group)
         gathered = carried.cpu().tolist()
         vllm_rows = gathered[:n]

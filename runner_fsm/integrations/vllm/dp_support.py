@@ -39,7 +39,8 @@ class DPSupport:
         heartbeat = Heartbeat(store, ParallelLayout(dp_size=dp_size, pcp_size=1).validate(), dp_rank)
         self.watchdog = Watchdog(heartbeat, timeout_s, dp_rank=dp_rank, on_fault=self._log_fault).start()
         self.tap = dp_agreement.AgreementTap(dp_rank, dp_size, audit=self.audit, beat=self.watchdog.beat,
-                                             rows_hook=self._rows_hook, position=self._position)
+                                             rows_hook=self._rows_hook, position=self._position,
+                                             enqueue_extra=self._agreement_extra)
         self.drafts = DraftLedger(dp_rank)
         self.adapter: RunnerAdapter | None = None
         self._undo = lambda: None
@@ -72,7 +73,8 @@ class DPSupport:
             self._hooks += [draft.register_forward_pre_hook(self._before_draft_forward, with_kwargs=True),
                             draft.register_forward_hook(self._after_forward)]
         if self.injector.injection is not None:
-            adapter.install_faults(skip_dummy_forward=self._skip_dummy_forward, skip_draft_sync=self._skip_draft_sync)
+            adapter.install_faults(skip_dummy_forward=self._skip_dummy_forward, skip_draft_sync=self._skip_draft_sync,
+                                   pcp_fault=self._pcp_fault)
 
     def _position(self) -> tuple[int, bool]:
         rec = self.recorder
@@ -130,8 +132,9 @@ class DPSupport:
         seq = next(self._forward_seq)
         self._forward_open = (step, seq, phase)
         self.watchdog.enter(step, phase, "expert forward" if phase == dp.TARGET else "draft expert forward")
+        extra = self.adapter.take_forward_extra() if phase == dp.TARGET and self.adapter is not None else None
         if self.audit is not None:
-            self.audit.collective(step, "expert", "forward", phase, [[rows]], seq, "enqueue")
+            self.audit.collective(step, "expert", "forward", phase, [[rows]], seq, "enqueue", **(extra or {}))
         return None
 
     def _after_forward(self, _module, _args, _output):
@@ -150,6 +153,17 @@ class DPSupport:
         if rows.phase == dp.TARGET and self.injector.due("desync", rows.step_id):
             return dp_agreement.AgreementRows(rows.step_id + 1, rows.phase, rows.seq, rows.kind, rows.status)
         return rows
+
+    def _agreement_extra(self, rows: dp_agreement.AgreementRows) -> dict:
+        if rows.phase != dp.TARGET or self.adapter is None:
+            return {}
+        return self.adapter.agreement_extra(self.recorder.step_id)
+
+    def _pcp_fault(self, kind: str) -> bool:
+        """Asked by the PCP manager's evidence where `kind` would act (this replica's step)."""
+        rec = self.recorder
+        return rec.in_step and self.injector.due(kind, rec.step_id) and (
+            kind == "wrong-dispatch-count" or rec.kind == "idle")
 
     def _skip_dummy_forward(self) -> bool:
         """Asked past the idle replica's TARGET agreement, before its dummy forward."""

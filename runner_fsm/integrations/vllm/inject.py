@@ -2,7 +2,9 @@
 (`additional_config={"runner_fsm": {"inject": ...}}`, else `RUNNER_FSM_INJECT`).
 
 Each kind reproduces a DP hand-off bug seen in vLLM and vLLM-Ascend; the online checks must
-stop every rank naming R and S, and `runner-fsm replay` must name them too. Step ids count
+stop every rank naming R and S, and `runner-fsm replay` must name them too. The PCP kinds act
+in MRV2's PCP manager (`pcp_evidence`) and have no online check: replay names them from the
+PCP evidence. Step ids count
 the worker's steps from 0. The syntax is the embedded engine's (`runner_fsm.faults`); the
 kinds differ, since they act on vLLM's own calls.
 """
@@ -18,6 +20,10 @@ KINDS = (
     "skip-dummy-forward",  # the idle replica agrees, then returns without its dummy forward
     "skip-draft-sync",  # the idle replica skips the drafter's dummy run (vLLM issue #35294)
     "desync",  # the replica reports the next step id in its agreement rows
+    # MRV2's PCP manager (`pcp_evidence`), the hand-off bugs vLLM-Ascend's "Adapt PCP for DP" fixed:
+    "stale-pcp-context",  # the idle replica's dummy reads the last real batch's PCP slot mappings
+    "skip-buffer-refresh",  # the dummy runs over the PCP input buffers the last real batch left
+    "wrong-dispatch-count",  # the global token count sent where the PCP-local one is due
 )
 
 

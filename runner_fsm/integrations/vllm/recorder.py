@@ -75,9 +75,11 @@ class ReplicaRecorder:
         return self.step_id
 
     def on_forward(self, taken: dict | None, copied: list[str], dummy: bool, mode: str, desc: Any,
-                   dp_counts: Any) -> None:
-        """A target forward is about to run (called from the forward pre-hook)."""
-        self._forwards.append((taken, copied, dummy, mode, desc))
+                   dp_counts: Any, *, logged: bool = False) -> None:
+        """A target forward is about to run (called from the forward pre-hook). `logged`: its
+        `buffers` record is on disk already (the PCP evidence, written before the forward):
+        the probe's hashes then go to the journal only."""
+        self._forwards.append((taken, copied, dummy, mode, desc, logged))
         if self._entry is not None:
             self._entry.setdefault("forwards", []).append(
                 [("dummy" if dummy else "real"), mode, desc, dp_counts])
@@ -113,7 +115,7 @@ class ReplicaRecorder:
         out = self.audit if out is None else out
         forwards, self._forwards = self._forwards, []
         capturing = step == CAPTURE_STEP
-        for taken, copied, dummy, mode, desc in forwards:
+        for taken, copied, dummy, mode, desc, logged in forwards:
             graph = mode == "FULL"
             if graph and capturing:  # a capture first names its size, then its buffers
                 out.graph(step, "capture", num_tokens=desc[0] if desc else None)
@@ -123,7 +125,8 @@ class ReplicaRecorder:
                 if copied:
                     reason += ":copied=" + ",".join(copied)
                 inputs, record = resolve(taken, reason)
-                out.rendered("buffers", step, record)
+                if not logged:
+                    out.rendered("buffers", step, record)
                 if self._entry is not None:
                     self._entry.setdefault("inputs", []).append(inputs)
             if graph and not capturing:

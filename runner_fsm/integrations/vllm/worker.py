@@ -137,6 +137,7 @@ class FSMWorkerMixin:
 
     def compile_or_warm_up_model(self):
         schema.check_runner(self.runner_adapter, kv_cache=True)  # the KV cache exists now
+        self.runner_adapter.attach_kv()
         self.recorder.start_capture()
         times = super().compile_or_warm_up_model()
         self.recorder.end_capture()
@@ -211,11 +212,21 @@ class FSMWorkerMixin:
         mode, desc, dp_counts = _forward_context()
         if capturing and mode != "FULL":
             return  # warm-up and profiling forwards: only graph captures are evidence
-        taken, copied = None, []
+        taken, copied, logged = None, [], False
+        adapter = self.runner_adapter
+        pcp = None if capturing else adapter.pcp_evidence()
         if rec.fingerprints:
-            inputs = self.runner_adapter.forward_inputs(args, dummy=self._dummy, capturing=capturing)
+            inputs = adapter.forward_inputs(args, dummy=self._dummy, capturing=capturing)
             taken, copied = self.probe.take(inputs, args)
-        rec.on_forward(taken, copied, self._dummy, mode, desc, dp_counts)
+        if pcp is not None:
+            fingerprints, identities = pcp
+            adapter.forward_extra = dict(identities, graph=mode == "FULL")
+            if rec.fingerprints and mode != "FULL":
+                # Under PCP the forward reads the PCP manager's buffers: their record goes on disk
+                # now, before the forward's own record, where replay judges them (`stale_inputs`).
+                rec.audit.buffers(rec.step_id, "dummy" if self._dummy else "real", fingerprints)
+                logged = True
+        rec.on_forward(taken, copied, self._dummy, mode, desc, dp_counts, logged=logged)
 
     def _fault(self, error: BaseException) -> None:
         """An error inside a step: logged, the replica `faulted`, the Flight Recorder dumped."""

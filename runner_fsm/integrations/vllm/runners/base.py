@@ -59,6 +59,13 @@ class RunnerAdapter:
 
     def __init__(self, runner: Any):
         self.runner = runner
+        # What the next target forward's `expert`/`forward` record carries (the PCP evidence:
+        # `ctx`, `batch`, `graph`), set by the worker's forward pre-hook.
+        self.forward_extra: dict | None = None
+
+    def take_forward_extra(self) -> dict | None:
+        extra, self.forward_extra = self.forward_extra, None
+        return extra
 
     @classmethod
     def serves(cls, runner_cls: type) -> bool:
@@ -83,6 +90,18 @@ class RunnerAdapter:
         """Once the model is loaded: whatever the adapter must observe per step; `step_of()`
         names the worker's current step (-1 outside steps)."""
 
+    def attach_kv(self) -> None:
+        """Once the KV cache exists (what vLLM builds with it, e.g. MRV2's PCP manager)."""
+
+    def pcp_evidence(self) -> tuple[dict | None, dict] | None:
+        """(PCP buffers' fingerprints, {ctx, batch}) of the forward about to run, where the
+        runner partitions batches over PCP ranks itself; None otherwise."""
+        return None
+
+    def agreement_extra(self, step: int) -> dict:
+        """Fields for this step's TARGET agreement record (the dispatch count's inputs)."""
+        return {}
+
     def forward_inputs(self, args: dict, *, dummy: bool, capturing: bool) -> ForwardInputs:
         raise NotImplementedError
 
@@ -93,7 +112,7 @@ class RunnerAdapter:
         raise NotImplementedError
 
     def install_faults(self, *, skip_dummy_forward: Callable[[], bool],
-                       skip_draft_sync: Callable[[], bool]) -> None:
+                       skip_draft_sync: Callable[[], bool], pcp_fault: Callable[[str], bool] | None = None) -> None:
         raise NotImplementedError
 
     def draft_model(self) -> torch.nn.Module | None:

@@ -47,20 +47,38 @@ class MRV2Runner(RunnerAdapter):
         self.prepared_step = NO_STEP  # the step whose target inputs were prepared last
         self._step_of: Callable[[], int] = lambda: NO_STEP
         self._bases: tuple[torch.Tensor, ...] | None = None  # the persistent buffers, once the KV cache exists
+        self.pcp = None  # PCPEvidence under PCP, once the KV cache exists (`attach_kv`)
+        self._pcp_fault: Callable[[str], bool] | None = None
 
     def attach(self, step_of: Callable[[], int] | None = None) -> None:
         """Observe each forward's inputs; `step_of()` names the worker's current step."""
         if step_of is not None:
             self._step_of = step_of
-        for name in ("prepare_attn", "prepare_dummy_attn"):
-            wrap_method(self.runner, name, self._keep_prepared)
+        wrap_method(self.runner, "prepare_attn", lambda p, a, k: self._keep_prepared(p, a, k, dummy=False))
+        wrap_method(self.runner, "prepare_dummy_attn", lambda p, a, k: self._keep_prepared(p, a, k, dummy=True))
 
-    def _keep_prepared(self, prepare, args, kwargs):
+    def attach_kv(self) -> None:
+        """The PCP manager exists once the KV cache does: its evidence from here on."""
+        from runner_fsm.integrations.vllm.pcp_evidence import PCPEvidence  # imports this package
+
+        manager = self.runner.pcp_manager
+        if manager is not None and self.pcp is None:
+            self.pcp = PCPEvidence(manager, self._step_of, self._pcp_fault)
+
+    def _keep_prepared(self, prepare, args, kwargs, *, dummy: bool):
         out = prepare(*args, **kwargs)
         batch = args[0] if args else kwargs["input_batch"]
         self._prepared = (batch, out[0], out[1])
         self.prepared_step = self._step_of()
+        if self.pcp is not None:
+            (self.pcp.dummy_prepared if dummy else self.pcp.real_prepared)(batch, out[1])
         return out
+
+    def pcp_evidence(self):
+        return None if self.pcp is None else self.pcp.forward_evidence()
+
+    def agreement_extra(self, step: int) -> dict:
+        return {} if self.pcp is None else self.pcp.agreement_extra(step)
 
     # -- the probe's view of a forward
 
@@ -116,8 +134,9 @@ class MRV2Runner(RunnerAdapter):
         return "cpu", get_dp_group().cpu_group  # where sync_cudagraph_and_dp_padding all-reduces
 
     def install_faults(self, *, skip_dummy_forward: Callable[[], bool],
-                       skip_draft_sync: Callable[[], bool]) -> None:
+                       skip_draft_sync: Callable[[], bool], pcp_fault: Callable[[str], bool] | None = None) -> None:
         runner = self.runner
+        self._pcp_fault = pcp_fault  # the PCP manager's faults act there (`pcp_evidence`), once it exists
 
         def prepare_unless_skipped(prepare, args, kwargs):
             out = prepare(*args, **kwargs)  # past the dummy's DP agreement, before its forward
