@@ -41,8 +41,9 @@ IDLE = 1  # the replica of PER_RANK that runs out of work (after step 1)
 # context and buffers before it are the last real batch's); the count on the
 # prefill of step 0 (a single decode's count is the same locally and globally), on replica 0
 # and on the last replica.
-INJECTED = {"stale-pcp-context": (IDLE, 2), "skip-buffer-refresh": (IDLE, 2),
-            "wrong-dispatch-count": (0, 0), "wrong-dispatch-count ": (IDLE, 0)}
+INJECTED = {f"{kind}@replica={replica},step={step}": (kind, replica, step) for kind, replica, step in [
+    ("stale-pcp-context", IDLE, 2), ("skip-buffer-refresh", IDLE, 2),
+    ("wrong-dispatch-count", 0, 0), ("wrong-dispatch-count", IDLE, 0)]}
 VERDICT = {"stale-pcp-context": "stale_context", "skip-buffer-refresh": "stale_buffer_replay",
            "wrong-dispatch-count": "dispatch_mismatch"}
 
@@ -60,13 +61,13 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("vllm-pcp-dp")
     model = make_model(root / "deepseek_v2", "deepseek_v2", seed=3)
     cases = {"reference": (1, 1, [c.ALL], None), "sound": (2, PCP, c.PER_RANK, None)}
-    for label, (replica, step) in INJECTED.items():
-        cases[label] = (2, PCP, c.PER_RANK, f"{label.strip()}@replica={replica},step={step}")
+    for label in INJECTED:
+        cases[label] = (2, PCP, c.PER_RANK, label)  # the label is the injection
     out = {}
 
     def one(label: str) -> None:
         dp, pcp, per_rank, inject = cases[label]
-        run_dir = root / f"run-{label.strip()}-{replica_of(label)}"
+        run_dir = root / f"run-{label.replace('@', '-').replace('=', '').replace(',', '-')}"
         started = time.monotonic()
         result = c.run([Job(_kwargs(model, run_dir, pcp, inject), per_rank)], dp, root, timeout_s=1200, env=MRV2_ENV)
         out[label] = (result, run_dir, time.monotonic() - started)
@@ -79,10 +80,6 @@ def runs(tmp_path_factory):
     for label, (_, _, took) in out.items():
         print(f"\n{label!r}: {took:.0f} s")
     return out
-
-
-def replica_of(label: str):
-    return INJECTED[label][0] if label in INJECTED else "all"
 
 
 def _tokens(result) -> dict:
@@ -143,14 +140,14 @@ def _stripped(run_dir: Path) -> Path:
 @pytest.mark.parametrize("label", list(INJECTED))
 def test_replay_names_the_injected_pcp_fault_from_the_evidence(runs, label):
     result, run_dir, _ = runs[label]
-    replica, step = INJECTED[label]
+    kind, replica, step = INJECTED[label]
     stripped = _stripped(run_dir)
     assert not any(r["event"] == "fault" for rank in range(2 * PCP) for r in _records(stripped, rank))
     code, verdicts = c.replay_json(stripped)
     print(f"\n{label}: codes {result.codes}; replay: " + "; ".join(
         f"{v['kind']} replica {v['replica']} step {v['step']}" for v in verdicts))
     assert code == 1
-    kind = VERDICT[label.strip()]
-    assert (kind, replica, step) in {(v["kind"], v["replica"], v["step"]) for v in verdicts}, verdicts
+    expected = VERDICT[kind]
+    assert (expected, replica, step) in {(v["kind"], v["replica"], v["step"]) for v in verdicts}, verdicts
     # nothing is blamed on the replica that ran soundly
-    assert all(v["replica"] in (replica, None) for v in verdicts if v["kind"] == kind), verdicts
+    assert all(v["replica"] in (replica, None) for v in verdicts if v["kind"] == expected), verdicts
