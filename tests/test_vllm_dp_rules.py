@@ -61,3 +61,30 @@ def test_scheduled_drafts_must_be_prefixes_of_the_latest_proposals():
     ledger.forget(["b"])
     with pytest.raises(DraftMismatchError, match="'b': \\[9\\] scheduled, nothing proposed"):
         ledger.check_scheduled(5, {"b": [9]})
+
+
+@pytest.mark.parametrize("replica", [0, 1])
+def test_an_injection_that_never_fired_says_why_on_its_replica(replica):
+    from runner_fsm.integrations.vllm.inject import VLLMInjector, parse
+
+    injection = parse(f"skip-dummy-forward@replica={replica},step=4")
+    target, other = VLLMInjector(injection, replica), VLLMInjector(injection, 1 - replica)
+    for step, kind in enumerate(["prefill", "decode", "decode", "decode", "decode", "idle"]):
+        target.saw(step, kind)
+        other.saw(step, kind)
+    assert target.never_fired(5) == (f"inject skip-dummy-forward@replica={replica},step=4 never fired: replica"
+                                     f" {replica} was not idle at step 4 (it ran a decode step);"
+                                     " skip-dummy-forward acts on a dummy step")
+    assert other.never_fired(5) is None  # only the replica it targets speaks
+    early = VLLMInjector(parse(f"desync@replica={replica},step=9"), replica)
+    assert early.never_fired(5) == (f"inject desync@replica={replica},step=9 never fired: the run ended"
+                                    " after step 5, before step 9")
+
+
+def test_an_injection_that_fired_is_silent():
+    from runner_fsm.integrations.vllm.inject import VLLMInjector, parse
+
+    injector = VLLMInjector(parse("desync@replica=0,step=2"), 0)
+    injector.saw(2, "decode")
+    assert not injector.due("desync", 1) and injector.never_fired(3) is not None
+    assert injector.due("desync", 2) and injector.never_fired(3) is None

@@ -32,6 +32,7 @@ CULPRIT = {"skip-dummy-forward": 1, "skip-draft-sync": 1, "desync": 0}
 DRAFTING = EXPECTED_RUNNER == "v1"  # MRV2: no drafter under DP (see above), so no draft sync to skip
 KINDS = tuple(k for k in CULPRIT if DRAFTING or k != "skip-draft-sync")
 STEP = 5
+NEVER_FIRES = "skip-dummy-forward@replica=0,step=4"  # replica 0 is busy at step 4: nothing to skip
 TIMEOUT_S = 20.0
 # After detection: the watchdog polls (0.25 s) and lingers for its peers (3 s); the worker
 # process exits, vLLM's engine sees it die and shuts down, the interpreter exits. Seen: 10 s
@@ -47,11 +48,12 @@ def runs(tmp_path_factory):
 
     def one(kind: str) -> None:
         run_dir = root / f"run-{kind}"
-        options = {"inject": f"{kind}@replica={CULPRIT[kind]},step={STEP}", "collective_timeout_s": TIMEOUT_S}
+        inject = NEVER_FIRES if kind == "never" else f"{kind}@replica={CULPRIT[kind]},step={STEP}"
+        options = {"inject": inject, "collective_timeout_s": TIMEOUT_S}
         job = Job(c.kwargs(models, "mixtral", drafting=DRAFTING, run_dir=str(run_dir), options=options), c.PER_RANK)
         out[kind] = (c.run([job], 2, root, timeout_s=900), run_dir)
 
-    threads = [threading.Thread(target=one, args=(kind,)) for kind in KINDS]
+    threads = [threading.Thread(target=one, args=(kind,)) for kind in KINDS + ("never",)]
     for t in threads:
         t.start()
     for t in threads:
@@ -121,3 +123,16 @@ def test_flight_recorder_dumped_and_joined(runs, kind):
     if kind != "desync":
         assert "started and never completed by rank(s) 0; never started by rank(s) 1" in named[0]["detail"]
     assert not [v for v in verdicts if v["kind"] == "source_disagreement"], verdicts
+
+
+def test_an_injection_that_never_fired_is_a_finding(runs):
+    """The run ends normally, but it tested nothing: the replica the fault targets says why on
+    stderr and in a `fault` record, which replay lists (exit 1)."""
+    result, run_dir = runs["never"]
+    assert result.codes == [0, 0], result.logs[0][-3000:]
+    line = (f"inject {NEVER_FIRES} never fired: replica 0 was not idle at step 4 (it ran a decode step);"
+            " skip-dummy-forward acts on a dummy step")
+    assert f"FSMWorker: {line}" in result.logs[0] and line not in result.logs[1]
+    code, verdicts = c.replay_json(run_dir)
+    assert code == 1 and [(v["kind"], v["replica"]) for v in verdicts] == [("fault", 0)], verdicts
+    assert verdicts[0]["detail"] == f"InjectionNeverFired: {line}"

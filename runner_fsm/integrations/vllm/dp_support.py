@@ -162,8 +162,8 @@ class DPSupport:
     def _pcp_fault(self, kind: str) -> bool:
         """Asked by the PCP manager's evidence where `kind` would act (this replica's step)."""
         rec = self.recorder
-        return rec.in_step and self.injector.due(kind, rec.step_id) and (
-            kind == "wrong-dispatch-count" or rec.kind == "idle")
+        return rec.in_step and (kind == "wrong-dispatch-count" or rec.kind == "idle") and \
+            self.injector.due(kind, rec.step_id)
 
     def _skip_dummy_forward(self) -> bool:
         """Asked past the idle replica's TARGET agreement, before its dummy forward."""

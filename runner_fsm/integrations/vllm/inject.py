@@ -37,14 +37,49 @@ def parse(text: str) -> Injection:
     return dataclasses.replace(Injection.parse(f"crash@{rest}"), kind=kind)
 
 
+# Kinds that act on the idle replica's dummy step only.
+DUMMY_ONLY = frozenset({"skip-dummy-forward", "skip-draft-sync", "stale-pcp-context", "skip-buffer-refresh"})
+
+
+class InjectionNeverFired(ConfigError):
+    """The run ended without the injected fault ever applying: it tested nothing."""
+
+
 class VLLMInjector:
-    """Answers, at each decision point, whether `kind` is due on this replica now."""
+    """Answers, at each decision point, whether `kind` is due on this replica now; remembers
+    whether it fired and what the replica ran at the injection's step, to say why it did not."""
 
     def __init__(self, injection: Injection | None, dp_rank: int):
         self.injection, self.dp_rank = injection, dp_rank
+        self.fired = False
+        self.seen: str | None = None  # the kind of step (prefill, decode, idle) run at the injection's step
 
     def due(self, kind: str, step_id: int) -> bool:
+        """Asked only where `kind` would act now: True means it fires."""
         if kind not in KINDS:
             raise ValueError(f"unknown fault kind {kind!r}")
         i = self.injection
-        return i is not None and i.kind == kind and i.replica == self.dp_rank and i.step == step_id
+        hit = i is not None and i.kind == kind and i.replica == self.dp_rank and i.step == step_id
+        self.fired = self.fired or hit
+        return hit
+
+    def saw(self, step_id: int, kind: str) -> None:
+        """The replica began step `step_id` as a `kind` step."""
+        i = self.injection
+        if i is not None and i.replica == self.dp_rank and i.step == step_id:
+            self.seen = kind
+
+    def never_fired(self, last_step: int) -> str | None:
+        """One line naming the fault and why it never applied, on the replica it targets; None
+        when it fired, or targets another replica."""
+        i = self.injection
+        if i is None or i.replica != self.dp_rank or self.fired:
+            return None
+        if self.seen is None:
+            why = f"the run ended after step {last_step}, before step {i.step}"
+        elif i.kind in DUMMY_ONLY and self.seen != "idle":
+            why = (f"replica {i.replica} was not idle at step {i.step} (it ran a {self.seen} step);"
+                   f" {i.kind} acts on a dummy step")
+        else:
+            why = f"replica {i.replica} ran step {i.step} ({self.seen}) without reaching where {i.kind} acts"
+        return f"inject {i.kind}@replica={i.replica},step={i.step} never fired: {why}"

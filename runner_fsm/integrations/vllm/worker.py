@@ -27,6 +27,7 @@ of the platform's worker (`platform_worker`), so vLLM's own `worker_cls="auto"` 
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +38,7 @@ from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.integrations.vllm import cpu_collectives, cpu_rope, schema
 from runner_fsm.integrations.vllm.dp_support import DPSupport
 from runner_fsm.integrations.vllm.flight import WorkerFlight, start as start_flight_recorder
+from runner_fsm.integrations.vllm.inject import InjectionNeverFired
 from runner_fsm.integrations.vllm.journal import Journal
 from runner_fsm.integrations.vllm.options import WorkerOptions
 from runner_fsm.integrations.vllm.probe import InputProbe
@@ -151,7 +153,10 @@ class FSMWorkerMixin:
             self._forget(so)
             return super().execute_model(so)
         rec = self.recorder
-        rec.begin_step(self._classify(so), _decision(so))
+        kind = self._classify(so)
+        rec.begin_step(kind, _decision(so))
+        if self.dp_support is not None:
+            self.dp_support.injector.saw(rec.step_id, kind)
         try:
             if self.dp_support is not None:
                 self.dp_support.before_step(so)  # scheduled drafts vs. proposals
@@ -187,6 +192,8 @@ class FSMWorkerMixin:
     def execute_dummy_batch(self) -> None:
         rec = self.recorder
         rec.begin_step("idle")
+        if self.dp_support is not None:
+            self.dp_support.injector.saw(rec.step_id, "idle")
         self._dummy = True
         try:
             super().execute_dummy_batch()
@@ -267,11 +274,17 @@ class FSMWorkerMixin:
 
     def shutdown(self) -> None:
         rec = self.recorder
+        unfired = None
         if self.dp_support is not None:
             self.dp_support.close()
+            if rec is not None:
+                unfired = self.dp_support.injector.never_fired(rec.step_id - 1)
         self.flight.dump("end")  # while vLLM's groups still exist
         try:
             if rec is not None:
+                if unfired is not None:  # the run tested nothing: a fault replay lists (exit 1)
+                    print(f"FSMWorker: {unfired}", file=sys.stderr, flush=True)
+                    rec.fault(InjectionNeverFired(unfired))
                 rec.shutdown()
         finally:
             super().shutdown()
