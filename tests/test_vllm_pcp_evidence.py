@@ -135,12 +135,16 @@ def test_sound_steps_leave_sound_evidence():
     assert findings(run) == {}
 
 
-def test_stale_pcp_context_is_a_stale_context_at_its_step():
-    run = Run("stale-pcp-context", at_step=2)
+def _two_real_then_two_dummies(run: "Run") -> "Run":
     run.real_step([5, 6, 7])
     run.real_step([8])
     run.dummy_step()
     run.dummy_step()
+    return run
+
+
+def test_stale_pcp_context_is_a_stale_context_at_its_step():
+    run = _two_real_then_two_dummies(Run("stale-pcp-context", at_step=2))
     found = findings(run)
     assert list(found) == [2]
     problems, ctx = found[2]
@@ -150,11 +154,7 @@ def test_stale_pcp_context_is_a_stale_context_at_its_step():
 
 
 def test_skip_buffer_refresh_is_stale_inputs_at_its_step():
-    run = Run("skip-buffer-refresh", at_step=3)
-    run.real_step([5, 6, 7])
-    run.real_step([8])
-    run.dummy_step()
-    run.dummy_step()
+    run = _two_real_then_two_dummies(Run("skip-buffer-refresh", at_step=3))
     found = findings(run)
     assert list(found) == [3]
     problems, ctx = found[3]
