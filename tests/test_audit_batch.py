@@ -87,17 +87,20 @@ def test_rendered_line_is_the_whole_record_rendered(run_id, step_id, fields):
 
 
 @pytest.mark.parametrize("names", [("slot_mapping", "seq_lens"), ('q"uote', "pct%d", "ünï")])
-@pytest.mark.parametrize("reason", ["real", "replay:copied=input_ids", 'odd"%s'])
-def test_buffers_template_renders_what_the_encoder_renders(names, reason):
+@pytest.mark.parametrize("reason", ["real", "replay", 'odd"%s'])
+@pytest.mark.parametrize("extra", [{}, {"copied": ["input_ids"], "graph_tokens": 8}])
+def test_buffers_template_renders_what_the_encoder_renders(names, reason, extra):
     values = []
-    for i, _ in enumerate(names):  # addresses, rows (0 too) and signed 64-bit hashes
-        values += (0x7F00_0000_0000 + i, i * 7, -(2**63) + i if i % 2 else 2**63 - 1 - i)
-    whole = {"reason": reason, "buffers": {name: {"ptr": values[3 * i], "shape": [values[3 * i + 1]],
-                                                  "version": values[3 * i + 2]}
-                                           for i, name in enumerate(names)}}
+    for i, _ in enumerate(names):  # addresses, sizes, stamps, signed 64-bit hashes, rows (0 too)
+        values += (0x7F00_0000_0000 + i, 64 + i, i, -(2**63) + i if i % 2 else 2**63 - 1 - i, i * 7)
+    whole = {"reason": reason, "buffers": {name: {"ptr": values[5 * i], "shape": [values[5 * i + 1]],
+                                                  "version": values[5 * i + 2], "digest": values[5 * i + 3],
+                                                  "rows": values[5 * i + 4]}
+                                           for i, name in enumerate(names)}, **extra}
+    tail = b"".join(b"," + dumps_record(k) + b":" + dumps_record(v) for k, v in extra.items())
     template = BuffersTemplate(names)
-    assert template.body(reason, tuple(values)) == dumps_record(whole)
-    assert template.body(reason, tuple(values)) == dumps_record(whole)  # its cached reason too
+    assert template.body(reason, tuple(values), tail) == dumps_record(whole)
+    assert template.body(reason, tuple(values), tail) == dumps_record(whole)  # its cached reason too
 
 
 def test_cached_body_is_rendered_once_per_key():
@@ -110,10 +113,10 @@ def test_cached_body_is_rendered_once_per_key():
 
 def test_a_rendered_record_is_the_record_its_builder_writes(tmp_path):
     names = ("slot_mapping", "seq_lens")
-    body = BuffersTemplate(names).body("dummy", (16, 3, -5, 32, 2, 7))
+    body = BuffersTemplate(names).body("dummy", (16, 8, 1, -5, 3, 32, 4, 1, 7, 2))
     with AuditLog(tmp_path / "a", "run", 0, 0, 0) as built, AuditLog(tmp_path / "b", "run", 0, 0, 0) as fast:
-        built.buffers(4, "dummy", {"slot_mapping": {"ptr": 16, "shape": [3], "version": -5},
-                                   "seq_lens": {"ptr": 32, "shape": [2], "version": 7}})
+        built.buffers(4, "dummy", {"slot_mapping": {"ptr": 16, "shape": [8], "version": 1, "digest": -5, "rows": 3},
+                                   "seq_lens": {"ptr": 32, "shape": [4], "version": 1, "digest": 7, "rows": 2}})
         fast.rendered("buffers", 4, body)
         batch = fast.batch()
         batch.transition(4, "finish", "decode", "ready", "ok")

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from runner_fsm.audit import AuditLog
+from runner_fsm.audit import AuditLog, read_records
 from runner_fsm.audit.render import dumps_record
 from runner_fsm.audit.replay import replay
 from runner_fsm.integrations.vllm.errors import StepRefused
@@ -35,15 +35,22 @@ def stand_in_runner():
                            input_batch=SimpleNamespace(num_reqs=4, block_table=[table]))
 
 
-def take(probe: InputProbe, runner, args: dict):
-    """The probe over the stand-in as the V1 adapter reads it: 4 tokens, 4 requests."""
-    adapter = V1Runner(runner)
-    return probe.take(adapter.forward_inputs({"input_ids": runner.input_ids[:4]}, dummy=False, capturing=False),
-                      args)
+def records(run_dir: str) -> list[dict]:
+    return list(read_records(f"{run_dir}/rank-0.jsonl"))
 
 
-def write_batch(runner, step: int) -> None:
-    """What vLLM's _prepare_inputs writes for a decode step of 4 requests."""
+def take(probe: InputProbe, adapter: V1Runner, args: dict, num_tokens: int = 4):
+    """The probe over the stand-in as the V1 adapter reads it: `num_tokens` tokens, 4 requests."""
+    inputs = adapter.forward_inputs({"input_ids": adapter.runner.input_ids[:num_tokens]}, dummy=False,
+                                    capturing=False)
+    return probe.take(inputs, args)
+
+
+def write_batch(adapter: V1Runner, step: int) -> None:
+    """What vLLM's _prepare_inputs writes for a decode step of 4 requests (a write the adapter
+    sees: its stamp moves)."""
+    runner = adapter.runner
+    adapter.inputs_written()
     runner.input_ids[:4] = torch.arange(4) + 10 * step
     runner.positions[:4] = torch.arange(4) + 20 + step
     runner.seq_lens[:4] = 21 + step
@@ -51,30 +58,43 @@ def write_batch(runner, step: int) -> None:
     runner.input_batch.block_table[0].slot_mapping[:4] = torch.arange(4) * 32 + 20 + step
 
 
-def run(tmp_path, *, mode: str, fresh_dummy: bool) -> str:
+def write_dummy(adapter: V1Runner) -> None:
+    """What vLLM's _dummy_run writes: -1 slots, its own lengths (the same bytes every time)."""
+    runner = adapter.runner
+    adapter.inputs_written()
+    runner.input_ids[:4] = 0
+    runner.seq_lens[:4] = 1
+    runner.input_batch.block_table[0].slot_mapping[:4] = -1
+
+
+def run(tmp_path, *, mode: str, fresh_dummy: bool, dummies: int = 1, copied: bool = False) -> str:
     run_dir = str(tmp_path / "run")
-    runner = stand_in_runner()
+    adapter = V1Runner(stand_in_runner())
+    runner = adapter.runner
     probe = InputProbe()
     rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0), Journal(run_dir, 0))
 
     def forward(dummy: bool):
-        args = {"input_ids": runner.input_ids[:4], "positions": runner.positions[:4]}
-        rec.on_forward(*take(probe, runner, args), dummy, mode, DESC, None)
+        ids = runner.input_ids[:4].clone() if copied else runner.input_ids[:4]
+        args = {"input_ids": ids, "positions": runner.positions[:4]}
+        rec.on_forward(*take(probe, adapter, args), dummy, mode, DESC, None)
 
     rec.start_capture()
+    write_dummy(adapter)
     forward(dummy=True)  # graph capture on vLLM's dummy inputs
     rec.end_capture()
     for step in range(2):
         rec.begin_step("decode", {"tokens": 4})
-        write_batch(runner, step)
+        write_batch(adapter, step)
         forward(dummy=False)
         rec.note(sampled=[[1], [2], [3], [4]])
         rec.end_step()
-    rec.begin_step("idle")
-    if fresh_dummy:
-        write_batch(runner, 99)
-    forward(dummy=True)
-    rec.end_step()
+    for _ in range(dummies):
+        rec.begin_step("idle")
+        if fresh_dummy:
+            write_dummy(adapter)
+        forward(dummy=True)
+        rec.end_step()
     rec.shutdown()
     return run_dir
 
@@ -96,6 +116,27 @@ def test_full_graph_dummy_with_fresh_inputs_is_sound(tmp_path):
 
 def test_eager_dummy_reading_old_inputs_is_not_a_graph_replay(tmp_path):
     assert replay(run(tmp_path, mode="NONE", fresh_dummy=False)).sound
+
+
+def test_two_identical_fresh_dummies_in_a_row_are_sound(tmp_path):
+    """Each dummy was written (the stamp moved), though with the very bytes of the one before:
+    equal bytes are no evidence of a missing write."""
+    report = replay(run(tmp_path, mode="FULL", fresh_dummy=True, dummies=2))
+    assert report.sound, report.format()
+
+
+def test_a_second_dummy_nobody_wrote_is_stale_though_the_first_was_fresh(tmp_path):
+    run_dir = run(tmp_path, mode="FULL", fresh_dummy=False, dummies=2)
+    report = replay(run_dir)
+    assert [(v.kind, v.step) for v in report.verdicts] == [("stale_buffer_replay", 2), ("stale_buffer_replay", 3)]
+
+
+def test_a_replay_handed_copies_is_still_judged(tmp_path):
+    """Copies of input_ids are logged apart (`copied`), not in the reason, so the rule applies."""
+    run_dir = run(tmp_path, mode="FULL", fresh_dummy=False, copied=True)
+    replays = [r for r in records(run_dir) if r["event"] == "buffers" and r["reason"] == "replay"]
+    assert replays and all(r["copied"] == ["input_ids"] for r in replays)
+    assert [(v.kind, v.step) for v in replay(run_dir).verdicts] == [("stale_buffer_replay", 2)]
 
 
 def test_a_step_before_capture_is_refused_and_logged(tmp_path):
@@ -151,15 +192,15 @@ def test_a_replica_killed_mid_step_leaves_that_step_as_its_last_record(tmp_path)
     """The step's start is on disk before its forward runs: a process killed in the forward
     (no fault path, no shutdown) leaves replay the step it died in, and its state."""
     run_dir = str(tmp_path / "run")
-    runner = stand_in_runner()
+    adapter = V1Runner(stand_in_runner())
     probe = InputProbe()
     rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0), None)
     rec.start_capture()
     rec.end_capture()
     for step in range(2):
         rec.begin_step("decode", {"tokens": 4})
-        write_batch(runner, step)
-        rec.on_forward(*take(probe, runner, {}), False, "NONE", DESC, None)
+        write_batch(adapter, step)
+        rec.on_forward(*take(probe, adapter, {}), False, "NONE", DESC, None)
         if step == 0:
             rec.end_step()
     # step 1 is in its forward when the process dies: nothing more is written
@@ -175,8 +216,9 @@ def test_journal_holds_the_hash_of_exactly_the_rows_each_forward_read(tmp_path):
 
     run_dir = run(tmp_path, mode="NONE", fresh_dummy=True)
     journal = read_journal(run_dir)
-    runner = stand_in_runner()
-    write_batch(runner, 1)  # what step 1's forward read (4 tokens of 4 requests)
+    adapter = V1Runner(stand_in_runner())
+    runner = adapter.runner
+    write_batch(adapter, 1)  # what step 1's forward read (4 tokens of 4 requests)
     table = runner.input_batch.block_table[0]
 
     def crc(t: torch.Tensor) -> int:
@@ -225,11 +267,57 @@ def test_an_entry_the_journal_cannot_render_costs_only_its_own_line(tmp_path):
 
 def test_resolve_reads_device_digests_back_once(tmp_path):
     """On an accelerator the hashes are 0-d tensors until `resolve` (here CPU tensors stand in)."""
-    ptrs = tuple(range(100, 106))
+    ptrs, sizes = tuple(range(100, 106)), tuple(range(16, 22))
     hashes = [torch.tensor(h, dtype=torch.int64) for h in (11, 12, -13, 14, 15, 16)]
-    inputs, body = resolve((ptrs, 4, 2, hashes), "replay")
+    inputs, body = resolve((ptrs, sizes, 4, 2, hashes, 7), "replay", ["input_ids"], 8)
     assert inputs == dict(zip(NAMES, (11, 12, -13, 14, 15, 16)))
     at = {name: NAMES.index(name) for name in JUDGED}
     rows = {name: 4 if name in TOKEN_BUFFERS else 2 for name in JUDGED}
     assert body == dumps_record({"reason": "replay", "buffers": {
-        name: {"ptr": ptrs[at[name]], "shape": [rows[name]], "version": inputs[name]} for name in JUDGED}})
+        name: {"ptr": ptrs[at[name]], "shape": [sizes[at[name]]], "version": 7, "digest": inputs[name],
+               "rows": rows[name]} for name in JUDGED}, "copied": ["input_ids"], "graph_tokens": 8})
+
+def _two_size_run(tmp_path, *, move_storage: bool) -> str:
+    """Graphs captured for 4 and 8 tokens, then replays of 8 and 4 tokens on fresh inputs; with
+    `move_storage`, the second replay reads a slot mapping in other storage than its capture's."""
+    run_dir = str(tmp_path / "run")
+    adapter = V1Runner(stand_in_runner())
+    runner = adapter.runner
+    probe = InputProbe()
+    rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0), None)
+
+    def forward(size: int, dummy: bool):
+        rec.on_forward(*take(probe, adapter, {}, num_tokens=size), dummy, "FULL", (size, 4, True), None)
+
+    rec.start_capture()
+    for size in (4, 8):
+        write_dummy(adapter)
+        forward(size, dummy=True)
+    rec.end_capture()
+    for step, size in enumerate((8, 4)):
+        if move_storage and step == 1:
+            table = runner.input_batch.block_table[0]
+            moved = SimpleNamespace(block_table=table.block_table, slot_mapping=table.slot_mapping.clone())
+            runner.input_batch = SimpleNamespace(num_reqs=4, block_table=[moved])
+        rec.begin_step("decode", {"tokens": size})
+        write_batch(adapter, step)
+        forward(size, dummy=False)
+        rec.end_step()
+    rec.shutdown()
+    return run_dir
+
+
+def test_replays_of_two_sizes_are_judged_against_their_own_captures(tmp_path):
+    run_dir = _two_size_run(tmp_path, move_storage=False)
+    replays = [r for r in records(run_dir) if r["event"] == "buffers" and r["reason"] == "replay"]
+    # the storage in `shape`, the rows this replay read apart from it, the graph's size
+    assert [(r["graph_tokens"], r["buffers"]["slot_mapping"]["rows"], r["buffers"]["slot_mapping"]["shape"])
+            for r in replays] == [(8, 8, [16]), (4, 4, [16])]
+    report = replay(run_dir)
+    assert report.sound, report.format()
+
+
+def test_a_replay_reading_other_storage_than_its_capture_is_named(tmp_path):
+    report = replay(_two_size_run(tmp_path, move_storage=True))
+    assert [(v.kind, v.step) for v in report.verdicts] == [("stale_buffer_replay", 1)]
+    assert "reads storage that differs from capture: slot_mapping" in report.verdicts[0].detail

@@ -192,9 +192,11 @@ class BufferTracker:
         snapshot = _tuples(record["buffers"])
         reason = record["reason"]
         problems = []
+        size = record.get("graph_tokens")  # the graph's size, where the writer logs it here
         if reason == "replay":  # logged by the graph runner before it checks and replays
             reference = self._last_replay if self._last_replay_step == step else self._previous
-            captured = next(reversed(self._captured.values()), None)  # one set of buffers for every size
+            # The capture of this size; a writer that logs no size has one set of buffers for all.
+            captured = self._captured.get(size) if size is not None else next(reversed(self._captured.values()), None)
             self._last_replay, self._last_replay_step = snapshot, step
             problems = check_replay(step, snapshot, reference, captured, self._dummy_reference())
         elif reason == "refused":
@@ -206,7 +208,7 @@ class BufferTracker:
         elif reason == "dummy":
             self._step_dummy = True
         elif reason == "capture":
-            self._captured[self._capture_size] = snapshot
+            self._captured[size if size is not None else self._capture_size] = snapshot
         self._current = snapshot
         return problems
 

@@ -96,31 +96,33 @@ def cached_body(cache: dict, key: Any, fields: Mapping[str, Any]) -> bytes:
 
 
 class BuffersTemplate:
-    """Bodies of `buffers` records over a fixed list of 1-d buffers with no digest.
+    """Bodies of `buffers` records over a fixed list of 1-d buffers.
 
-    `body(reason, values)`, `values` flat `(ptr, rows, version)` per name in order, is
-    `dumps_record({"reason": reason, "buffers": {name: {"ptr", "shape": [rows], "version"}}})`
-    for int values: one `%` into bytes made once, instead of a dict per buffer and an encoder
-    call per record.
+    `body(reason, values, extra=b"")`, `values` flat `(ptr, size, version, digest, rows)` per
+    name in order, is `dumps_record({"reason": reason, "buffers": {name: {"ptr", "shape":
+    [size], "version", "digest", "rows"}}, **extra})` for int values, where `extra` is the
+    rendered `,"key":value` tail of further fields: one `%` into bytes made once, instead of a
+    dict per buffer and an encoder call per record. `shape` is the buffer's storage (what a
+    graph reads), `rows` the rows this forward read.
     """
 
     def __init__(self, names: tuple[str, ...]):
-        each = [dumps_record(str(name)).replace(b"%", b"%%") + b':{"ptr":%d,"shape":[%d],"version":%d}'
-                for name in names]
-        self._tail = b',"buffers":{' + b",".join(each) + b"}}"
+        each = [dumps_record(str(name)).replace(b"%", b"%%")
+                + b':{"ptr":%d,"shape":[%d],"version":%d,"digest":%d,"rows":%d}' for name in names]
+        self._tail = b',"buffers":{' + b",".join(each) + b"}"
         self._reasons: dict[str, bytes] = {}
 
-    def body(self, reason: str, values: tuple[int, ...]) -> bytes:
+    def body(self, reason: str, values: tuple[int, ...], extra: bytes = b"") -> bytes:
         head = self._reasons.get(reason)
         if head is None:
             head = b'{"reason":' + dumps_record(str(reason))
             if len(self._reasons) < _CACHE_LIMIT:
                 self._reasons[reason] = head
-        return head + self._tail % values
+        return head + self._tail % values + extra + b"}"
 
 
 def fingerprint_fields(fp: Any) -> dict[str, Any]:
-    """{ptr, shape, version[, digest]} from a dict, an object with those attributes, or a tensor.
+    """{ptr, shape, version[, digest][, rows]} from a dict, an object with those attributes, or a tensor.
 
     `digest` (a hash of the bytes, DESIGN section 7) is written when the fingerprint has one.
     """
@@ -129,9 +131,9 @@ def fingerprint_fields(fp: Any) -> dict[str, Any]:
         if fp.digest is not None:
             out["digest"] = fp.digest
         return out
-    digest = None
+    digest = rows = None
     if isinstance(fp, Mapping):
-        ptr, shape, version, digest = fp["ptr"], fp["shape"], fp["version"], fp.get("digest")
+        ptr, shape, version, digest, rows = fp["ptr"], fp["shape"], fp["version"], fp.get("digest"), fp.get("rows")
     elif hasattr(fp, "data_ptr"):  # a torch tensor: its storage address and in-place counter
         ptr, shape, version = fp.data_ptr(), fp.shape, fp._version
     else:
@@ -139,4 +141,6 @@ def fingerprint_fields(fp: Any) -> dict[str, Any]:
     out = {"ptr": int(ptr), "shape": [int(d) for d in shape], "version": int(version)}
     if digest is not None:
         out["digest"] = int(digest)
+    if rows is not None:  # the rows a forward read, where `shape` is the buffer's whole storage
+        out["rows"] = int(rows)
     return out

@@ -4,13 +4,16 @@ A forward (or a graph replay) reads vLLM's persistent buffers: `input_ids`, `pos
 `query_start_loc`, `seq_lens`, and the block table and slot mapping of KV group 0. What a
 dummy forward or a replay reads there is whatever the last writer left, so per forward the
 journal keeps each buffer's content hash of the bytes read (`inputs`), and the audit log's
-`buffers` record the attention metadata that must be fresh (`JUDGED`), with its address and
-length.
+`buffers` record the attention metadata that must be fresh (`JUDGED`): its address and storage
+rows (`shape`: a graph reads the storage it was captured on), the rows read, a write stamp
+(`version`) and the content hash (`digest`).
 
 vLLM writes most of these buffers through numpy views, which never move torch's in-place
-counter, so `version` would say nothing here: the `version` field of the audit record carries
-the content hash instead (equal hash = same bytes; the replay's stale check compares exactly
-that). Hashes are cheap on purpose (the audit must cost < 100 us a step):
+counter, so `version` is the runner adapter's count of the runner's input preparations
+(`ForwardInputs.stamp`): a forward whose stamp did not move reads inputs written for another.
+Equal bytes alone prove nothing (two idle dummies in a row are equal and both fresh); the
+digest still tells a dummy that holds the last real batch's bytes. Hashes are cheap on purpose
+(the audit must cost < 100 us a step):
 - CPU: crc32 of the bytes read (the buffers are contiguous: no copy);
 - accelerator: a position-weighted sum on the device (one small kernel per buffer, no host
   sync); the values are copied to the host after the step, when the record is written.
@@ -23,7 +26,7 @@ from typing import Any
 
 import torch
 
-from runner_fsm.audit.render import BuffersTemplate
+from runner_fsm.audit.render import BuffersTemplate, dumps_record
 from runner_fsm.integrations.vllm.runners import NAMES, TOKEN_BUFFERS, ForwardInputs
 from runner_fsm.pcp.buffers import pending_device_digest
 
@@ -41,10 +44,11 @@ _JUDGED_AT = tuple((NAMES.index(name), name in TOKEN_BUFFERS) for name in JUDGED
 # The `buffers` record of a forward: the judged buffers' (ptr, [rows], version=content hash).
 JUDGED_RECORD = BuffersTemplate(JUDGED)
 
-# One forward's fingerprints, as `take` returns them: (the buffers' addresses in `NAMES` order,
-# the tokens and the requests the forward read, one content hash per buffer: ints on the CPU,
-# 0-d device tensors on an accelerator until `resolve`). A plain tuple: one is made per forward.
-Taken = tuple[tuple[int, ...], int, int, list]
+# One forward's fingerprints, as `take` returns them: (the buffers' addresses and storage rows
+# in `NAMES` order, the tokens and the requests the forward read, one content hash per buffer:
+# ints on the CPU, 0-d device tensors on an accelerator until `resolve`, the write stamp). A
+# plain tuple: one is made per forward.
+Taken = tuple[tuple[int, ...], tuple[int, ...], int, int, list, int]
 
 
 class InputProbe:
@@ -53,6 +57,7 @@ class InputProbe:
     def __init__(self):
         self._key = None  # what the cached views belong to (`ForwardInputs.key`)
         self._ptrs: tuple[int, ...] = ()
+        self._sizes: tuple[int, ...] = ()
         # Per buffer (bytes of the whole buffer, bytes per row, per token, extra rows); on an
         # accelerator the tensor itself instead of the bytes.
         self._views: list[tuple[Any, int, bool, int]] = []
@@ -72,6 +77,7 @@ class InputProbe:
                 view, row = buf, 1
             views.append((view, row, name in TOKEN_BUFFERS, int(name == "query_start_loc")))
         self._views = views
+        self._sizes = tuple(int(buffers[name].shape[0]) for name in NAMES)  # rows of each storage
         self._ptrs = tuple(buffers[name].data_ptr() for name in NAMES)
         self._on_device = any(buf.device.type != "cpu" for buf in buffers.values())
 
@@ -97,19 +103,27 @@ class InputProbe:
             arg = args.get(name)
             if isinstance(arg, torch.Tensor) and arg.data_ptr() != ptrs[index]:
                 copied.append(name)
-        return (ptrs, num_tokens, num_reqs, hashes), copied
+        return (ptrs, self._sizes, num_tokens, num_reqs, hashes, inputs.stamp), copied
 
 
-def resolve(taken: Taken, reason: str) -> tuple[dict[str, int], bytes]:
+def resolve(taken: Taken, reason: str, copied: list[str] | None = None,
+            graph_tokens: int | None = None) -> tuple[dict[str, int], bytes]:
     """({name: content hash} of all inputs, the fields of the forward's `buffers` record: per
-    judged buffer its address, rows read and content hash as `version`, see `JUDGED_RECORD`).
-    Device hashes are copied to the host here, once per forward (after the step, never before
-    a replay)."""
-    ptrs, num_tokens, num_reqs, hashes = taken
+    judged buffer its address, storage rows (`shape`), write stamp (`version`), content hash
+    (`digest`) and rows read, see `JUDGED_RECORD`; then `copied` (inputs the forward was
+    handed as copies, not the persistent buffers) and `graph_tokens` (the size of the graph a
+    replay or capture runs) when given). Device hashes are copied to the host here, once per
+    forward (after the step, never before a replay)."""
+    ptrs, sizes, num_tokens, num_reqs, hashes, stamp = taken
     if hashes and type(hashes[0]) is not int:  # device digests (0-d tensors): all or none
         hashes = torch.stack(hashes).tolist()
     rows = (num_reqs, num_tokens)
     values = []
     for i, per_token in _JUDGED_AT:
-        values += (ptrs[i], rows[per_token], hashes[i])
-    return dict(zip(NAMES, hashes)), JUDGED_RECORD.body(reason, tuple(values))
+        values += (ptrs[i], sizes[i], stamp, hashes[i], rows[per_token])
+    extra = b""
+    if copied:
+        extra += b',"copied":' + dumps_record(list(copied))
+    if graph_tokens is not None:
+        extra += b',"graph_tokens":%d' % graph_tokens
+    return dict(zip(NAMES, hashes)), JUDGED_RECORD.body(reason, tuple(values), extra)

@@ -120,11 +120,10 @@ class ReplicaRecorder:
             if graph and capturing:  # a capture first names its size, then its buffers
                 out.graph(step, "capture", num_tokens=desc[0] if desc else None)
             if taken is not None:
-                # A graph replay's inputs are logged as `replay`: replay judges them right there.
+                # A graph replay's inputs are logged as `replay`: replay judges them right there,
+                # against the capture of the same size.
                 reason = "capture" if capturing else "replay" if graph else "dummy" if dummy else "real"
-                if copied:
-                    reason += ":copied=" + ",".join(copied)
-                inputs, record = resolve(taken, reason)
+                inputs, record = resolve(taken, reason, copied, desc[0] if graph and desc else None)
                 if not logged:
                     out.rendered("buffers", step, record)
                 if self._entry is not None:

@@ -33,12 +33,16 @@ class ForwardInputs(NamedTuple):
     """What one target forward reads: `buffers` (by NAMES) holds whole persistent buffers or
     views from their first row; the forward reads `num_tokens` rows of the token buffers and
     `num_reqs` rows of the request buffers (`query_start_loc`: one more). `key` changes when
-    the buffer objects may have changed (the probe rebuilds its cached views then)."""
+    the buffer objects may have changed (the probe rebuilds its cached views then). `stamp`
+    counts the runner's input preparations so far: a forward whose stamp did not move reads
+    inputs nobody wrote for it (vLLM writes them through numpy views, which move no torch
+    version counter, and equal bytes are no evidence either way: two dummies are equal)."""
 
     key: Any
     buffers: Callable[[], dict[str, torch.Tensor]]
     num_tokens: int
     num_reqs: int
+    stamp: int = 0
 
 
 class SkipDummyForward(Exception):
@@ -59,6 +63,11 @@ class RunnerAdapter:
 
     def __init__(self, runner: Any):
         self.runner = runner
+        self.writes = 0  # the runner's input preparations seen so far (`ForwardInputs.stamp`)
+
+    def inputs_written(self) -> None:
+        """The runner is (re)writing its persistent inputs for the next forward."""
+        self.writes += 1
         # What the next target forward's `expert`/`forward` record carries (the PCP evidence:
         # `ctx`, `batch`, `graph`), set by the worker's forward pre-hook.
         self.forward_extra: dict | None = None

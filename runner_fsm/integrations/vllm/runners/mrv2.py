@@ -66,6 +66,7 @@ class MRV2Runner(RunnerAdapter):
             self.pcp = PCPEvidence(manager, self._step_of, self._pcp_fault)
 
     def _keep_prepared(self, prepare, args, kwargs, *, dummy: bool):
+        self.inputs_written()
         out = prepare(*args, **kwargs)
         batch = args[0] if args else kwargs["input_batch"]
         self._prepared = (batch, out[0], out[1])
@@ -89,7 +90,7 @@ class MRV2Runner(RunnerAdapter):
             ref = ids if isinstance(ids, torch.Tensor) else args.get("positions")
             num_tokens = int(ref.shape[-1]) if isinstance(ref, torch.Tensor) else 0
             return ForwardInputs(self._persistent_set(), self._persistent, num_tokens,
-                                 min(num_tokens, self.runner.max_num_reqs))
+                                 min(num_tokens, self.runner.max_num_reqs), self.writes)
         batch, block_tables, slot_mappings = prepared
         views = (batch.input_ids, batch.positions, slot_mappings[0], batch.query_start_loc, batch.seq_lens,
                  block_tables[0])
@@ -98,8 +99,8 @@ class MRV2Runner(RunnerAdapter):
         if all(view.data_ptr() == base.data_ptr() for view, base in zip(views, persistent)):
             # The views begin the runner's own persistent buffers (no PCP): the probe keeps its
             # views of those across steps and reads the rows this forward reads.
-            return ForwardInputs(persistent, self._persistent, *rows)
-        return ForwardInputs(batch, lambda: dict(zip(NAMES, views)), *rows)  # PCP-local: per forward
+            return ForwardInputs(persistent, self._persistent, *rows, self.writes)
+        return ForwardInputs(batch, lambda: dict(zip(NAMES, views)), *rows, self.writes)  # PCP-local
 
     def _persistent_set(self) -> tuple[torch.Tensor, ...]:
         """The runner's persistent buffers in NAMES order (one tuple, made once)."""

@@ -30,7 +30,7 @@ class V1Runner(RunnerAdapter):
     ATTRS = ("model", "input_ids", "positions", "query_start_loc", "seq_lens", "max_num_reqs",
              "input_batch.num_reqs", "input_batch.block_table[0].block_table",
              "input_batch.block_table[0].slot_mapping", "parallel_config",
-             "_determine_batch_execution_and_padding", "_dummy_run")
+             "_determine_batch_execution_and_padding", "_dummy_run", "_prepare_inputs")
     DP_ROWS = len(dp_agreement.VLLM_ROWS)
 
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -40,6 +40,15 @@ class V1Runner(RunnerAdapter):
                 "slot_mapping": _tensor(table.slot_mapping), "query_start_loc": _tensor(runner.query_start_loc),
                 "seq_lens": _tensor(runner.seq_lens), "block_table": _tensor(table.block_table)}
 
+    def attach(self, step_of: Callable[[], int] | None = None) -> None:
+        """V1 writes a real batch's inputs in `_prepare_inputs`, a dummy's in `_dummy_run`."""
+        for name in ("_prepare_inputs", "_dummy_run"):
+            wrap_method(self.runner, name, self._writing)
+
+    def _writing(self, method, args, kwargs):
+        self.inputs_written()
+        return method(*args, **kwargs)
+
     def forward_inputs(self, args: dict, *, dummy: bool, capturing: bool) -> ForwardInputs:
         ids = args.get("input_ids")
         ref = ids if isinstance(ids, torch.Tensor) else args.get("positions")
@@ -47,7 +56,7 @@ class V1Runner(RunnerAdapter):
         runner = self.runner
         # A dummy (or capture) batch of n tokens has min(n, max_num_reqs) requests in vLLM's _dummy_run.
         num_reqs = min(num_tokens, runner.max_num_reqs) if dummy or capturing else int(runner.input_batch.num_reqs)
-        return ForwardInputs(runner.input_batch, self.buffers, num_tokens, num_reqs)
+        return ForwardInputs(runner.input_batch, self.buffers, num_tokens, num_reqs, self.writes)
 
     def install_dp(self, tap) -> Callable[[], None]:
         return dp_agreement.install(tap, self.runner)
