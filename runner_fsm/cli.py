@@ -123,6 +123,9 @@ def _add_replay(sub) -> None:
     p.add_argument("--limit", type=int, default=20, help="verdicts listed in the human report (default 20)")
     p.add_argument("--jobs", type=int, default=None,
                    help="processes, each judging a range of steps (default: 1 for small runs, else one per CPU)")
+    p.add_argument("--world-size", type=int, default=None, metavar="N",
+                   help="the job's world size, for a directory of Flight Recorder dumps alone (a gloo job's"
+                        " dumps name no group members): every rank below N must have left a dump")
     p.add_argument("--perfetto", metavar="TRACE.json",
                    help="also write the run as a trace for ui.perfetto.dev / chrome://tracing")
     p.set_defaults(func=_cmd_replay)
@@ -134,7 +137,7 @@ def _cmd_replay(args) -> int:
     if args.plot:
         report = replay_with_plot(args.run_dir, args.plot, jobs=args.jobs)
     else:
-        report = replay(args.run_dir, jobs=args.jobs)
+        report = replay(args.run_dir, jobs=args.jobs, world_size=args.world_size)
     if args.perfetto:  # the same verdicts, as instants on the ranks' timelines
         from runner_fsm.audit.perfetto import export_perfetto
 

@@ -23,7 +23,7 @@ import pytest
 
 from runner_fsm import flight_recorder
 from runner_fsm.audit.flight import read_dumps
-from runner_fsm.audit.replay import replay
+from runner_fsm.audit.replay import ReplayInputError, replay
 from runner_fsm.config import ParallelLayout
 from runner_fsm.engine.api import run_engine
 from runner_fsm.engine.config import EngineConfig
@@ -82,6 +82,23 @@ def test_flight_recorder_only_names_a_plain_job_s_rank_without_a_dump(tmp_path):
     assert [(v.kind, v.ranks) for v in report.verdicts] == [("missing_rank", (1,)), ("hang", (2,))]
     # torch 2.13's gloo groups leave pg_config empty: the ranks come from the file names, said so
     assert "no group membership" in report.summary.notes[0]
+
+
+@pytest.mark.multiproc
+def test_a_plain_job_s_highest_ranks_without_dumps_need_the_world_size(tmp_path):
+    """The issue's case: four ranks, rank 2 skips an all_reduce, the dumps of ranks 2 and 3
+    deleted. The gloo dumps name no members, so only the user's --world-size can say the job
+    had four ranks; given it, both are named; without it, the note says what cannot be seen."""
+    _plain_job(tmp_path, [4, 4, 3, 4])
+    for rank in (2, 3):
+        (tmp_path / f"fr-rank-{rank}.json").unlink()
+    report = replay(tmp_path, world_size=4)
+    assert [(v.kind, v.ranks) for v in report.verdicts] == [("missing_rank", (2,)), ("missing_rank", (3,))]
+    assert "the job's world size is 4 (--world-size)" in report.verdicts[0].detail and report.exit_code == 1
+    blind = replay(tmp_path)
+    assert blind.sound and "cannot be seen" in blind.summary.notes[0]
+    with pytest.raises(ReplayInputError, match=r"rank\(s\) 1 lie outside --world-size 1"):
+        replay(tmp_path, world_size=1)
 
 
 @pytest.mark.multiproc

@@ -275,11 +275,13 @@ NO_MEMBERSHIP_NOTE = ("the dumps record no group membership (torch's gloo backen
                       " a rank above {last} cannot be seen")
 
 
-def named_ranks(dumps: dict[int, RankDump]) -> dict[int, str]:
+def named_ranks(dumps: dict[int, RankDump], world_size: int | None = None) -> dict[int, str]:
     """Every rank the dumps show to be in the job, with the evidence in words: the members of
-    each group (the runner's group names, torch's pg_config) and, since global ranks count from
-    0, every rank below the highest one that dumped."""
-    named: dict[int, str] = {}
+    each group (the runner's group names, torch's pg_config), every rank below the highest one
+    that dumped (global ranks count from 0) and, when the user gives it, every rank of the
+    job's world size."""
+    named: dict[int, str] = {rank: f"the job's world size is {world_size} (--world-size)"
+                             for rank in range(world_size or 0)}
     for dump in sorted(dumps.values(), key=lambda d: d.rank):
         for pg, ranks in dump.members.items():
             for rank in ranks:
@@ -291,24 +293,31 @@ def named_ranks(dumps: dict[int, RankDump]) -> dict[int, str]:
     return named
 
 
-def missing_dump_verdicts(dumps: dict[int, RankDump]) -> list[Verdict]:
-    """`missing_rank` for each rank the dumps name that left no dump of its own."""
+def missing_dump_verdicts(dumps: dict[int, RankDump], named: dict[int, str] | None = None) -> list[Verdict]:
+    """`missing_rank` for each rank the dumps (or `named`) name that left no dump of its own."""
     return [Verdict("missing_rank", None, None, f"rank {rank} left no Flight Recorder dump, though {why};"
                     f" what it issued cannot be compared with its peers", (rank,), f"fr-rank-{rank}.json",
                     evidence=EVIDENCE)
-            for rank, why in sorted(named_ranks(dumps).items()) if rank not in dumps]
+            for rank, why in sorted((named if named is not None else named_ranks(dumps)).items())
+            if rank not in dumps]
 
 
-def replay_flight_only(run_dir: str | os.PathLike[str]) -> ReplayReport:
-    """Judge a run from its Flight Recorder dumps alone (no replicas known: `replica` is None)."""
+def replay_flight_only(run_dir: str | os.PathLike[str], world_size: int | None = None) -> ReplayReport:
+    """Judge a run from its Flight Recorder dumps alone (no replicas known: `replica` is None);
+    `world_size`: the job's, where the dumps cannot name every rank (gloo keeps no membership)."""
     dumps = read_dumps(run_dir)
+    if world_size is not None and world_size < 1:
+        raise ReplayInputError(f"--world-size must be a positive number of ranks, got {world_size}")
+    outside = sorted(rank for rank in dumps if world_size is not None and rank >= world_size)
+    if outside:
+        raise ReplayInputError(f"{run_dir}: dumps of rank(s) {_ids(outside)} lie outside --world-size {world_size}")
     entries = sum(len(seqs) for dump in dumps.values() for seqs in dump.entries.values())
-    named = named_ranks(dumps)
+    named = named_ranks(dumps, world_size)
     notes = ()
-    if not any(dump.members for dump in dumps.values()):
+    if world_size is None and not any(dump.members for dump in dumps.values()):
         notes = (NO_MEMBERSHIP_NOTE.format(last=max(dumps)),)
     summary = RunSummary(str(run_dir), len(dumps), 0, 0, entries, None, None, len(named), notes)
-    return ReplayReport(summary, sort_verdicts(missing_dump_verdicts(dumps) + divergence_verdicts(dumps)))
+    return ReplayReport(summary, sort_verdicts(missing_dump_verdicts(dumps, named) + divergence_verdicts(dumps)))
 
 
 def _ids(ranks) -> str:

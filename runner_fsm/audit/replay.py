@@ -44,14 +44,16 @@ MAX_JOBS = 8
 
 
 def replay(run_dir: str | os.PathLike[str], *, timeline: Timeline | None = None,
-           jobs: int | None = None) -> ReplayReport:
+           jobs: int | None = None, world_size: int | None = None) -> ReplayReport:
     """Judge the run in `run_dir`; feed `timeline` (if given) with every merged step.
 
     `jobs`: processes, each judging a range of steps (None: one for small runs, else one per
     CPU up to MAX_JOBS). A timeline needs every step in one process, so it implies one.
+    `world_size`: the job's, for Flight Recorder dumps alone, which may not name every rank
+    (audit logs carry the job's shape themselves).
     """
     if flight_only(run_dir):  # a plain PyTorch job: Flight Recorder dumps and no audit log
-        return replay_flight_only(run_dir)
+        return replay_flight_only(run_dir, world_size)
     infos = discover(run_dir)
     job = check_job(infos)  # before the long pass: logs of different runs are refused at once
     jobs = auto_jobs(infos) if jobs is None else max(1, jobs)
