@@ -16,8 +16,8 @@ Verdict kinds: `missing_rank` (a rank the job's shape names left no log: `job`),
 `illegal_transition`, `stale_buffer_replay`, `hang`, and, recomputed from logged evidence,
 `dispatch_mismatch`, `stale_context`, `pcp_divergence`; then `fault` (what the runner said about
 itself: listed, never the evidence of another verdict) and `unfinished` (a log that stops with
-no shutdown, fault or hang to say why; when every rank stopped between steps after the same
-step, a quiescent stop, that is a note instead).
+no shutdown, fault or hang to say why; ranks that stopped between steps after the run's last
+step, a quiescent stop, are a note instead).
 
 API: `replay(run_dir, *, timeline=None, jobs=None) -> ReplayReport`; `report.exit_code` is 0 when
 the run is sound and 1 otherwise; unreadable input raises `ReplayInputError` (exit code 2).
@@ -62,7 +62,8 @@ def replay(run_dir: str | os.PathLike[str], *, timeline: Timeline | None = None,
     else:
         result = judge_range(infos, timeline=timeline)
     verdicts = list(job.verdicts) + result.verdicts + join_missed(result.missed)
-    verdicts, stop_note = settle_quiescent_stop(verdicts, {i.global_rank for i in infos}, job.expected_ranks)
+    verdicts, stop_note = settle_quiescent_stop(verdicts, {i.global_rank for i in infos}, job.expected_ranks,
+                                                result.last_step)
     replicas, pcp_size = layout_of(infos)
     summary = RunSummary(str(run_dir), len(infos), replicas, pcp_size, result.records,
                          result.first_step, result.last_step, job.expected_ranks, job.notes + stop_note)
@@ -92,19 +93,19 @@ def replay_with_plot(run_dir: str | os.PathLike[str], plot_path: str | os.PathLi
     return report
 
 
-def settle_quiescent_stop(verdicts: list[Verdict], ranks: set[int],
-                          expected: int | None) -> tuple[list[Verdict], tuple[str, ...]]:
-    """A job whose every rank stopped between steps, after the same step, without shutdown
-    (vLLM force-kills its DP workers on Ctrl-C once they are idle) left nothing half done: its
-    `unfinished` verdicts become one note. A rank stopped mid-step, a rank missing, or ranks
-    stopped after different steps (one went on alone) keep every verdict."""
+def settle_quiescent_stop(verdicts: list[Verdict], ranks: set[int], expected: int | None,
+                          last_step: int | None) -> tuple[list[Verdict], tuple[str, ...]]:
+    """Ranks that stopped between steps after the run's last step, without logging shutdown
+    (vLLM force-kills its DP workers on Ctrl-C once they are idle, racing its own shutdown of
+    the others), left nothing half done: their `unfinished` verdicts become one note. A rank
+    stopped mid-step or after an earlier step, or a missing rank, keeps every verdict."""
     stops = [v for v in verdicts if v.kind == "unfinished" and v.detail.startswith(BETWEEN_STEPS)]
-    stopped = {rank for v in stops for rank in v.ranks}
-    steps = {v.step for v in stops}
-    if len(steps) != 1 or expected not in (None, len(ranks)) or stopped != ranks \
+    if not stops or expected not in (None, len(ranks)) or {v.step for v in stops} != {last_step} \
             or any(v.kind == "unfinished" and v not in stops for v in verdicts):
         return verdicts, ()
-    note = (f"every rank stopped between steps after step {steps.pop()} without logging shutdown"
+    stopped = sorted({rank for v in stops for rank in v.ranks})
+    who = "every rank" if set(stopped) == ranks else f"rank(s) {', '.join(map(str, stopped))}"
+    note = (f"{who} stopped between steps after step {last_step}, the run's last, without logging shutdown"
             " (killed at a quiescent point, e.g. vLLM's Ctrl-C): nothing was left half done")
     return [v for v in verdicts if v not in stops], (note,)
 
