@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from vllm_checks import hf_greedy
+from vllm_checks import hf_greedy, mrv2_env
 
 from runner_fsm.integrations.vllm import cpu_rope
 
@@ -172,9 +172,7 @@ def _run_under_mrv2(model_dir: str) -> dict:
     tests = Path(__file__).parent
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); "
             "import test_vllm_cpu_rope as t; print('RESULT ' + json.dumps(t.run_end_to_end(sys.argv[2])))")
-    paths = [str(tests / "mrv2_site"), str(tests.parent), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1"}
+    env = {**os.environ, **mrv2_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")}
     run = subprocess.run([sys.executable, "-c", code, str(tests), model_dir], capture_output=True, text=True,
                          env=env, timeout=600)
     assert run.returncode == 0, run.stderr[-4000:]

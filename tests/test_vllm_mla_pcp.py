@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from vllm_checks import assert_replays_sound, hf_greedy, records
+from vllm_checks import assert_replays_sound, hf_greedy, mrv2_env, records
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
 
@@ -39,9 +39,7 @@ def mla(tmp_path_factory):
     model = make_model(root / "deepseek_v2", "deepseek_v2", seed=3)
     runs = [{"name": name, "pcp": pcp, "run_dir": str(root / name), "options": options} for name, pcp, options in RUNS]
     spec = {"model": model, "prompts": PROMPTS, "new_tokens": NEW_TOKENS, "runs": runs}
-    paths = [str(TESTS / "mrv2_site"), str(TESTS.parent), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, paths)), "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    env = {**os.environ, **mrv2_env(VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_OMP_THREADS_BIND="0|1")}
     child = subprocess.run([sys.executable, str(TESTS / "vllm_mla_child.py"), json.dumps(spec)],
                            capture_output=True, text=True, env=env, timeout=1200)
     assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-4000:]

@@ -12,27 +12,20 @@ whichever leg runs this test (their environment says so), hence it runs once.
 
 from __future__ import annotations
 
-import os
-from pathlib import Path
-
 import pytest
 import vllm_dp_cases as c
+from vllm_checks import mrv2_env
 
 from runner_fsm.integrations.vllm.spmd import Job
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
-
-MRV2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1",
-            "PYTHONPATH": str(Path(__file__).parent / "mrv2_site")}
 
 
 def test_mrv2_draft_model_speculator_fails_under_dp_in_vllm_itself(tmp_path):
     models = c.make_models(tmp_path / "models")
     run_dir = tmp_path / "run"
     job = Job(c.kwargs(models, "mixtral", drafting=True, run_dir=str(run_dir)), c.PER_RANK)
-    env = dict(MRV2_ENV, PYTHONPATH=os.pathsep.join(filter(None, [MRV2_ENV["PYTHONPATH"],
-                                                                   os.environ.get("PYTHONPATH")])))
-    result = c.run([job], 2, tmp_path, timeout_s=600, env=env)
+    result = c.run([job], 2, tmp_path, timeout_s=600, env=mrv2_env())
     assert all(code not in (0, None) for code in result.codes), result.codes
     busy = result.logs[0]
     assert "Using V2 Model Runner" in busy

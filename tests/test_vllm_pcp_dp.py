@@ -15,7 +15,6 @@ two minutes alone on the 2-core box.
 
 from __future__ import annotations
 
-import os
 import shutil
 import threading
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 import orjson
 import pytest
 import vllm_dp_cases as c
+from vllm_checks import mrv2_env
 
 from runner_fsm.integrations.vllm import harness as h
 from runner_fsm.integrations.vllm.spmd import Job
@@ -31,10 +31,7 @@ from runner_fsm.testing.vllm_models import MLA_BLOCK_SIZE, make_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
 
-ROOT = Path(__file__).resolve().parent.parent
-MRV2_ENV = {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1",
-            # the children import this checkout's runner_fsm, and MRV2's CPU site hooks
-            "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "tests" / "mrv2_site")])}
+MRV2_ENV = mrv2_env(VLLM_CPU_OMP_THREADS_BIND="0|1|0|1")
 PCP = 2
 IDLE = 1  # the replica of PER_RANK that runs out of work (after step 1)
 # kind -> (replica, step): the dummy faults on the idle replica's first dummy (step 2: the
