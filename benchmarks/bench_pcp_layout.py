@@ -75,14 +75,15 @@ def _check_equal(plan, dispatch, mgr, vllm_in) -> None:
 
 def _pair(batch, pcp: int, repeats: int):
     """Times (ours, vLLM's), interleaved, after checking the outputs equal."""
-    from runner_fsm.pcp.plan import num_tokens_for_dispatch, plan_batch
+    from runner_fsm.pcp.plan import PlanWorkspace, num_tokens_for_dispatch, plan_batch
 
     mgr, vllm_in = _manager(pcp), _vllm_inputs(batch)
     scheduled, prefilling, computed = batch
+    workspace = PlanWorkspace()  # kept from step to step, as the engine keeps its own
 
     def ours():
-        plan = plan_batch(scheduled, prefilling, computed, pcp, chunking="mrv2")
-        return plan, num_tokens_for_dispatch(scheduled, prefilling, pcp, chunking="mrv2")
+        dispatch = num_tokens_for_dispatch(scheduled, prefilling, pcp, chunking="mrv2")
+        return plan_batch(scheduled, prefilling, computed, pcp, chunking="mrv2", workspace=workspace), dispatch
 
     def theirs():
         mgr._build_batch_layout(*vllm_in)

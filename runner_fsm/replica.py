@@ -35,7 +35,7 @@ from runner_fsm.graphs import Fingerprints, GraphRunner, backend_for, check_refr
 from runner_fsm.machine import Handler, ReplicaMachine
 from runner_fsm.pcp.buffers import PersistentBuffers
 from runner_fsm.pcp.context import PCPAttentionContext, PCPContextState, dummy_digest, plan_digest
-from runner_fsm.pcp.plan import plan_batch
+from runner_fsm.pcp.plan import PlanWorkspace, plan_batch
 from runner_fsm.spec import tokens_per_request
 from runner_fsm.states import Trigger
 from runner_fsm.written_positions import WrittenPositions
@@ -83,6 +83,8 @@ class Replica:
         self.num_kv_blocks = getattr(cache, "num_blocks", None)
         self.buffers = PersistentBuffers(config, device)
         self.contexts = PCPContextState(config.layout.pcp_size, pcp_rank)
+        # Each step's plan is written here; the context and the buffers copy what they keep.
+        self.plan_workspace = PlanWorkspace()
         self.graphs = GraphRunner(self.buffers, self._graph_forward,
                                   backend=backend_for(self.buffers.device), audit=audit)
         self.step_id = -1
@@ -191,7 +193,7 @@ class Replica:
         # The plan's widest rank is the dispatch count (`num_tokens_for_dispatch`); planned
         # once here, and again only when the agreement pads it (graph mode).
         plan = plan_batch(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp,
-                          chunking=cfg.chunking)
+                          chunking=cfg.chunking, workspace=self.plan_workspace)
         n = plan.num_tokens_padded
         uniform = batch.uniform_query_len()
         reported = batch.num_tokens if self.fault_due("wrong-dispatch-count") else n
@@ -202,7 +204,7 @@ class Replica:
         padded = agreed.num_tokens_for(self.dp_rank)
         if padded != n:
             plan = plan_batch(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp,
-                              padded_num_tokens=padded, chunking=cfg.chunking)
+                              padded_num_tokens=padded, chunking=cfg.chunking, workspace=self.plan_workspace)
         ctx = self.contexts.for_real(plan, batch.block_tables, cfg.block_size, step_id=self.step_id)
         self.buffers.write_real(plan, self.pcp_rank, batch.token_ids, batch.block_tables,
                                 ctx.gathered_slot_mapping)

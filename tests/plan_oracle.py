@@ -1,8 +1,8 @@
 """Test oracle: `runner_fsm.pcp.plan` as it was before the memory-limit rewrite (issue 17).
 
-A verbatim copy of the planner's algorithm (commit 8c2c074; only the public names renamed
-and the plan's data classes imported), kept so that the rewrite can be held byte for byte
-to it on random batches. Production code never imports this.
+A verbatim copy of the planner's algorithm (commit 8c2c074; only the public names renamed,
+the rank batch class imported, and the plan's class kept here as it was then), kept so that
+the rewrite can be held byte for byte to it on random batches. Production code never imports this.
 """
 
 from __future__ import annotations
@@ -13,7 +13,20 @@ import numpy as np
 
 from runner_fsm.errors import BatchError
 from runner_fsm.pcp.arrays import ArrayLike, int_array
-from runner_fsm.pcp.plan import PCPPlan, RankBatch
+from runner_fsm.pcp.plan import RankBatch
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class PCPPlan:
+    """The plan as it was then: every rank's rows built at once (today's builds them on demand)."""
+
+    pcp_size: int
+    per_rank_num_tokens: tuple[int, ...]
+    num_tokens_padded: int
+    padded_gather_idx: np.ndarray
+    kv_write_mask: np.ndarray
+    hidden_restore_idx: np.ndarray
+    ranks: tuple[RankBatch, ...]
 
 
 @dataclasses.dataclass(frozen=True)

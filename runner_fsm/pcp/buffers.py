@@ -105,15 +105,6 @@ def dummy_query_lens(num_reqs: int, num_tokens: int) -> np.ndarray:
     return lens
 
 
-def _replicated_rows(plan: PCPPlan, rank: int) -> np.ndarray:
-    """[n_r] bool: rank `rank`'s rows whose global token every PCP rank of the plan holds."""
-    if plan.pcp_size == 1:
-        return np.zeros(plan.ranks[rank].token_idx.shape[0], dtype=bool)
-    every = np.concatenate([rb.token_idx for rb in plan.ranks])
-    holders = np.bincount(every, minlength=plan.num_tokens)
-    return holders[plan.ranks[rank].token_idx] > 1
-
-
 class PersistentBuffers:
     """Rank-local step inputs at fixed addresses; capacities come from ``RunnerConfig``."""
 
@@ -160,7 +151,7 @@ class PersistentBuffers:
             plan, rank, input_ids_global, block_tables, gathered_slots
         )
         rb = plan.ranks[rank]
-        self._write_rows(ids[rb.token_idx], rb.positions, _replicated_rows(plan, rank))
+        self._write_rows(ids[rb.token_idx], rb.positions, plan.replicated_rows(rank))
         self._write_segments(rb.query_start_loc, rb.seq_lens, tables[rb.seg_req_idx])
         self._write_slots(slots)
         self._record(plan.num_tokens_padded, rb.num_segments, is_dummy=False)

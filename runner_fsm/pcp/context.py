@@ -112,23 +112,9 @@ def _check_rank(pcp_size: int, pcp_rank: int) -> None:
 
 
 def global_token_layout(plan: PCPPlan) -> tuple[np.ndarray, np.ndarray]:
-    """(positions, req_idx) of every global token, read back from the plan's rank batches.
-
-    Every global token lies on at least one rank; replicated decode tokens lie on all of
-    them with the same position and request, so overlapping writes agree.
-    """
-    ranks = plan.ranks
-    if len(ranks) == 1:
-        token, pos, req = ranks[0].token_idx, ranks[0].positions, ranks[0].req_idx
-    else:
-        token = np.concatenate([rb.token_idx for rb in ranks])
-        pos = np.concatenate([rb.positions for rb in ranks])
-        req = np.concatenate([rb.req_idx for rb in ranks])
-    positions = np.zeros(plan.num_tokens, dtype=np.int64)
-    req_idx = np.zeros(plan.num_tokens, dtype=np.int64)
-    positions[token] = pos
-    req_idx[token] = req
-    return positions, req_idx
+    """(positions, req_idx) of every global token: the batch's own, which every rank's rows
+    of the plan copy (a row's position is its request's computed tokens plus its offset)."""
+    return plan.global_rows()
 
 
 def build_real_context(

@@ -1,4 +1,5 @@
-"""The PCP plan's mechanics: segments as one grid, rows written once, no per-request Python.
+"""The PCP plan's segments: which piece of which request each rank computes, in its order,
+with no per-request Python.
 
 Every policy first says, for each rank ``r``, request ``i`` and side ``s`` (0: head, 1:
 tail), the offset and length of the segment of request ``i`` that rank ``r`` computes: a
@@ -7,16 +8,16 @@ one owner). A rank's segments are the non-empty cells of its plane in (request, 
 order, with the cells the policy marks ``late`` moved after the others, keeping their
 order; one ``flatnonzero`` over the grid lists every rank's segments in that order.
 
-The rows are then written straight into the outputs, each once: a run of consecutive
-integers per segment is a cumulative sum over a buffer holding 1 per row and, at each
-segment's first row, the jump from the row before (``_runs``). Per-rank arrays are views
-into one array shared by all ranks; the gathered layout is a ``[P, N]`` array whose rows are
-the ranks, and each rank's ``token_idx`` is a view of its own row in it.
+vLLM MRV2's layout with sharded decodes (``mrv2``, DCP off: the layout vLLM uses and
+`fast_pcp_layout` replaces) has its own, smaller table (`sharded_segments`): the grid is
+``[P, R, 2]`` over every request, that one ``[P, D/P + 2 Rp]`` over the decodes dealt out and
+the prefills' chunks. `runner_fsm.pcp.rows` then writes the plan's arrays from the segments.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import numpy as np
 
@@ -79,10 +80,21 @@ def _decode_owner(lengths: np.ndarray, whole: np.ndarray, pcp_size: int) -> np.n
     return (np.cumsum(counted) - counted) % pcp_size
 
 
+@functools.lru_cache(maxsize=64)
 def _chunk_index(pcp_size: int) -> np.ndarray:
-    """[P, 1, 2]: rank r's head chunk r and tail chunk 2P-1-r."""
+    """[P, 1, 2]: rank r's head chunk r and tail chunk 2P-1-r (read-only, shared)."""
     ranks = np.arange(pcp_size)
-    return np.stack([ranks, 2 * pcp_size - 1 - ranks], axis=1)[:, None, :]
+    index = np.stack([ranks, 2 * pcp_size - 1 - ranks], axis=1)[:, None, :]
+    index.flags.writeable = False
+    return index
+
+
+@functools.lru_cache(maxsize=64)
+def _chunks(pcp_size: int) -> np.ndarray:
+    """[2P]: 0, 1, ..., 2P-1 (read-only, shared)."""
+    chunks = np.arange(2 * pcp_size)
+    chunks.flags.writeable = False
+    return chunks
 
 
 def _ceil_grid(lengths: np.ndarray, cut: np.ndarray, pcp_size: int):
@@ -130,6 +142,8 @@ class Segments:
     length: np.ndarray
     per_rank: np.ndarray  # [P] segments of each rank
     tokens_per_rank: np.ndarray  # [P] rows of each rank
+    seg_bounds: np.ndarray  # [P + 1] rank r's segments are [seg_bounds[r], seg_bounds[r + 1])
+    local_first: np.ndarray  # each segment's first row inside its rank
 
 
 def segments(grid: Grid) -> Segments:
@@ -140,148 +154,65 @@ def segments(grid: Grid) -> Segments:
     order = np.flatnonzero(np.stack([early, grid.late], axis=1))
     rank, in_plane = order // (2 * plane), order % plane
     cell = rank * plane + in_plane
-    length = grid.length.reshape(-1)[cell]
-    per_rank = np.bincount(rank, minlength=pcp_size)
     tokens_per_rank = grid.length.reshape(pcp_size, -1).sum(axis=1)
-    return Segments(rank, in_plane >> 1, grid.offset.reshape(-1)[cell], length, per_rank, tokens_per_rank)
+    return _segments(rank, in_plane >> 1, grid.offset.reshape(-1)[cell], grid.length.reshape(-1)[cell],
+                     tokens_per_rank)
 
 
-@dataclasses.dataclass(frozen=True)
-class Rows:
-    """The plan's arrays, written once; the per-rank arrays are sliced out of them."""
-
-    gathered: np.ndarray  # [P, N] global token per row, 0 for padding
-    write_mask: np.ndarray  # [P, N]
-    restore: np.ndarray  # [T]
-    req: np.ndarray  # [sum n_r] rank after rank
-    positions: np.ndarray  # [sum n_r]
-    query_start_loc: np.ndarray  # [num segments + P]: per rank, 0 then its segment ends
-    seq_lens: np.ndarray  # [num segments]
-    row_bounds: np.ndarray  # [P + 1]
-    seg_bounds: np.ndarray  # [P + 1]
+def _segments(rank: np.ndarray, req: np.ndarray, offset: np.ndarray, length: np.ndarray,
+              tokens_per_rank: np.ndarray) -> Segments:
+    pcp_size = tokens_per_rank.size
+    per_rank = np.bincount(rank, minlength=pcp_size)
+    seg_bounds = np.zeros(pcp_size + 1, dtype=np.int64)
+    np.cumsum(per_rank, out=seg_bounds[1:])
+    row_start = np.cumsum(tokens_per_rank) - tokens_per_rank
+    local_first = np.cumsum(length) - length - row_start[rank]
+    return Segments(rank, req, offset, length, per_rank, tokens_per_rank, seg_bounds, local_first)
 
 
-def rows(segs: Segments, shared: np.ndarray, num_scheduled: np.ndarray, num_computed: np.ndarray,
-         padded: int) -> Rows:
-    pcp_size = segs.per_rank.size
-    counts, length = segs.tokens_per_rank, segs.length
-    seg_bounds = _bounds(segs.per_rank)
-    row_bounds = _bounds(counts)
-    end_row = np.cumsum(length)
-    first_row = end_row - length
-    req_start = np.cumsum(num_scheduled) - num_scheduled
-    token0 = req_start[segs.req] + segs.offset
-    pos0 = num_computed[segs.req] + segs.offset
-    seq_lens = pos0 + length
+def sharded_segments(lengths: np.ndarray, is_prefilling: np.ndarray, pcp_size: int) -> Segments:
+    """The ``mrv2`` policy's segments with DCP off (every decode on one rank), built from a
+    ``[P, D + 2 Rp]`` table (D: decode columns, Rp: prefills) instead of the ``[P, R, 2]`` grid.
 
-    # One allocation holds every big output (gathered layout, positions, request per row,
-    # restore index), each written once, with no temporary as large: on a machine where
-    # fresh pages cost as much as the writes, a temporary doubles the cost, and one block
-    # freed whole stays in malloc's heap for the next step where several are trimmed.
-    total_rows, total = int(row_bounds[-1]), int(num_scheduled.sum())
-    block = np.empty(pcp_size * padded + 2 * total_rows + total, dtype=np.int64)
-    gathered = block[:pcp_size * padded].reshape(pcp_size, padded)
-    positions, req, restore = np.split(block[pcp_size * padded:], [total_rows, 2 * total_rows])
-
-    local_first = gathered_rows(gathered, segs, token0, first_row, row_bounds, seg_bounds)
-
-    positions.fill(1)
-    _jumps(positions, first_row, pos0, length, 1)
-    np.cumsum(positions, out=positions)
-    req.fill(0)
-    _jumps(req, first_row, segs.req, length, 0)
-    np.cumsum(req, out=req)
-
-    owned = (segs.rank == 0) | ~shared[segs.req]
-    write_mask = write_mask_rows(segs, owned, seg_bounds, padded)
-    _restore(restore, token0[owned], (segs.rank * padded + local_first)[owned], length[owned])
-    in_pieces = np.arange(length.size) + segs.rank
-    qsl = np.zeros(length.size + pcp_size, dtype=np.int64)
-    qsl[in_pieces + 1] = end_row - row_bounds[segs.rank]
-    return Rows(gathered, write_mask, restore, req, positions, qsl, seq_lens, row_bounds, seg_bounds)
-
-
-def gathered_rows(gathered: np.ndarray, segs: Segments, token0: np.ndarray, first_row: np.ndarray,
-                  row_bounds: np.ndarray, seg_bounds: np.ndarray) -> np.ndarray:
-    """Fill the [P, N] gathered layout (rank r's rows at [r, :n_r], 0 for padding); each
-    rank's row restarts the runs. Returns each segment's first row inside its rank."""
-    pcp_size, padded = gathered.shape
-    counts, length = segs.tokens_per_rank, segs.length
-    local_first = first_row - row_bounds[segs.rank]
-    for r, n_r in enumerate(counts.tolist()):
-        gathered[r, :n_r] = 1
-        gathered[r, n_r:] = 0
-    _jumps(gathered.reshape(-1), segs.rank * padded + local_first, token0, length, 1,
-           seg_bounds[:-1][segs.per_rank > 0])
-    pads = np.flatnonzero(counts < padded)
-    if pads.size:  # a rank's padding starts with the jump from its last token back to 0
-        last = np.zeros(pcp_size, dtype=np.int64)
-        ends = seg_bounds[1:][segs.per_rank > 0] - 1
-        last[segs.rank[ends]] = token0[ends] + length[ends] - 1
-        gathered.reshape(-1)[pads * padded + counts[pads]] = -last[pads]
-    np.cumsum(gathered, axis=1, out=gathered)
-    return local_first
-
-
-def write_mask_rows(segs: Segments, owned: np.ndarray, seg_bounds: np.ndarray, padded: int) -> np.ndarray:
-    """[P, N] write mask, padding included, in one repeat: each rank's segments, then its pad."""
-    pcp_size, length = segs.per_rank.size, segs.length
-    in_pieces = np.arange(length.size) + segs.rank
-    piece_len = np.zeros(length.size + pcp_size, dtype=np.int64)
-    piece_len[in_pieces] = length
-    piece_len[seg_bounds[1:] + np.arange(pcp_size)] = padded - segs.tokens_per_rank
-    piece_owned = np.zeros(piece_len.size, dtype=bool)
-    piece_owned[in_pieces] = owned
-    return np.repeat(piece_owned, piece_len).reshape(pcp_size, padded)
-
-
-def gathered_layout(segs: Segments, shared: np.ndarray, req_start: np.ndarray, total: int, padded: int):
-    """Only the gathered layout: (gathered [P, N], write mask [P, N], restore [T]), what
-    vLLM MRV2's `_build_batch_layout` makes, without the per-rank rows."""
-    pcp_size, length = segs.per_rank.size, segs.length
-    seg_bounds, row_bounds = _bounds(segs.per_rank), _bounds(segs.tokens_per_rank)
-    first_row = np.cumsum(length) - length
-    token0 = req_start[segs.req] + segs.offset
-    block = np.empty(pcp_size * padded + total, dtype=np.int64)
-    gathered, restore = block[:pcp_size * padded].reshape(pcp_size, padded), block[pcp_size * padded:]
-    local_first = gathered_rows(gathered, segs, token0, first_row, row_bounds, seg_bounds)
-    owned = (segs.rank == 0) | ~shared[segs.req]
-    _restore(restore, token0[owned], (segs.rank * padded + local_first)[owned], length[owned])
-    return gathered, write_mask_rows(segs, owned, seg_bounds, padded), restore
-
-
-def _bounds(counts: np.ndarray) -> np.ndarray:
-    out = np.zeros(counts.size + 1, dtype=np.int64)
-    np.cumsum(counts, out=out[1:])
-    return out
-
-
-def _jumps(buffer: np.ndarray, at: np.ndarray, first: np.ndarray, length: np.ndarray, step: int,
-           restart: np.ndarray | None = None) -> None:
-    """Into `buffer`, holding `step` per row, write the jumps that make its cumsum run
-    `first[s]`, `first[s] + step`, ... from row `at[s]`; a segment listed in `restart`
-    follows a row boundary of the cumsum (it starts from 0)."""
-    jump = first.copy()
-    jump[1:] -= first[:-1] + step * (length[:-1] - 1)
-    if restart is not None:
-        jump[restart] = first[restart]
-    buffer[at] = jump
-
-
-def _restore(out: np.ndarray, token0: np.ndarray, row0: np.ndarray, length: np.ndarray) -> None:
-    """[T] gathered row of each global token, from the owned segments (which tile 0..T-1).
-
-    restore[t] = t + (row0 - token0) of the segment holding t: a cumsum of 1 per token
-    plus, at each segment's first token, its shift, and minus it past its last one.
+    The k-th decode with tokens runs on rank k mod P, as column k // P of the decode part of
+    the table; prefill i's head and tail chunks on rank r are columns 2i and 2i + 1 of the
+    prefill part. A rank's row of the table is its execution order (decodes, then prefills,
+    each in request order), so its non-empty cells, rank after rank, are the segments.
     """
-    total = out.size
-    if total == 0:
-        return
-    out.fill(1)
-    out[0] = 0
-    shift = row0 - token0
-    out[token0] += shift
-    end = token0 + length
-    inside = end < total
-    out[end[inside]] -= shift[inside]
-    np.cumsum(out, out=out)
+    decodes = np.flatnonzero(~is_prefilling & (lengths > 0))
+    prefills = np.flatnonzero(is_prefilling)
+    width = -(-decodes.size // pcp_size)
+    cols = width + 2 * prefills.size
+    req = np.empty((pcp_size, cols), dtype=np.int64)
+    offset = np.zeros((pcp_size, cols), dtype=np.int64)
+    length = np.zeros((pcp_size, cols), dtype=np.int64)
+    if decodes.size:  # padded to P * width with empty cells, then dealt out rank by rank
+        dealt = np.zeros((2, width * pcp_size), dtype=np.int64)
+        dealt[0, :decodes.size], dealt[1, :decodes.size] = decodes, lengths[decodes]
+        req[:, :width], length[:, :width] = dealt.reshape(2, width, pcp_size).transpose(0, 2, 1)
+    if prefills.size:
+        prefill_len = lengths[prefills]
+        chunk_len = -(-prefill_len // (2 * pcp_size))
+        chunk_offset = _chunk_index(pcp_size) * chunk_len[:, None]  # [P, Rp, 2]
+        offset[:, width:] = chunk_offset.reshape(pcp_size, -1)
+        chunk = np.minimum(prefill_len[:, None] - chunk_offset, chunk_len[:, None])
+        length[:, width:] = np.maximum(chunk, 0, out=chunk).reshape(pcp_size, -1)
+        req[:, width:] = np.repeat(prefills, 2)
+    cell = np.flatnonzero(length)
+    return _segments(cell // cols, req.reshape(-1)[cell], offset.reshape(-1)[cell], length.reshape(-1)[cell],
+                     length.sum(axis=1))
+
+
+def sharded_tokens_per_rank(lengths: np.ndarray, is_prefilling: np.ndarray, pcp_size: int) -> np.ndarray:
+    """[P] rows of each rank under `sharded_segments`, without the segments."""
+    decodes = lengths[~is_prefilling & (lengths > 0)]
+    dealt = np.zeros(-(-decodes.size // pcp_size) * pcp_size, dtype=np.int64)
+    dealt[:decodes.size] = decodes
+    tokens = dealt.reshape(-1, pcp_size).sum(axis=0)
+    prefills = lengths[is_prefilling]
+    if prefills.size:
+        chunk_len = -(-prefills // (2 * pcp_size))
+        chunk = np.minimum(prefills[:, None] - _chunks(pcp_size) * chunk_len[:, None], chunk_len[:, None])
+        per_chunk = np.maximum(chunk, 0, out=chunk).sum(axis=0)
+        tokens += per_chunk[:pcp_size] + per_chunk[::-1][:pcp_size]
+    return tokens

@@ -10,16 +10,24 @@ no Python loop over requests or tokens, are in `runner_fsm.pcp.layout`.
 from __future__ import annotations
 
 import dataclasses
+
 import numpy as np
 
 from runner_fsm.errors import BatchError
-from runner_fsm.pcp import layout
+from runner_fsm.pcp import layout, rows
 from runner_fsm.pcp.arrays import ArrayLike, int_array
+from runner_fsm.pcp.rows import PlanWorkspace
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class RankBatch:
-    """The rows one PCP rank executes; identical on every rank that computes the plan."""
+    """The rows one PCP rank executes; identical on every rank that computes the plan.
+
+    A plan's rank batches are made by `RankBatch.on_demand`: their arrays are built the
+    first time one of them is read, because a PCP rank executes only its own rows and
+    building every rank's would cost each rank P times the work. (The contract says
+    ``ranks`` is a tuple of `RankBatch`, so the batches exist at once and fill themselves.)
+    """
 
     token_idx: np.ndarray  # per row: global token index
     req_idx: np.ndarray  # per row: request index
@@ -28,6 +36,23 @@ class RankBatch:
     seq_lens: np.ndarray  # per segment: causal key length (start + length)
     seg_req_idx: np.ndarray  # per segment: request index
 
+    @classmethod
+    def on_demand(cls, build) -> RankBatch:
+        """A batch whose fields are ``build()``'s (a dict of them), called on first read."""
+        batch = object.__new__(cls)
+        object.__setattr__(batch, "_build", build)
+        return batch
+
+    def __getattr__(self, name: str):
+        # Reached only for attributes not set yet: the fields of a batch made by `on_demand`.
+        build = self.__dict__.get("_build")
+        if build is None or name not in _RANK_FIELDS:
+            raise AttributeError(name)
+        for field, value in build().items():
+            object.__setattr__(self, field, value)
+        object.__delattr__(self, "_build")
+        return self.__dict__[name]
+
     @property
     def num_tokens(self) -> int:
         return int(self.token_idx.shape[0])
@@ -35,6 +60,19 @@ class RankBatch:
     @property
     def num_segments(self) -> int:
         return int(self.seg_req_idx.shape[0])
+
+
+_RANK_FIELDS = frozenset(f.name for f in dataclasses.fields(RankBatch))
+
+
+def _rank_batches(segs: layout.Segments, gathered: np.ndarray, num_computed: np.ndarray) -> tuple[RankBatch, ...]:
+    def builder(rank: int):
+        def build() -> dict[str, np.ndarray]:
+            n_r = int(segs.tokens_per_rank[rank])
+            return {"token_idx": gathered[rank, :n_r], **rows.rank_rows(segs, num_computed, rank)}
+        return build
+
+    return tuple(RankBatch.on_demand(builder(r)) for r in range(gathered.shape[0]))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -47,7 +85,11 @@ class PCPPlan:
     padded_gather_idx: np.ndarray  # [P*N] global token of each gathered row (0 for padding)
     kv_write_mask: np.ndarray  # [P*N] rows whose K/V this step writes (each token once)
     hidden_restore_idx: np.ndarray  # [T] gathered row holding global token t
-    ranks: tuple[RankBatch, ...]
+    ranks: tuple[RankBatch, ...]  # rank r's rows, built when first read
+    segments: layout.Segments
+    shared: np.ndarray  # [R] requests every rank holds whole
+    num_scheduled: np.ndarray
+    num_computed: np.ndarray
 
     @property
     def num_tokens(self) -> int:
@@ -58,6 +100,14 @@ class PCPPlan:
         """Rows of the gathered layout that belong to ``rank`` (its rows, then padding)."""
         n = self.num_tokens_padded
         return slice(rank * n, (rank + 1) * n)
+
+    def replicated_rows(self, rank: int) -> np.ndarray:
+        """[n_r] bool: rank `rank`'s rows whose global token every PCP rank holds."""
+        return rows.replicated_rows(self.segments, self.shared, rank)
+
+    def global_rows(self) -> tuple[np.ndarray, np.ndarray]:
+        """(position, request) of every global token, in global order."""
+        return rows.global_rows(self.num_scheduled, self.num_computed)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +165,9 @@ def _validate(
 def _dispatch_count(batch: _Batch, pcp_size: int, chunking: str, dcp_size: int) -> int:
     """N = widest rank-local batch, computed without building the rows."""
     lengths, prefilling = batch.num_scheduled, batch.is_prefilling
+    if chunking == "mrv2" and dcp_size == 1:
+        tokens = layout.sharded_tokens_per_rank(lengths, prefilling, pcp_size)
+        return int(tokens.max()) if lengths.size else 0
     if chunking == "mrv2":
         grid = layout.segment_grid(lengths, prefilling, batch.num_computed, pcp_size, chunking, dcp_size)
         return int(grid.length.reshape(pcp_size, -1).sum(axis=1).max()) if lengths.size else 0
@@ -167,6 +220,7 @@ def plan_batch(
     chunking: str = "ceil",
     max_num_tokens: int | None = None,
     dcp_size: int = 1,
+    workspace: PlanWorkspace | None = None,
 ) -> PCPPlan:
     """Cut a global batch into ``pcp_size`` rank-local batches (DESIGN.md section 3).
 
@@ -176,12 +230,21 @@ def plan_batch(
     request with tokens on rank ``k mod P`` (vLLM's ``shard_decode_requests``), and with
     ``dcp_size > 1`` it is replicated, as is every prefill too short to fill all ``2P``
     chunks. Requests with 0 tokens are allowed there and get no rows.
+
+    With a ``workspace`` (`PlanWorkspace`, kept by the caller from step to step) the plan's
+    gathered layout, write mask and restore index are written into it, and are valid until
+    the next plan is written there; without one they are fresh arrays. Each rank's own rows
+    are built when ``plan.ranks[r]`` is first read.
     """
     _check_dcp(dcp_size)
     batch = _validate(num_scheduled, is_prefilling, num_computed, pcp_size, chunking, max_num_tokens)
-    grid = layout.segment_grid(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp_size,
-                               chunking, dcp_size)
-    segs = layout.segments(grid)
+    if chunking == "mrv2" and dcp_size == 1:
+        segs = layout.sharded_segments(batch.num_scheduled, batch.is_prefilling, pcp_size)
+        shared = np.zeros(batch.num_scheduled.size, dtype=bool)
+    else:
+        grid = layout.segment_grid(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp_size,
+                                   chunking, dcp_size)
+        segs, shared = layout.segments(grid), grid.shared
     counts = segs.tokens_per_rank
     widest = int(counts.max()) if counts.size else 0
     n = widest if padded_num_tokens is None else int(padded_num_tokens)
@@ -190,31 +253,20 @@ def plan_batch(
             f"padded_num_tokens={padded_num_tokens} is below the widest rank-local batch"
             f" ({widest} tokens, per rank {counts.tolist()})"
         )
-    rows = layout.rows(segs, grid.shared, batch.num_scheduled, batch.num_computed, n)
-    return _assemble(rows, segs, n, pcp_size)
-
-
-def _assemble(rows: layout.Rows, segs: layout.Segments, n: int, pcp_size: int) -> PCPPlan:
-    """The plan, each rank's arrays views of the shared ones (nothing copied)."""
-    rb, sb = rows.row_bounds.tolist(), rows.seg_bounds.tolist()
-    counts = segs.tokens_per_rank.tolist()
-    ranks = tuple(
-        RankBatch(
-            token_idx=rows.gathered[r, :counts[r]],
-            req_idx=rows.req[rb[r]:rb[r + 1]],
-            positions=rows.positions[rb[r]:rb[r + 1]],
-            query_start_loc=rows.query_start_loc[sb[r] + r:sb[r + 1] + r + 1],
-            seq_lens=rows.seq_lens[sb[r]:sb[r + 1]],
-            seg_req_idx=segs.req[sb[r]:sb[r + 1]],
-        )
-        for r in range(pcp_size)
-    )
+    ends = np.cumsum(batch.num_scheduled)
+    total = int(ends[-1]) if ends.size else 0
+    gathered, write_mask, restore = rows.gathered_layout(segs, shared, ends - batch.num_scheduled, total, n,
+                                                         workspace)
     return PCPPlan(
         pcp_size=pcp_size,
-        per_rank_num_tokens=tuple(counts),
+        per_rank_num_tokens=tuple(counts.tolist()),
         num_tokens_padded=n,
-        padded_gather_idx=rows.gathered.reshape(-1),
-        kv_write_mask=rows.write_mask.reshape(-1),
-        hidden_restore_idx=rows.restore,
-        ranks=ranks,
+        padded_gather_idx=gathered.reshape(-1),
+        kv_write_mask=write_mask.reshape(-1),
+        hidden_restore_idx=restore,
+        ranks=_rank_batches(segs, gathered, batch.num_computed),
+        segments=segs,
+        shared=shared,
+        num_scheduled=batch.num_scheduled,
+        num_computed=batch.num_computed,
     )

@@ -25,8 +25,8 @@ from typing import Any
 import numpy as np
 
 from runner_fsm.errors import BatchError
-from runner_fsm.pcp import layout
-from runner_fsm.pcp.plan import _validate
+from runner_fsm.pcp import layout, rows
+from runner_fsm.pcp.plan import _validate, num_tokens_for_dispatch
 
 PINNED_VERSION = "0.32.0"
 MODULE = "vllm.v1.worker.gpu.pcp_manager"
@@ -135,21 +135,28 @@ def _pinned_config(manager: Any) -> bool:
     return bool(manager.shard_decode_requests) == (manager.dcp_world_size == 1)
 
 
-def _grid(manager: Any, num_scheduled: Any, is_prefilling: Any):
-    batch = _validate(num_scheduled, is_prefilling, None, manager.pcp_world_size, "mrv2", None)
+def _batch(manager: Any, num_scheduled: Any, is_prefilling: Any):
+    return _validate(num_scheduled, is_prefilling, None, manager.pcp_world_size, "mrv2", None)
+
+
+def _segments(manager: Any, batch) -> tuple[layout.Segments, np.ndarray]:
+    """The segments and the requests every rank holds whole (none when decodes are sharded)."""
+    if manager.dcp_world_size == 1:
+        shared = np.zeros(batch.num_scheduled.size, dtype=bool)
+        return layout.sharded_segments(batch.num_scheduled, batch.is_prefilling, manager.pcp_world_size), shared
     grid = layout.segment_grid(batch.num_scheduled, batch.is_prefilling, batch.num_computed,
                                manager.pcp_world_size, "mrv2", manager.dcp_world_size)
-    return batch, grid
+    return layout.segments(grid), grid.shared
 
 
 def _get_num_tokens_for_dispatch(self, num_scheduled_tokens, is_prefilling) -> int:
     if not _pinned_config(self):
         return _original(self, "get_num_tokens_for_dispatch")(num_scheduled_tokens, is_prefilling)
     try:
-        _, grid = _grid(self, num_scheduled_tokens, is_prefilling)
+        return num_tokens_for_dispatch(num_scheduled_tokens, is_prefilling, self.pcp_world_size,
+                                       chunking="mrv2", dcp_size=self.dcp_world_size)
     except BatchError:
         return _original(self, "get_num_tokens_for_dispatch")(num_scheduled_tokens, is_prefilling)
-    return int(grid.length.reshape(self.pcp_world_size, -1).sum(axis=1).max())
 
 
 def _build_batch_layout(self, num_scheduled_tokens, num_computed_tokens, is_prefilling, query_start_loc_np,
@@ -158,7 +165,7 @@ def _build_batch_layout(self, num_scheduled_tokens, num_computed_tokens, is_pref
     if not _pinned_config(self):
         return _original(self, "_build_batch_layout")(*args)
     try:
-        batch, grid = _grid(self, num_scheduled_tokens, is_prefilling)
+        batch = _batch(self, num_scheduled_tokens, is_prefilling)
     except BatchError:
         return _original(self, "_build_batch_layout")(*args)
     starts = np.asarray(query_start_loc_np)
@@ -167,7 +174,7 @@ def _build_batch_layout(self, num_scheduled_tokens, num_computed_tokens, is_pref
     if (starts.ndim != 1 or starts.size < num_reqs + 1 or int(starts[-1]) != total
             or not np.array_equal(starts[:num_reqs], req_start) or int(starts[num_reqs]) != total):
         return _original(self, "_build_batch_layout")(*args)
-    segs = layout.segments(grid)
+    segs, shared = _segments(self, batch)
     per_rank = segs.tokens_per_rank.tolist()
     widest = max(per_rank)
     if padded_num_tokens is None:
@@ -177,7 +184,8 @@ def _build_batch_layout(self, num_scheduled_tokens, num_computed_tokens, is_pref
             "PCP padded token count is smaller than the largest rank-local "
             f"batch: {padded_num_tokens} < {widest}."
         )
-    gathered, write_mask, restore = layout.gathered_layout(segs, grid.shared, req_start, total, padded_num_tokens)
+    # Fresh arrays, not a workspace: on a CPU device vLLM's tensors below alias them.
+    gathered, write_mask, restore = rows.gathered_layout(segs, shared, req_start, total, padded_num_tokens)
     from vllm.utils.torch_utils import async_tensor_h2d
 
     self._hidden_restore_idx = async_tensor_h2d(restore, device=self.device)
