@@ -5,7 +5,10 @@
   vLLM's rule), on the planning benchmark's 512-request batch (1/4 prefills of 1-8192
   tokens, the rest decodes) at P = 2, 4, 8, and on a realistic step (8192 tokens: 256
   decodes, prefills filling the rest) at P = 2, 4, 8; the outputs are compared array by
-  array before anything is timed, and the two are interleaved repeat by repeat.
+  array before anything is timed, and the two are interleaved repeat by repeat (so each of
+  ours starts with the caches as vLLM's call left them). Ours writes into a `PlanWorkspace`
+  kept across repeats, as the engine keeps one across steps; the per-rank rows (positions,
+  request of each row), which vLLM's layout does not build either, are not timed.
 - `fast_pcp_layout`: the host time per step MRV2's manager saves with it installed, on the
   realistic step: `_build_batch_layout` + `get_num_tokens_for_dispatch` + reading its own
   rank's segments (what `partition_batch` does with them), installed vs not.
@@ -24,6 +27,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -95,6 +99,20 @@ def _pair(batch, pcp: int, repeats: int):
     return times["ours"], times["vllm"]
 
 
+def _back_to_back(batch, pcp: int, calls: int = 10) -> float:
+    """Ours alone, call after call (caches warm): the best of `calls`."""
+    from runner_fsm.pcp.plan import PlanWorkspace, num_tokens_for_dispatch, plan_batch
+
+    scheduled, prefilling, computed = batch
+    workspace, best = PlanWorkspace(), float("inf")
+    for _ in range(calls + 1):
+        start = time.perf_counter()
+        num_tokens_for_dispatch(scheduled, prefilling, pcp, chunking="mrv2")
+        plan_batch(scheduled, prefilling, computed, pcp, chunking="mrv2", workspace=workspace)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
 def _ratio(ours, theirs) -> Spread:
     return Spread.of([b / a for a, b in zip(ours, theirs)])
 
@@ -114,8 +132,9 @@ def measured_rows(quick: bool) -> list[Row]:
             f"PCP layout vs vLLM MRV2, 512 reqs, P={pcp}", Spread.of(ours).fmt(" ms", 1e3),
             f"vLLM _build_batch_layout + dispatch {Spread.of(theirs).fmt(' ms', 1e3)}",
             f"{ratio.median:.1f}x faster", f">= {TARGET:.0f}x", verdict(ratio.median >= TARGET),
-            note=(f"{int(batch[0].sum()):,} tokens; plan_batch(chunking='mrv2') + num_tokens_for_dispatch,"
-                  " outputs equal to vLLM's, interleaved in one process" if pcp == 2 else "")))
+            note=(f"{int(batch[0].sum()):,} tokens; plan_batch(chunking='mrv2', workspace=...) +"
+                  " num_tokens_for_dispatch, outputs equal to vLLM's, interleaved in one process; " if pcp == 2 else "")
+            + f"ours back to back (caches warm): best {_back_to_back(batch, pcp) * 1e3:.2f} ms"))
     step = realistic_step()
     per_p = {pcp: _pair(step, pcp, repeats) for pcp in (2, 4, 8)}
     ours, theirs = per_p[4]
