@@ -23,7 +23,8 @@ def _add_plan(sub) -> None:
     p.add_argument("--scheduled", type=_int_list, required=True, help="tokens per request, e.g. 1,10")
     p.add_argument("--prefill", type=_int_list, required=True, help="1 if prefilling, e.g. 0,1")
     p.add_argument("--computed", type=_int_list, help="computed tokens per request (default 0)")
-    p.add_argument("--chunking", choices=("ceil", "balanced"), default="ceil")
+    p.add_argument("--chunking", choices=("ceil", "balanced", "mrv2"), default="ceil",
+                   help="mrv2: vLLM Model Runner V2's layout (decodes sharded over the ranks)")
     p.add_argument("--padded", type=int, default=None, help="pad every rank to this many rows")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=_cmd_plan)

@@ -26,6 +26,17 @@ def test_plan_json(capsys):
     assert data["per_rank_num_tokens"] == [5, 5, 4, 4]
 
 
+def test_plan_mrv2_shards_the_decodes(capsys):
+    args = ["plan", "--pcp", "2", "--scheduled", "6,1,1,10", "--prefill", "1,0,0,1", "--computed", "0,3,4,0"]
+    assert main([*args, "--chunking", "mrv2", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["per_rank_num_tokens"] == [7, 11]
+    # the first decode (request 1) on rank 0, the second (request 2) on rank 1, each first
+    assert data["ranks"][0]["seg_req_idx"] == [1, 0, 3, 3]
+    assert data["ranks"][1]["seg_req_idx"] == [2, 0, 0, 3, 3]
+    assert data["ranks"][1]["positions"][:1] == [4]
+
+
 def test_plan_bad_input_exits_2_with_message():
     proc = subprocess.run(
         [sys.executable, "-m", "runner_fsm.cli", "plan", "--pcp", "2", "--scheduled", "1,10", "--prefill", "0"],
