@@ -16,7 +16,7 @@ import torch
 
 from runner_fsm.integrations.vllm import dp_agreement
 from runner_fsm.integrations.vllm.runners.base import (ForwardInputs, RunnerAdapter, SkipDummyForward,
-                                                       skipping_dummy, wrap_method)
+                                                       new_inputs, skipping_dummy, wrap_method)
 
 
 def _tensor(buf: Any) -> torch.Tensor:
@@ -56,7 +56,7 @@ class V1Runner(RunnerAdapter):
         runner = self.runner
         # A dummy (or capture) batch of n tokens has min(n, max_num_reqs) requests in vLLM's _dummy_run.
         num_reqs = min(num_tokens, runner.max_num_reqs) if dummy or capturing else int(runner.input_batch.num_reqs)
-        return ForwardInputs(runner.input_batch, self.buffers, num_tokens, num_reqs, self.writes)
+        return new_inputs(ForwardInputs, (runner.input_batch, self.buffers, num_tokens, num_reqs, self.writes))
 
     def install_dp(self, tap) -> Callable[[], None]:
         return dp_agreement.install(tap, self.runner)
