@@ -137,6 +137,15 @@ class AuditBatch(_Records):
     def _emit(self, event: str, step_id: int | None, fields: dict[str, Any] | bytes) -> None:
         self._pending.append((time.monotonic_ns(), event, step_id, fields))
 
+    def rendered(self, event: str, step_id: int | None, body: bytes) -> None:
+        """As `_Records.rendered`, with `_emit` inline: a vLLM step's end adds two or three
+        rendered records, each right after vLLM's sampler evicted the CPU caches."""
+        if event not in EVENTS:
+            raise ValueError(f"audit event must be one of {sorted(EVENTS)}, got {event!r}")
+        if type(body) is not bytes or len(body) < 2 or body[0] != 123 or body[-1] != 125:  # {...}
+            raise ValueError(f"a rendered {event} record's fields must be a JSON object as bytes")
+        self._pending.append((time.monotonic_ns(), event, step_id, body))
+
     def write(self) -> None:
         """Write what was collected (one write; nothing when empty) and start afresh."""
         pending, self._pending = self._pending, []

@@ -2,8 +2,8 @@
 vLLM's forward context says of it (graph mode, batch descriptor, DP token counts).
 
 Both run once per forward, right after vLLM's input preparation evicted the CPU caches, so
-they touch as little as they can: vLLM's two context functions looked up once, no property
-calls, the worker's method registered as the hook itself.
+they touch as little as they can: vLLM's context read where its own getter reads it, no
+property calls, the worker's method registered as the hook itself.
 """
 
 from __future__ import annotations
@@ -12,20 +12,21 @@ from typing import Any
 
 import torch
 
-_CONTEXT_CALLS: tuple = ()  # vLLM's (is_forward_context_available, get_forward_context)
+_VLLM_CONTEXT: Any = None  # the module vllm.forward_context, once imported
 
 
 def forward_context() -> tuple[str, Any, Any]:
     """(graph mode name, batch descriptor as (tokens, reqs, uniform), DP token counts)."""
-    global _CONTEXT_CALLS
-    if not _CONTEXT_CALLS:  # looked up once: a `from vllm import ...` per forward costs a call
+    global _VLLM_CONTEXT
+    if _VLLM_CONTEXT is None:  # looked up once: a `from vllm import ...` per forward costs a call
         from vllm import forward_context  # into importlib
 
-        _CONTEXT_CALLS = (forward_context.is_forward_context_available, forward_context.get_forward_context)
-    available, get = _CONTEXT_CALLS
-    if not available():
+        _VLLM_CONTEXT = forward_context
+    # The module's current context, read as `is_forward_context_available()` and
+    # `get_forward_context()` read it (the schema check names it): two calls less a forward.
+    ctx = _VLLM_CONTEXT._forward_context
+    if ctx is None:
         return "NONE", None, None
-    ctx = get()
     desc = ctx.batch_descriptor
     dp = ctx.dp_metadata
     # `_name_`, the member's plain attribute: `.name` is a Python-level property (two calls).

@@ -39,8 +39,10 @@ from runner_fsm.pcp.buffers import pending_device_digest
 JUDGED = ("slot_mapping", "seq_lens")
 
 
-# Per judged buffer: its index in NAMES, whether it has a row per token.
+# Per judged buffer: its index in NAMES, whether it has a row per token (two: `resolve` fills
+# them in without a loop).
 _JUDGED_AT = tuple((NAMES.index(name), name in TOKEN_BUFFERS) for name in JUDGED)
+assert len(_JUDGED_AT) == 2, "resolve() renders two judged buffers"
 # The `buffers` record of a forward: the judged buffers' (ptr, [rows], version=content hash).
 JUDGED_RECORD = BuffersTemplate(JUDGED)
 
@@ -62,9 +64,14 @@ class InputProbe:
         # accelerator the tensor itself instead of the bytes.
         self._views: list[tuple[Any, int, bool, int]] = []
         self._on_device = False
+        # The CPU slices of the last (tokens, requests) read: views of the live bytes, so they
+        # serve every forward of that size (each decode step of a steady batch) unchanged.
+        self._rows: tuple[int, int] | None = None
+        self._slices: list[memoryview] = []
 
     def _refresh(self, inputs: ForwardInputs) -> None:
         self._key = inputs.key
+        self._rows = None
         buffers = inputs.buffers()
         views = []
         for name in NAMES:
@@ -93,10 +100,13 @@ class InputProbe:
                 return None, []  # a kernel launched now would become part of the captured graph
             hashes = [pending_device_digest(view[:num_tokens if per_token else num_reqs + extra])
                       for view, _, per_token, extra in self._views]
-        else:  # a loop, not a list comprehension: that is one more Python frame a forward (3.11)
-            crc32, hashes = zlib.crc32, []
-            for view, row, per_token, extra in self._views:
-                hashes.append(crc32(view[:(num_tokens if per_token else num_reqs + extra) * row]))
+        else:
+            if self._rows != (num_tokens, num_reqs):
+                self._rows = (num_tokens, num_reqs)
+                self._slices = [view[:(num_tokens if per_token else num_reqs + extra) * row]
+                                for view, row, per_token, extra in self._views]
+            # `map` over the C function: no Python frame, no new object per buffer.
+            hashes = list(map(zlib.crc32, self._slices))
         copied = []
         ptrs = self._ptrs
         for name, index in (("input_ids", 0), ("positions", 1)):
@@ -117,13 +127,12 @@ def resolve(taken: Taken, reason: str, copied: list[str] | None = None,
     ptrs, sizes, num_tokens, num_reqs, hashes, stamp = taken
     if hashes and type(hashes[0]) is not int:  # device digests (0-d tensors): all or none
         hashes = torch.stack(hashes).tolist()
-    rows = (num_reqs, num_tokens)
-    values = []
-    for i, per_token in _JUDGED_AT:
-        values += (ptrs[i], sizes[i], stamp, hashes[i], rows[per_token])
+    (a, a_per_token), (b, b_per_token) = _JUDGED_AT
+    values = (ptrs[a], sizes[a], stamp, hashes[a], num_tokens if a_per_token else num_reqs,
+              ptrs[b], sizes[b], stamp, hashes[b], num_tokens if b_per_token else num_reqs)
     extra = b""
     if copied:
         extra += b',"copied":' + dumps_record(list(copied))
     if graph_tokens is not None:
         extra += b',"graph_tokens":%d' % graph_tokens
-    return dict(zip(NAMES, hashes)), JUDGED_RECORD.body(reason, tuple(values), extra)
+    return dict(zip(NAMES, hashes)), JUDGED_RECORD.body(reason, values, extra)
