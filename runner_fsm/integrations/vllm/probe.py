@@ -22,6 +22,7 @@ digest still tells a dummy that holds the last real batch's bytes. Hashes are ch
 from __future__ import annotations
 
 import zlib
+from collections import namedtuple
 from typing import Any
 
 import torch
@@ -45,6 +46,12 @@ _JUDGED_AT = tuple((NAMES.index(name), name in TOKEN_BUFFERS) for name in JUDGED
 assert len(_JUDGED_AT) == 2, "resolve() renders two judged buffers"
 # The `buffers` record of a forward: the judged buffers' (ptr, [rows], version=content hash).
 JUDGED_RECORD = BuffersTemplate(JUDGED)
+
+# The content hashes of one forward's inputs, by name (the journal's `inputs`): a namedtuple made
+# with `tuple.__new__` (a C call, where a dict of six would be built per forward); the journal
+# renders it as {name: hash} when it renders its batch (`journal._default`, `_asdict`).
+InputHashes = namedtuple("InputHashes", NAMES)
+_new_hashes = tuple.__new__
 
 # One forward's fingerprints, as `take` returns them: (the buffers' addresses and storage rows
 # in `NAMES` order, the tokens and the requests the forward read, one content hash per buffer:
@@ -117,8 +124,8 @@ class InputProbe:
 
 
 def resolve(taken: Taken, reason: str, copied: list[str] | None = None,
-            graph_tokens: int | None = None) -> tuple[dict[str, int], bytes]:
-    """({name: content hash} of all inputs, the fields of the forward's `buffers` record: per
+            graph_tokens: int | None = None) -> tuple[InputHashes, bytes]:
+    """(the content hash of each input by name, the fields of the forward's `buffers` record: per
     judged buffer its address, storage rows (`shape`), write stamp (`version`), content hash
     (`digest`) and rows read, see `JUDGED_RECORD`; then `copied` (inputs the forward was
     handed as copies, not the persistent buffers) and `graph_tokens` (the size of the graph a
@@ -135,4 +142,4 @@ def resolve(taken: Taken, reason: str, copied: list[str] | None = None,
         extra += b',"copied":' + dumps_record(list(copied))
     if graph_tokens is not None:
         extra += b',"graph_tokens":%d' % graph_tokens
-    return dict(zip(NAMES, hashes)), JUDGED_RECORD.body(reason, values, extra)
+    return _new_hashes(InputHashes, hashes), JUDGED_RECORD.body(reason, values, extra)
