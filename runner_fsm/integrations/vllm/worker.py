@@ -28,8 +28,6 @@ of the platform's worker (`platform_worker`), so vLLM's own `worker_cls="auto"` 
 from __future__ import annotations
 
 import sys
-from itertools import repeat
-from operator import lt
 from pathlib import Path
 from typing import Any
 
@@ -254,11 +252,17 @@ class FSMWorkerMixin:
             prefill = prefill or new.num_computed_tokens < length
         cached = so.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
-        if not prefill:
-            # A resumed request, or one computed short of its prompt: `computed < lens[rid]`
-            # over the batch in C (`map`, `any`), no bytecode per request.
-            prefill = bool(resumed) and not resumed.isdisjoint(cached.req_ids) or any(
-                map(lt, cached.num_computed_tokens, map(lens.get, cached.req_ids, repeat(0))))
+        if resumed and not prefill:  # a resumed request recomputes its prompt
+            for rid in cached.req_ids:
+                if rid in resumed:
+                    prefill = True
+                    break
+        if not prefill:  # one computed short of its prompt (plain loops: see docs/vllm.md)
+            get = lens.get
+            for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
+                if computed < get(rid, 0):
+                    prefill = True
+                    break
         for rid in so.finished_req_ids:  # `_forget`, inline: one call less a step
             lens.pop(rid, None)
         return "prefill" if prefill else "decode"

@@ -28,7 +28,6 @@ from runner_fsm.integrations.vllm.runners.base import (NAMES, ForwardInputs, Run
                                                        new_inputs, skipping_dummy, unwrap_method, wrap_method)
 
 NO_STEP = -1
-_data_ptr = torch.Tensor.data_ptr
 
 
 class MRV2Runner(RunnerAdapter):
@@ -98,12 +97,13 @@ class MRV2Runner(RunnerAdapter):
                  block_tables[0])
         num_tokens, num_reqs = int(batch.num_tokens_after_padding), int(batch.num_reqs_after_padding)
         persistent = self._bases or self._persistent_set()
-        # (`map` over the C method, not a generator: a Python frame per buffer costs, per forward.)
-        if list(map(_data_ptr, views)) == self._base_ptrs:
-            # The views begin the runner's own persistent buffers (no PCP): the probe keeps its
-            # views of those across steps and reads the rows this forward reads.
-            return new_inputs(ForwardInputs, (persistent, self._persistent, num_tokens, num_reqs, self.writes))
-        return ForwardInputs(batch, lambda: dict(zip(NAMES, views)), num_tokens, num_reqs, self.writes)  # PCP-local
+        # A plain loop, not all() over a generator: a Python frame per buffer costs, per forward.
+        for view, ptr in zip(views, self._base_ptrs):
+            if view.data_ptr() != ptr:  # PCP-local rows (the PCP manager's own buffers)
+                return ForwardInputs(batch, lambda: dict(zip(NAMES, views)), num_tokens, num_reqs, self.writes)
+        # The views begin the runner's own persistent buffers (no PCP): the probe keeps its views
+        # of those across steps and reads the rows this forward reads.
+        return new_inputs(ForwardInputs, (persistent, self._persistent, num_tokens, num_reqs, self.writes))
 
     def _persistent_set(self) -> tuple[torch.Tensor, ...]:
         """The runner's persistent buffers in NAMES order (one tuple, made once)."""
@@ -111,7 +111,7 @@ class MRV2Runner(RunnerAdapter):
             bufs, tables = self.runner.input_buffers, self.runner.block_tables
             self._bases = (bufs.input_ids, bufs.positions, tables.slot_mappings[0], bufs.query_start_loc,
                            bufs.seq_lens, tables.input_block_tables[0])
-            self._base_ptrs = list(map(_data_ptr, self._bases))
+            self._base_ptrs = [buf.data_ptr() for buf in self._bases]
         return self._bases
 
     def _persistent(self) -> dict[str, torch.Tensor]:
