@@ -90,7 +90,7 @@ class MappedFile:
             if self._fd < 0:
                 raise ValueError(f"write to closed audit file {self.path}")
             self._grow(end)
-        self._map[self._end:end] = data
+        self._map.write(data)  # at the map's position, always `_end` (cheaper than a slice assignment)
         self._end = end
         return len(data)
 

@@ -51,8 +51,11 @@ class V1Runner(RunnerAdapter):
 
     def forward_inputs(self, args: dict, *, dummy: bool, capturing: bool) -> ForwardInputs:
         ids = args.get("input_ids")
-        ref = ids if isinstance(ids, torch.Tensor) else args.get("positions")
-        num_tokens = int(ref.shape[-1]) if isinstance(ref, torch.Tensor) else 0
+        if isinstance(ids, torch.Tensor):
+            num_tokens = ids.numel()  # 1-d (the flat batch): cheaper than `.shape` (a torch.Size)
+        else:  # embeddings in: the positions ((3, tokens) under M-RoPE)
+            ref = args.get("positions")
+            num_tokens = int(ref.shape[-1]) if isinstance(ref, torch.Tensor) else 0
         runner = self.runner
         # A dummy (or capture) batch of n tokens has min(n, max_num_reqs) requests in vLLM's _dummy_run.
         num_reqs = min(num_tokens, runner.max_num_reqs) if dummy or capturing else int(runner.input_batch.num_reqs)
