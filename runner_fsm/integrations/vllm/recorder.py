@@ -94,6 +94,8 @@ class ReplicaRecorder:
         resolves later): `getattr(source, attr)` when the entry is written, dropped if it is
         empty or missing then. One such field per step (a second replaces the first)."""
         if self._entry is not None:
+            if self._later is not None:  # the first one's place goes with it
+                self._entry.pop(self._later[0], None)
             self._entry[name] = None  # keeps the field's place in the entry
             self._later = (name, source, attr)
 
