@@ -134,3 +134,14 @@ def test_a_rendered_record_must_be_a_known_event_and_an_object(log, event, body)
     with pytest.raises(ValueError, match="rendered|audit event"):
         log.rendered(event, 0, body)
     assert log.next_seq == 0
+
+
+def test_rendered_lines_are_the_lines_of_each_record():
+    """`lines` (a batch in one call) is `line` of each record, numbered on, `now` for no time."""
+    render = RecordRenderer(1, "run-%d", 0, 0)
+    records = [(5, "transition", 3, {"trigger": "finish"}), (None, "graph", None, b'{"action":"replay"}'),
+               (7, "buffers", 4, b"{}")]
+    assert render.lines(10, records, 99) == b"\n".join([render.line(10, 5, "transition", 3, {"trigger": "finish"}),
+                                                        render.line(11, 99, "graph", None, b'{"action":"replay"}'),
+                                                        render.line(12, 7, "buffers", 4, b"{}")])
+    assert render.lines(0, records[:1], 1) == render.line(0, 5, "transition", 3, {"trigger": "finish"})

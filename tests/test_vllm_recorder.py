@@ -164,7 +164,7 @@ def test_a_fault_inside_a_step_moves_to_faulted_and_replays_as_a_fault(tmp_path)
 def test_forward_hook_on_a_graph_wrapper_runs_before_its_call():
     """On CUDA `runner.model` may be vLLM's CUDAGraphWrapper (not a module); the hook must run
     right before its `__call__` (where a graph replays), and the object keeps its type."""
-    from runner_fsm.integrations.vllm.worker import _hook_forward
+    from runner_fsm.integrations.vllm.forwards import hook_forward
 
     order = []
 
@@ -175,7 +175,7 @@ def test_forward_hook_on_a_graph_wrapper_runs_before_its_call():
 
     wrapper, other = GraphWrapper(), GraphWrapper()
     runner = SimpleNamespace(model=wrapper)
-    _hook_forward(runner, lambda kwargs: order.append(("hook", sorted(kwargs))))
+    hook_forward(runner, lambda _m, _a, kwargs: order.append(("hook", sorted(kwargs))))
     ids = torch.ones(3)
     assert wrapper(input_ids=ids, positions=ids) is ids
     assert order == [("hook", ["input_ids", "positions"]), ("replay", 3)]
@@ -183,7 +183,7 @@ def test_forward_hook_on_a_graph_wrapper_runs_before_its_call():
     order.clear()
     module = torch.nn.Identity()
     runner.model = module
-    _hook_forward(runner, lambda kwargs: order.append(("hook", sorted(kwargs))))
+    hook_forward(runner, lambda _m, _a, kwargs: order.append(("hook", sorted(kwargs))))
     module(ids)
     assert order == [("hook", [])]
 
@@ -270,7 +270,8 @@ def test_resolve_reads_device_digests_back_once(tmp_path):
     ptrs, sizes = tuple(range(100, 106)), tuple(range(16, 22))
     hashes = [torch.tensor(h, dtype=torch.int64) for h in (11, 12, -13, 14, 15, 16)]
     inputs, body = resolve((ptrs, sizes, 4, 2, hashes, 7), "replay", ["input_ids"], 8)
-    assert inputs == dict(zip(NAMES, (11, 12, -13, 14, 15, 16)))
+    assert inputs._asdict() == dict(zip(NAMES, (11, 12, -13, 14, 15, 16)))  # the journal renders it so
+    inputs = inputs._asdict()
     at = {name: NAMES.index(name) for name in JUDGED}
     rows = {name: 4 if name in TOKEN_BUFFERS else 2 for name in JUDGED}
     assert body == dumps_record({"reason": "replay", "buffers": {

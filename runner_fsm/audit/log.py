@@ -69,6 +69,13 @@ def _open_exclusive(path: Path) -> MappedFile:
 # ---------------------------------------------------------------- the records
 
 
+def _refuse_rendered(event: str) -> None:
+    """A `rendered` record whose event is unknown, or whose body is not a JSON object as bytes."""
+    if event not in EVENTS:
+        raise ValueError(f"audit event must be one of {sorted(EVENTS)}, got {event!r}")
+    raise ValueError(f"a rendered {event} record's fields must be a JSON object as bytes")
+
+
 class _Records:
     """The typed records (DESIGN section 7); `_emit` says where a built record goes."""
 
@@ -83,10 +90,8 @@ class _Records:
     def rendered(self, event: str, step_id: int | None, body: bytes) -> None:
         """A record of `event` whose fields are rendered already: `body` is one JSON object
         made by `render`'s templates, the same bytes as the record's builder would render."""
-        if event not in EVENTS:
-            raise ValueError(f"audit event must be one of {sorted(EVENTS)}, got {event!r}")
-        if type(body) is not bytes or len(body) < 2 or body[0] != 123 or body[-1] != 125:  # {...}
-            raise ValueError(f"a rendered {event} record's fields must be a JSON object as bytes")
+        if event not in EVENTS or type(body) is not bytes or len(body) < 2 or body[0] != 123 or body[-1] != 125:
+            _refuse_rendered(event)  # not a known event, or not a JSON object {...} as bytes
         self._emit(event, step_id, body)
 
     def collective(
@@ -137,6 +142,13 @@ class AuditBatch(_Records):
     def _emit(self, event: str, step_id: int | None, fields: dict[str, Any] | bytes) -> None:
         self._pending.append((time.monotonic_ns(), event, step_id, fields))
 
+    def rendered(self, event: str, step_id: int | None, body: bytes) -> None:
+        """As `_Records.rendered`, with `_emit` inline: a vLLM step's end adds two or three
+        rendered records, each right after vLLM's sampler evicted the CPU caches."""
+        if event not in EVENTS or type(body) is not bytes or len(body) < 2 or body[0] != 123 or body[-1] != 125:
+            _refuse_rendered(event)  # not a known event, or not a JSON object {...} as bytes
+        self._pending.append((time.monotonic_ns(), event, step_id, body))
+
     def write(self) -> None:
         """Write what was collected (one write; nothing when empty) and start afresh."""
         pending, self._pending = self._pending, []
@@ -178,7 +190,7 @@ class AuditLog(_Records):
         self._lock = threading.Lock()
         self._next_seq = 0
         self._closed = False
-        self._render = RecordRenderer(SCHEMA_VERSION, self._run_id, self._dp_rank, self._pcp_rank).line
+        self._render_lines = RecordRenderer(SCHEMA_VERSION, self._run_id, self._dp_rank, self._pcp_rank).lines
         if shape is not None:
             self._emit("job", None, dict(shape))
 
@@ -238,6 +250,12 @@ class AuditLog(_Records):
     def _emit(self, event: str, step_id: int | None, fields: dict[str, Any] | bytes) -> None:
         self._write_all(((None, event, step_id, fields),))  # None: stamped under the lock
 
+    def rendered(self, event: str, step_id: int | None, body: bytes) -> None:
+        """As `_Records.rendered`, with `_emit` inline (a vLLM step's start, before its forward)."""
+        if event not in EVENTS or type(body) is not bytes or len(body) < 2 or body[0] != 123 or body[-1] != 125:
+            _refuse_rendered(event)  # not a known event, or not a JSON object {...} as bytes
+        self._write_all(((None, event, step_id, body),))
+
     def _write_all(self, records) -> None:
         """Number, render and write `records` ((t_ns, event, step_id, fields), ...) in one write.
 
@@ -251,12 +269,8 @@ class AuditLog(_Records):
                 )
             # seq is only consumed once the lines are written: a record that fails to
             # serialise leaves no gap behind.
-            seq, lines, render = self._next_seq, [], self._render
-            for t_ns, event, step_id, fields in records:
-                lines.append(render(seq, t_ns or time.monotonic_ns(), event, step_id, fields))
-                seq += 1
-            self._logger.msg(lines[0] if len(lines) == 1 else b"\n".join(lines))
-            self._next_seq = seq
+            self._logger.msg(self._render_lines(self._next_seq, records, time.monotonic_ns()))
+            self._next_seq += len(records)
 
 
 # ---------------------------------------------------------------- reading back

@@ -81,6 +81,22 @@ class RecordRenderer:
             return (self._head % (seq, t_ns, name, step))[:-1] + b"}"
         return self._head % (seq, t_ns, name, step) + body[1:]
 
+    def lines(self, seq: int, records, now: int) -> bytes:
+        """`line` of each of `records` ((t_ns, event, step_id, fields), ...), numbered from
+        `seq`, joined by newlines, with `now` for a t_ns of None: `line`'s steps inline, one
+        call for a whole batch (a vLLM step writes one record before its forward and two or
+        three after it)."""
+        head, events, out = self._head, self._events, []
+        for t_ns, event, step_id, fields in records:
+            name = events.get(event)
+            if name is None:
+                name = events[event] = dumps_record(event)
+            body = fields if type(fields) is bytes else dumps_record(fields)
+            line = head % (seq, t_ns or now, name, b"null" if step_id is None else b"%d" % step_id)
+            out.append(line[:-1] + b"}" if len(body) == 2 else line + body[1:])
+            seq += 1
+        return out[0] if len(out) == 1 else b"\n".join(out)
+
 
 _CACHE_LIMIT = 4096  # distinct bodies kept per cache; beyond that, rendered per record
 

@@ -32,6 +32,8 @@ def _default(obj: Any) -> Any:
         return obj.tolist()
     if hasattr(obj, "name"):  # enums (graph modes)
         return obj.name
+    if hasattr(obj, "_asdict"):  # namedtuples (a forward's input hashes, `probe.InputHashes`)
+        return obj._asdict()
     if isinstance(obj, tuple):
         return list(obj)
     raise TypeError(f"journal cannot serialise {type(obj).__qualname__}")

@@ -22,6 +22,7 @@ digest still tells a dummy that holds the last real batch's bytes. Hashes are ch
 from __future__ import annotations
 
 import zlib
+from collections import namedtuple
 from typing import Any
 
 import torch
@@ -39,10 +40,18 @@ from runner_fsm.pcp.buffers import pending_device_digest
 JUDGED = ("slot_mapping", "seq_lens")
 
 
-# Per judged buffer: its index in NAMES, whether it has a row per token.
+# Per judged buffer: its index in NAMES, whether it has a row per token (two: `resolve` fills
+# them in without a loop).
 _JUDGED_AT = tuple((NAMES.index(name), name in TOKEN_BUFFERS) for name in JUDGED)
+assert len(_JUDGED_AT) == 2, "resolve() renders two judged buffers"
 # The `buffers` record of a forward: the judged buffers' (ptr, [rows], version=content hash).
 JUDGED_RECORD = BuffersTemplate(JUDGED)
+
+# The content hashes of one forward's inputs, by name (the journal's `inputs`): a namedtuple made
+# with `tuple.__new__` (a C call, where a dict of six would be built per forward); the journal
+# renders it as {name: hash} when it renders its batch (`journal._default`, `_asdict`).
+InputHashes = namedtuple("InputHashes", NAMES)
+_new_hashes = tuple.__new__
 
 # One forward's fingerprints, as `take` returns them: (the buffers' addresses and storage rows
 # in `NAMES` order, the tokens and the requests the forward read, one content hash per buffer:
@@ -62,9 +71,14 @@ class InputProbe:
         # accelerator the tensor itself instead of the bytes.
         self._views: list[tuple[Any, int, bool, int]] = []
         self._on_device = False
+        # The CPU slices of the last (tokens, requests) read: views of the live bytes, so they
+        # serve every forward of that size (each decode step of a steady batch) unchanged.
+        self._rows: tuple[int, int] | None = None
+        self._slices: list[memoryview] = []
 
     def _refresh(self, inputs: ForwardInputs) -> None:
         self._key = inputs.key
+        self._rows = None
         buffers = inputs.buffers()
         views = []
         for name in NAMES:
@@ -94,9 +108,13 @@ class InputProbe:
             hashes = [pending_device_digest(view[:num_tokens if per_token else num_reqs + extra])
                       for view, _, per_token, extra in self._views]
         else:
-            crc32 = zlib.crc32
-            hashes = [crc32(view[:(num_tokens if per_token else num_reqs + extra) * row])
-                      for view, row, per_token, extra in self._views]
+            if self._rows != (num_tokens, num_reqs):
+                self._rows = (num_tokens, num_reqs)
+                self._slices = [view[:(num_tokens if per_token else num_reqs + extra) * row]
+                                for view, row, per_token, extra in self._views]
+            crc32, hashes = zlib.crc32, []  # a plain loop: cheaper cold than map() or a listcomp
+            for view in self._slices:
+                hashes.append(crc32(view))
         copied = []
         ptrs = self._ptrs
         for name, index in (("input_ids", 0), ("positions", 1)):
@@ -107,8 +125,8 @@ class InputProbe:
 
 
 def resolve(taken: Taken, reason: str, copied: list[str] | None = None,
-            graph_tokens: int | None = None) -> tuple[dict[str, int], bytes]:
-    """({name: content hash} of all inputs, the fields of the forward's `buffers` record: per
+            graph_tokens: int | None = None) -> tuple[InputHashes, bytes]:
+    """(the content hash of each input by name, the fields of the forward's `buffers` record: per
     judged buffer its address, storage rows (`shape`), write stamp (`version`), content hash
     (`digest`) and rows read, see `JUDGED_RECORD`; then `copied` (inputs the forward was
     handed as copies, not the persistent buffers) and `graph_tokens` (the size of the graph a
@@ -117,13 +135,12 @@ def resolve(taken: Taken, reason: str, copied: list[str] | None = None,
     ptrs, sizes, num_tokens, num_reqs, hashes, stamp = taken
     if hashes and type(hashes[0]) is not int:  # device digests (0-d tensors): all or none
         hashes = torch.stack(hashes).tolist()
-    rows = (num_reqs, num_tokens)
-    values = []
-    for i, per_token in _JUDGED_AT:
-        values += (ptrs[i], sizes[i], stamp, hashes[i], rows[per_token])
+    (a, a_per_token), (b, b_per_token) = _JUDGED_AT
+    values = (ptrs[a], sizes[a], stamp, hashes[a], num_tokens if a_per_token else num_reqs,
+              ptrs[b], sizes[b], stamp, hashes[b], num_tokens if b_per_token else num_reqs)
     extra = b""
     if copied:
         extra += b',"copied":' + dumps_record(list(copied))
     if graph_tokens is not None:
         extra += b',"graph_tokens":%d' % graph_tokens
-    return dict(zip(NAMES, hashes)), JUDGED_RECORD.body(reason, tuple(values), extra)
+    return _new_hashes(InputHashes, hashes), JUDGED_RECORD.body(reason, values, extra)

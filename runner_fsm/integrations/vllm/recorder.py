@@ -16,7 +16,7 @@ hashes are read back after the step, never before a graph replay.
 
 from __future__ import annotations
 
-from typing import Any, Callable, NamedTuple
+from typing import Any
 
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.log import AuditBatch
@@ -27,9 +27,6 @@ from runner_fsm.states import State, Trigger
 
 CAPTURE_STEP = -1
 
-
-class _Later(NamedTuple):
-    read: Callable[[], Any]
 
 STEP_TRIGGERS = {"prefill": Trigger.PREFILL, "decode": Trigger.DECODE, "idle": Trigger.IDLE}
 
@@ -45,6 +42,7 @@ class ReplicaRecorder:
         self.fault_cause: BaseException | None = None
         self._forwards: list[tuple] = []  # this step's forwards, written when it ends
         self._entry: dict | None = None  # this step's journal entry
+        self._later: tuple[str, Any, str] | None = None  # its field read when it is written (`note_later`)
         self._end = audit.batch()  # the records of a step's end (one batch, reused every step)
 
     # -- start-up -------------------------------------------------------------------
@@ -68,7 +66,8 @@ class ReplicaRecorder:
 
     def begin_step(self, kind: str, decision: dict | None = None) -> int:
         """Enter a step of `kind`; returns its id."""
-        self._flush_entry()
+        if self._entry is not None:
+            self._flush_entry()
         self.machine.fire(STEP_TRIGGERS[kind], self.step_id)  # raises StepRefused: nothing changed
         self.kind = kind
         self._entry = {"step": self.step_id, "kind": kind, **(decision or {})}
@@ -90,11 +89,15 @@ class ReplicaRecorder:
         if self._entry is not None:
             self._entry.update(fields)
 
-    def note_later(self, name: str, read: Callable[[], Any]) -> None:
+    def note_later(self, name: str, source: Any, attr: str) -> None:
         """A journal field whose value exists only after the step (an async output vLLM's engine
-        resolves later): `read()` when the entry is written, dropped if it is still None then."""
+        resolves later): `getattr(source, attr)` when the entry is written, dropped if it is
+        empty or missing then. One such field per step (a second replaces the first)."""
         if self._entry is not None:
-            self._entry[name] = _Later(read)
+            if self._later is not None:  # the first one's place goes with it
+                self._entry.pop(self._later[0], None)
+            self._entry[name] = None  # keeps the field's place in the entry
+            self._later = (name, source, attr)
 
     def end_step(self, drafted: bool = False) -> None:
         """The step's forwards are over. Its records (buffers and graph records, `draft` when
@@ -133,14 +136,15 @@ class ReplicaRecorder:
 
     def _flush_entry(self) -> None:
         entry, self._entry = self._entry, None
+        later, self._later = self._later, None
         if entry is not None and self.journal is not None:
-            for name, value in list(entry.items()):
-                if type(value) is _Later:
-                    resolved = value.read()
-                    if resolved is None:
-                        del entry[name]
-                    else:
-                        entry[name] = resolved
+            if later is not None:
+                name, source, attr = later
+                value = getattr(source, attr, None) or None
+                if value is None:
+                    del entry[name]
+                else:
+                    entry[name] = value
             self.journal.write(entry)
 
     # -- faults and the end -----------------------------------------------------------

@@ -40,6 +40,7 @@ SYMBOLS: list[str] = [
     "vllm.platforms.current_platform",
     "vllm.forward_context.get_forward_context",
     "vllm.forward_context.is_forward_context_available",
+    "vllm.forward_context._forward_context",  # read directly by `forwards.forward_context` (per forward)
     "vllm.distributed.parallel_state.get_dp_group",
 ]
 

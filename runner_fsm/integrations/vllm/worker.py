@@ -31,13 +31,12 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.integrations.vllm import cpu_collectives, cpu_rope, schema
 from runner_fsm.integrations.vllm.dp_support import DPSupport
 from runner_fsm.integrations.vllm.flight import WorkerFlight, start as start_flight_recorder
+from runner_fsm.integrations.vllm.forwards import forward_context, hook_forward
 from runner_fsm.integrations.vllm.inject import InjectionNeverFired
 from runner_fsm.integrations.vllm.journal import Journal
 from runner_fsm.integrations.vllm.options import WorkerOptions
@@ -129,7 +128,7 @@ class FSMWorkerMixin:
         schema.check_runner(adapter)
         rec = self.recorder
         adapter.attach(step_of=lambda: rec.step_id if rec.in_step else -1)
-        _hook_forward(adapter.runner, self._before_forward)
+        hook_forward(adapter.runner, self._before_forward)
         if self.dp_support is not None:
             self.dp_support.attach(adapter)
 
@@ -172,7 +171,7 @@ class FSMWorkerMixin:
 
     def sample_tokens(self, grammar_output: Any):
         rec = self.recorder
-        if not rec.in_step:
+        if rec.kind is None:  # not in a step (`rec.in_step`, without the property's call)
             return super().sample_tokens(grammar_output)
         try:
             out = super().sample_tokens(grammar_output)
@@ -182,7 +181,7 @@ class FSMWorkerMixin:
             elif (output := getattr(out, "model_runner_output", None)) is not None:
                 # An async output (MRV2): its tokens are copied and listed by vLLM's engine
                 # (`get_output()`) after this call, before the next step: read them then.
-                rec.note_later("sampled", lambda: getattr(output, "sampled_token_ids", None) or None)
+                rec.note_later("sampled", output, "sampled_token_ids")
             rec.end_step(drafted=self.drafting)
             return out
         except BaseException as error:
@@ -212,16 +211,17 @@ class FSMWorkerMixin:
             self.recorder.note(drafts=drafts.draft_token_ids)
         return drafts
 
-    def _before_forward(self, args: dict) -> None:
-        """The forward pre-hook: fingerprints of the inputs this forward reads."""
+    def _before_forward(self, _module: Any, _args: tuple, args: dict) -> None:
+        """The forward pre-hook (torch's signature: module, positional args, keyword args):
+        fingerprints of the inputs this forward reads."""
         rec = self.recorder
-        capturing = not rec.in_step
-        mode, desc, dp_counts = _forward_context()
+        capturing = rec.kind is None  # not `rec.in_step`: a property is one more call per forward
+        mode, desc, dp_counts = forward_context()
         if capturing and mode != "FULL":
             return  # warm-up and profiling forwards: only graph captures are evidence
         taken, copied, logged = None, [], False
         adapter = self.runner_adapter
-        pcp = None if capturing else adapter.pcp_evidence()
+        pcp = None if capturing or adapter.pcp is None else adapter.pcp_evidence()
         if rec.fingerprints:
             inputs = adapter.forward_inputs(args, dummy=self._dummy, capturing=capturing)
             taken, copied = self.probe.take(inputs, args)
@@ -252,11 +252,19 @@ class FSMWorkerMixin:
             prefill = prefill or new.num_computed_tokens < length
         cached = so.scheduled_cached_reqs
         resumed = cached.resumed_req_ids
-        for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
-            if rid in resumed or computed < lens.get(rid, 0):
-                prefill = True
-                break
-        self._forget(so)
+        if resumed and not prefill:  # a resumed request recomputes its prompt
+            for rid in cached.req_ids:
+                if rid in resumed:
+                    prefill = True
+                    break
+        if not prefill:  # one computed short of its prompt (plain loops: see docs/vllm.md)
+            get = lens.get
+            for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
+                if computed < get(rid, 0):
+                    prefill = True
+                    break
+        for rid in so.finished_req_ids:  # `_forget`, inline: one call less a step
+            lens.pop(rid, None)
         return "prefill" if prefill else "decode"
 
     def _forget(self, so: Any) -> None:
@@ -297,47 +305,6 @@ def _decision(so: Any) -> dict:
             "new": len(so.scheduled_new_reqs), "resumed": len(so.scheduled_cached_reqs.resumed_req_ids),
             "finished": len(so.finished_req_ids),
             "spec": sum(map(len, spec.values())) if spec else 0}
-
-
-_CONTEXT_CALLS: tuple = ()  # vLLM's (is_forward_context_available, get_forward_context)
-
-
-def _forward_context() -> tuple[str, Any, Any]:
-    """(graph mode name, batch descriptor as (tokens, reqs, uniform), DP token counts)."""
-    global _CONTEXT_CALLS
-    if not _CONTEXT_CALLS:  # looked up once: a `from vllm import ...` per forward costs a call
-        from vllm import forward_context  # into importlib
-
-        _CONTEXT_CALLS = (forward_context.is_forward_context_available, forward_context.get_forward_context)
-    available, get = _CONTEXT_CALLS
-    if not available():
-        return "NONE", None, None
-    ctx = get()
-    desc = ctx.batch_descriptor
-    dp = ctx.dp_metadata
-    return (ctx.cudagraph_runtime_mode.name,
-            (desc.num_tokens, desc.num_reqs, desc.uniform) if desc is not None else None,
-            dp.num_tokens_across_dp_cpu.tolist() if dp is not None else None)
-
-
-def _hook_forward(runner: Any, before) -> None:
-    """Call `before(kwargs)` right before every call of `runner.model`, real or dummy.
-
-    A module gets a forward pre-hook (public API). On CUDA `runner.model` may be vLLM's
-    `CUDAGraphWrapper` (not a module), whose `__call__` replays graphs: the only point right
-    before a replay is that `__call__`, so the wrapper object gets a one-off subclass whose
-    `__call__` runs `before` first (no global patch; isinstance checks still hold)."""
-    model = runner.model
-    if isinstance(model, torch.nn.Module):
-        model.register_forward_pre_hook(lambda _m, _args, kwargs: before(kwargs), with_kwargs=True)
-        return
-    base = type(model)
-
-    def __call__(self, *args, **kwargs):
-        before(kwargs)
-        return base.__call__(self, *args, **kwargs)
-
-    model.__class__ = type(base.__name__, (base,), {"__call__": __call__, "__module__": base.__module__})
 
 
 def make_worker_class() -> type:

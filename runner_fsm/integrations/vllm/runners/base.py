@@ -45,6 +45,11 @@ class ForwardInputs(NamedTuple):
     stamp: int = 0
 
 
+# `ForwardInputs` made without its generated `__new__` (a Python-level call, once per forward):
+# `new_inputs(ForwardInputs, (key, buffers, num_tokens, num_reqs, stamp))`, all five given.
+new_inputs = tuple.__new__
+
+
 class SkipDummyForward(Exception):
     """Raised past the dummy's DP agreement to return without its forward (injected fault)."""
 
@@ -60,6 +65,9 @@ class RunnerAdapter:
     # Those that exist only once the KV cache is initialised (checked before warm-up).
     KV_ATTRS: tuple[str, ...] = ()
     DP_ROWS = 0  # rows of vLLM's own DP sync tensor (the agreement rows follow them)
+    # Where the runner partitions batches over PCP ranks itself: its evidence (`pcp_evidence`
+    # reads it; the worker's forward hook skips that call while this is None).
+    pcp: Any = None
 
     def __init__(self, runner: Any):
         self.runner = runner

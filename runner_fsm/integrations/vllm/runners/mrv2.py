@@ -25,7 +25,7 @@ import torch
 from runner_fsm import dp
 from runner_fsm.integrations.vllm import mrv2_sync
 from runner_fsm.integrations.vllm.runners.base import (NAMES, ForwardInputs, RunnerAdapter, SkipDummyForward,
-                                                       skipping_dummy, unwrap_method, wrap_method)
+                                                       new_inputs, skipping_dummy, unwrap_method, wrap_method)
 
 NO_STEP = -1
 
@@ -47,6 +47,7 @@ class MRV2Runner(RunnerAdapter):
         self.prepared_step = NO_STEP  # the step whose target inputs were prepared last
         self._step_of: Callable[[], int] = lambda: NO_STEP
         self._bases: tuple[torch.Tensor, ...] | None = None  # the persistent buffers, once the KV cache exists
+        self._base_ptrs: list[int] = []  # their addresses
         self.pcp = None  # PCPEvidence under PCP, once the KV cache exists (`attach_kv`)
         self._pcp_fault: Callable[[str], bool] | None = None
 
@@ -94,13 +95,15 @@ class MRV2Runner(RunnerAdapter):
         batch, block_tables, slot_mappings = prepared
         views = (batch.input_ids, batch.positions, slot_mappings[0], batch.query_start_loc, batch.seq_lens,
                  block_tables[0])
-        rows = int(batch.num_tokens_after_padding), int(batch.num_reqs_after_padding)
-        persistent = self._persistent_set()
-        if all(view.data_ptr() == base.data_ptr() for view, base in zip(views, persistent)):
-            # The views begin the runner's own persistent buffers (no PCP): the probe keeps its
-            # views of those across steps and reads the rows this forward reads.
-            return ForwardInputs(persistent, self._persistent, *rows, self.writes)
-        return ForwardInputs(batch, lambda: dict(zip(NAMES, views)), *rows, self.writes)  # PCP-local
+        num_tokens, num_reqs = int(batch.num_tokens_after_padding), int(batch.num_reqs_after_padding)
+        persistent = self._bases or self._persistent_set()
+        # A plain loop, not all() over a generator: a Python frame per buffer costs, per forward.
+        for view, ptr in zip(views, self._base_ptrs):
+            if view.data_ptr() != ptr:  # PCP-local rows (the PCP manager's own buffers)
+                return ForwardInputs(batch, lambda: dict(zip(NAMES, views)), num_tokens, num_reqs, self.writes)
+        # The views begin the runner's own persistent buffers (no PCP): the probe keeps its views
+        # of those across steps and reads the rows this forward reads.
+        return new_inputs(ForwardInputs, (persistent, self._persistent, num_tokens, num_reqs, self.writes))
 
     def _persistent_set(self) -> tuple[torch.Tensor, ...]:
         """The runner's persistent buffers in NAMES order (one tuple, made once)."""
@@ -108,6 +111,7 @@ class MRV2Runner(RunnerAdapter):
             bufs, tables = self.runner.input_buffers, self.runner.block_tables
             self._bases = (bufs.input_ids, bufs.positions, tables.slot_mappings[0], bufs.query_start_loc,
                            bufs.seq_lens, tables.input_block_tables[0])
+            self._base_ptrs = [buf.data_ptr() for buf in self._bases]
         return self._bases
 
     def _persistent(self) -> dict[str, torch.Tensor]:

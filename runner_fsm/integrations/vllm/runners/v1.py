@@ -16,7 +16,7 @@ import torch
 
 from runner_fsm.integrations.vllm import dp_agreement
 from runner_fsm.integrations.vllm.runners.base import (ForwardInputs, RunnerAdapter, SkipDummyForward,
-                                                       skipping_dummy, wrap_method)
+                                                       new_inputs, skipping_dummy, wrap_method)
 
 
 def _tensor(buf: Any) -> torch.Tensor:
@@ -51,12 +51,15 @@ class V1Runner(RunnerAdapter):
 
     def forward_inputs(self, args: dict, *, dummy: bool, capturing: bool) -> ForwardInputs:
         ids = args.get("input_ids")
-        ref = ids if isinstance(ids, torch.Tensor) else args.get("positions")
-        num_tokens = int(ref.shape[-1]) if isinstance(ref, torch.Tensor) else 0
+        if isinstance(ids, torch.Tensor):
+            num_tokens = ids.numel()  # 1-d (the flat batch): cheaper than `.shape` (a torch.Size)
+        else:  # embeddings in: the positions ((3, tokens) under M-RoPE)
+            ref = args.get("positions")
+            num_tokens = int(ref.shape[-1]) if isinstance(ref, torch.Tensor) else 0
         runner = self.runner
         # A dummy (or capture) batch of n tokens has min(n, max_num_reqs) requests in vLLM's _dummy_run.
         num_reqs = min(num_tokens, runner.max_num_reqs) if dummy or capturing else int(runner.input_batch.num_reqs)
-        return ForwardInputs(runner.input_batch, self.buffers, num_tokens, num_reqs, self.writes)
+        return new_inputs(ForwardInputs, (runner.input_batch, self.buffers, num_tokens, num_reqs, self.writes))
 
     def install_dp(self, tap) -> Callable[[], None]:
         return dp_agreement.install(tap, self.runner)
