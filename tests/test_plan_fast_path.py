@@ -1,5 +1,5 @@
 """Batches that cut no request (decodes only, or one rank) skip the chunk arithmetic
-(`layout._whole_grid` alone); their plan equals the old planner's general cut."""
+(the whole-request grid alone); their plan equals the old planner's general cut."""
 
 import numpy as np
 from hypothesis import given, settings

@@ -132,3 +132,13 @@ def test_ranks_are_built_when_first_read_and_only_once():
     positions, reqs = plan.global_rows()
     assert positions.tolist() == [0, 1, 2, 3, 4, 5, 3, 4, *range(10)]
     assert reqs.tolist() == [0] * 6 + [1, 2] + [3] * 10
+
+
+def test_the_replicating_grid_refuses_sharded_mrv2():
+    from runner_fsm.pcp import layout
+
+    lengths, prefilling = np.array([3, 1]), np.array([True, False])
+    with pytest.raises(ValueError, match="sharded_segments"):
+        layout.segment_grid(lengths, prefilling, np.zeros(2, dtype=np.int64), 2, "mrv2", dcp_size=1)
+    segs, shared = layout.plan_segments(lengths, prefilling, np.zeros(2, dtype=np.int64), 2, "mrv2")
+    assert not shared.any() and segs.tokens_per_rank.tolist() == [2, 2]

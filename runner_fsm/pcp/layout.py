@@ -34,22 +34,34 @@ class Grid:
     shared: np.ndarray  # [R] bool: requests every rank holds whole (rank 0's copy is owned)
 
 
+def plan_segments(num_scheduled: np.ndarray, is_prefilling: np.ndarray, num_computed: np.ndarray,
+                  pcp_size: int, policy: str, dcp_size: int = 1) -> tuple[Segments, np.ndarray]:
+    """The segments of `policy`, and the requests every rank holds whole (``[R]`` bool)."""
+    if policy == "mrv2" and dcp_size == 1:
+        return (sharded_segments(num_scheduled, is_prefilling, pcp_size),
+                np.zeros(num_scheduled.size, dtype=bool))
+    grid = segment_grid(num_scheduled, is_prefilling, num_computed, pcp_size, policy, dcp_size)
+    return segments(grid), grid.shared
+
+
 def segment_grid(num_scheduled: np.ndarray, is_prefilling: np.ndarray, num_computed: np.ndarray,
                  pcp_size: int, policy: str, dcp_size: int = 1) -> Grid:
-    """The grid of `policy` (see `plan.plan_batch` for what each policy does)."""
+    """The grid of `policy` (see `plan.plan_batch` for what each policy does), for the
+    layouts that replicate whole requests; ``mrv2`` with DCP off is `sharded_segments`."""
     lengths, num_chunks = num_scheduled, 2 * pcp_size
     if policy == "mrv2":
-        cut = is_prefilling
-        if dcp_size > 1:  # a prefill too short to fill every chunk is replicated instead
-            cut = cut & ((num_chunks - 1) * -(-lengths // num_chunks) < lengths)
-        owner = _decode_owner(lengths, ~cut, pcp_size) if dcp_size == 1 else None
+        if dcp_size == 1:
+            raise ValueError("mrv2 with dcp_size 1 shards its decodes: use sharded_segments")
+        # a prefill too short to fill every chunk is replicated instead
+        cut = is_prefilling & ((num_chunks - 1) * -(-lengths // num_chunks) < lengths)
     else:  # one rank cuts nothing; more ranks cut every prefill
         cut = is_prefilling if pcp_size > 1 else np.zeros_like(is_prefilling)
-        owner = None
-    offset, length = _whole_grid(lengths, pcp_size, owner)
+    length = np.zeros((pcp_size, lengths.size, 2), dtype=np.int64)
+    length[:, :, 0] = lengths  # every request whole as a head segment on every rank
+    offset = np.zeros_like(length)
     if cut.any():
-        cut_offset, cut_length = (_balanced_grid if policy == "balanced" else _ceil_grid)(
-            lengths, cut, pcp_size)
+        cut_offset, cut_length = (_balanced_grid(lengths, cut, pcp_size) if policy == "balanced"
+                                  else _ceil_grid(lengths, pcp_size))
         if cut.all():
             offset, length = cut_offset, cut_length
         else:
@@ -60,24 +72,7 @@ def segment_grid(num_scheduled: np.ndarray, is_prefilling: np.ndarray, num_compu
         late = nonempty & is_prefilling[:, None]
     else:  # pure prefill (starting at absolute position 0) last
         late = nonempty & is_prefilling[:, None] & (num_computed[:, None] + offset == 0)
-    shared = ~cut if owner is None else np.zeros_like(cut)
-    return Grid(offset, length, late, shared)
-
-
-def _whole_grid(lengths: np.ndarray, pcp_size: int, owner: np.ndarray | None):
-    """Every request whole as a head segment: on every rank, or only on `owner[i]`."""
-    length = np.zeros((pcp_size, lengths.size, 2), dtype=np.int64)
-    if owner is None:
-        length[:, :, 0] = lengths
-    else:
-        length[:, :, 0] = np.where(np.arange(pcp_size)[:, None] == owner, lengths, 0)
-    return np.zeros_like(length), length
-
-
-def _decode_owner(lengths: np.ndarray, whole: np.ndarray, pcp_size: int) -> np.ndarray:
-    """MRV2's sharded decodes: the k-th whole request with tokens goes to rank k mod P."""
-    counted = whole & (lengths > 0)
-    return (np.cumsum(counted) - counted) % pcp_size
+    return Grid(offset, length, late, ~cut)
 
 
 @functools.lru_cache(maxsize=64)
@@ -97,8 +92,8 @@ def _chunks(pcp_size: int) -> np.ndarray:
     return chunks
 
 
-def _ceil_grid(lengths: np.ndarray, cut: np.ndarray, pcp_size: int):
-    """Chunks of ceil(L/C) tokens, later ones short or empty."""
+def _ceil_grid(lengths: np.ndarray, pcp_size: int):
+    """Chunks of ceil(L/C) tokens, later ones short or empty: (offset, length), ``[P, R, 2]``."""
     width = -(-lengths // (2 * pcp_size))[:, None]
     offset = _chunk_index(pcp_size) * width
     length = np.minimum(np.maximum(lengths[:, None] - offset, 0), width)
@@ -191,12 +186,9 @@ def sharded_segments(lengths: np.ndarray, is_prefilling: np.ndarray, pcp_size: i
         dealt[0, :decodes.size], dealt[1, :decodes.size] = decodes, lengths[decodes]
         req[:, :width], length[:, :width] = dealt.reshape(2, width, pcp_size).transpose(0, 2, 1)
     if prefills.size:
-        prefill_len = lengths[prefills]
-        chunk_len = -(-prefill_len // (2 * pcp_size))
-        chunk_offset = _chunk_index(pcp_size) * chunk_len[:, None]  # [P, Rp, 2]
+        chunk_offset, chunk_length = _ceil_grid(lengths[prefills], pcp_size)  # [P, Rp, 2]
         offset[:, width:] = chunk_offset.reshape(pcp_size, -1)
-        chunk = np.minimum(prefill_len[:, None] - chunk_offset, chunk_len[:, None])
-        length[:, width:] = np.maximum(chunk, 0, out=chunk).reshape(pcp_size, -1)
+        length[:, width:] = chunk_length.reshape(pcp_size, -1)
         req[:, width:] = np.repeat(prefills, 2)
     cell = np.flatnonzero(length)
     return _segments(cell // cols, req.reshape(-1)[cell], offset.reshape(-1)[cell], length.reshape(-1)[cell],
@@ -208,11 +200,15 @@ def sharded_tokens_per_rank(lengths: np.ndarray, is_prefilling: np.ndarray, pcp_
     decodes = lengths[~is_prefilling & (lengths > 0)]
     dealt = np.zeros(-(-decodes.size // pcp_size) * pcp_size, dtype=np.int64)
     dealt[:decodes.size] = decodes
-    tokens = dealt.reshape(-1, pcp_size).sum(axis=0)
-    prefills = lengths[is_prefilling]
-    if prefills.size:
-        chunk_len = -(-prefills // (2 * pcp_size))
-        chunk = np.minimum(prefills[:, None] - _chunks(pcp_size) * chunk_len[:, None], chunk_len[:, None])
-        per_chunk = np.maximum(chunk, 0, out=chunk).sum(axis=0)
-        tokens += per_chunk[:pcp_size] + per_chunk[::-1][:pcp_size]
-    return tokens
+    return dealt.reshape(-1, pcp_size).sum(axis=0) + ceil_chunk_tokens(lengths[is_prefilling], pcp_size)
+
+
+def ceil_chunk_tokens(prefill_lengths: np.ndarray, pcp_size: int) -> np.ndarray:
+    """[P] tokens of each rank's head and tail chunks (``ceil`` chunking) over the prefills."""
+    if prefill_lengths.size == 0:
+        return np.zeros(pcp_size, dtype=np.int64)
+    width = -(-prefill_lengths // (2 * pcp_size))[:, None]
+    chunk = np.minimum(prefill_lengths[:, None] - _chunks(pcp_size) * width, width)
+    per_chunk = np.maximum(chunk, 0, out=chunk).sum(axis=0)
+    # Rank r holds chunks r and C-1-r; only the chunks from the last full one on are short.
+    return per_chunk[:pcp_size] + per_chunk[::-1][:pcp_size]

@@ -177,13 +177,7 @@ def _dispatch_count(batch: _Batch, pcp_size: int, chunking: str, dcp_size: int) 
         return decode_tokens + int(prefill_lengths.sum())
     if chunking == "balanced":  # meets its lower bound by construction
         return decode_tokens + -(-int(prefill_lengths.sum()) // pcp_size)
-    num_chunks = 2 * pcp_size
-    width = -(-prefill_lengths // num_chunks)
-    # Rank r holds chunks r and C-1-r; only the chunks from the last full one on are short.
-    starts = np.arange(num_chunks) * width[:, None]
-    sizes = np.minimum(np.maximum(prefill_lengths[:, None] - starts, 0), width[:, None])
-    per_rank = sizes[:, :pcp_size] + sizes[:, ::-1][:, :pcp_size]
-    return decode_tokens + int(per_rank.sum(axis=0).max())
+    return decode_tokens + int(layout.ceil_chunk_tokens(prefill_lengths, pcp_size).max())
 
 
 def _check_dcp(dcp_size: int) -> None:
@@ -238,13 +232,8 @@ def plan_batch(
     """
     _check_dcp(dcp_size)
     batch = _validate(num_scheduled, is_prefilling, num_computed, pcp_size, chunking, max_num_tokens)
-    if chunking == "mrv2" and dcp_size == 1:
-        segs = layout.sharded_segments(batch.num_scheduled, batch.is_prefilling, pcp_size)
-        shared = np.zeros(batch.num_scheduled.size, dtype=bool)
-    else:
-        grid = layout.segment_grid(batch.num_scheduled, batch.is_prefilling, batch.num_computed, pcp_size,
-                                   chunking, dcp_size)
-        segs, shared = layout.segments(grid), grid.shared
+    segs, shared = layout.plan_segments(batch.num_scheduled, batch.is_prefilling, batch.num_computed,
+                                        pcp_size, chunking, dcp_size)
     counts = segs.tokens_per_rank
     widest = int(counts.max()) if counts.size else 0
     n = widest if padded_num_tokens is None else int(padded_num_tokens)

@@ -139,16 +139,6 @@ def _batch(manager: Any, num_scheduled: Any, is_prefilling: Any):
     return _validate(num_scheduled, is_prefilling, None, manager.pcp_world_size, "mrv2", None)
 
 
-def _segments(manager: Any, batch) -> tuple[layout.Segments, np.ndarray]:
-    """The segments and the requests every rank holds whole (none when decodes are sharded)."""
-    if manager.dcp_world_size == 1:
-        shared = np.zeros(batch.num_scheduled.size, dtype=bool)
-        return layout.sharded_segments(batch.num_scheduled, batch.is_prefilling, manager.pcp_world_size), shared
-    grid = layout.segment_grid(batch.num_scheduled, batch.is_prefilling, batch.num_computed,
-                               manager.pcp_world_size, "mrv2", manager.dcp_world_size)
-    return layout.segments(grid), grid.shared
-
-
 def _get_num_tokens_for_dispatch(self, num_scheduled_tokens, is_prefilling) -> int:
     if not _pinned_config(self):
         return _original(self, "get_num_tokens_for_dispatch")(num_scheduled_tokens, is_prefilling)
@@ -174,7 +164,8 @@ def _build_batch_layout(self, num_scheduled_tokens, num_computed_tokens, is_pref
     if (starts.ndim != 1 or starts.size < num_reqs + 1 or int(starts[-1]) != total
             or not np.array_equal(starts[:num_reqs], req_start) or int(starts[num_reqs]) != total):
         return _original(self, "_build_batch_layout")(*args)
-    segs, shared = _segments(self, batch)
+    segs, shared = layout.plan_segments(batch.num_scheduled, batch.is_prefilling, batch.num_computed,
+                                        self.pcp_world_size, "mrv2", self.dcp_world_size)
     per_rank = segs.tokens_per_rank.tolist()
     widest = max(per_rank)
     if padded_num_tokens is None:
