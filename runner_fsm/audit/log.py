@@ -87,12 +87,10 @@ class _Records:
         self._emit("transition", step_id, cached_body(
             _TRANSITION_BODIES, key, {"trigger": trigger, "src": src, "dst": dst, "outcome": outcome}))
 
-    def rendered(self, event: str, step_id: int | None, body: bytes) -> None:
-        """A record of `event` whose fields are rendered already: `body` is one JSON object
-        made by `render`'s templates, the same bytes as the record's builder would render."""
-        if event not in EVENTS or type(body) is not bytes or len(body) < 2 or body[0] != 123 or body[-1] != 125:
-            _refuse_rendered(event)  # not a known event, or not a JSON object {...} as bytes
-        self._emit(event, step_id, body)
+    # `rendered(event, step_id, body)`: a record of `event` whose fields are rendered already
+    # (`body` is one JSON object made by `render`'s templates, the same bytes as the record's
+    # builder would render). Each subclass writes it without the `_emit` hop: it runs two or
+    # three times a vLLM step, each right after vLLM evicted the CPU caches.
 
     def collective(
         self,
@@ -143,8 +141,8 @@ class AuditBatch(_Records):
         self._pending.append((time.monotonic_ns(), event, step_id, fields))
 
     def rendered(self, event: str, step_id: int | None, body: bytes) -> None:
-        """As `_Records.rendered`, with `_emit` inline: a vLLM step's end adds two or three
-        rendered records, each right after vLLM's sampler evicted the CPU caches."""
+        """A record whose fields are rendered already (see `_Records`), collected: a vLLM
+        step's end adds two or three, each right after vLLM's sampler evicted the CPU caches."""
         if event not in EVENTS or type(body) is not bytes or len(body) < 2 or body[0] != 123 or body[-1] != 125:
             _refuse_rendered(event)  # not a known event, or not a JSON object {...} as bytes
         self._pending.append((time.monotonic_ns(), event, step_id, body))
@@ -251,7 +249,8 @@ class AuditLog(_Records):
         self._write_all(((None, event, step_id, fields),))  # None: stamped under the lock
 
     def rendered(self, event: str, step_id: int | None, body: bytes) -> None:
-        """As `_Records.rendered`, with `_emit` inline (a vLLM step's start, before its forward)."""
+        """A record whose fields are rendered already (see `_Records`), written at once (a vLLM
+        step's start, before its forward)."""
         if event not in EVENTS or type(body) is not bytes or len(body) < 2 or body[0] != 123 or body[-1] != 125:
             _refuse_rendered(event)  # not a known event, or not a JSON object {...} as bytes
         self._write_all(((None, event, step_id, body),))
