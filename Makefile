@@ -8,32 +8,41 @@ STAMP  := $(VENV)/.runner-fsm-installed
 
 .PHONY: demo test test-slow venv clean
 
+# The compiled PCP layout (runner_fsm/pcp/native.py): a plain C shared library next to its
+# source, loaded with ctypes by any venv that imports this checkout. Without it plans are
+# written by numpy; tests/test_plan_native.py fails when it is missing. No -march=native: the
+# library must run on any x86-64 or ARM machine the checkout is copied to.
+CC     ?= cc
+NATIVE := runner_fsm/pcp/_mrv2_layout.so
+$(NATIVE): runner_fsm/pcp/_mrv2_layout.c
+	$(CC) -O3 -shared -fPIC -Wall -Wextra -Werror -o $@ $<
+
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	@touch $@
 
-venv: $(STAMP)
+venv: $(STAMP) $(NATIVE)
 
-test: $(STAMP)
+test: $(STAMP) $(NATIVE)
 	$(PY) -m pytest -q
 
-test-slow: $(STAMP)
+test-slow: $(STAMP) $(NATIVE)
 	$(PY) -m pytest -q -m slow
 
-demo: $(STAMP)
+demo: $(STAMP) $(NATIVE)
 	$(VENV)/bin/runner-fsm demo
 
 # Every benchmark of issue 7 in one run (a few minutes): one table, also written into
 # benchmarks/README.md and, its generated block, into README.md. Misses are reported,
 # never failed; a wrong output exits 1.
 .PHONY: bench
-bench: $(STAMP)
+bench: $(STAMP) $(NATIVE)
 	$(PY) benchmarks/run_all.py --readme benchmarks/README.md --main-readme README.md
 
 clean:
-	rm -rf $(VENV) .pytest_cache .hypothesis runs
+	rm -rf $(VENV) .pytest_cache .hypothesis runs $(NATIVE)
 
 # The GPU check (docs/gpu.md): on a CUDA machine with PyTorch, the engine at DP=1 and DP=2
 # (NCCL) with FULL_DECODE_ONLY CUDA graphs. It uses the machine's own python3 and torch;
@@ -68,12 +77,12 @@ $(VLLM_STAMP): pyproject.toml
 	$(VLLM_PY) -m pip install -q -e '.[test]' setuptools_scm  # setuptools_scm: reading vLLM-Ascend's sdist (tests)
 	@touch $@
 
-venv-vllm: $(VLLM_STAMP)
+venv-vllm: $(VLLM_STAMP) $(NATIVE)
 
 # The tier fails (never skips) when vLLM cannot be imported there: tests/conftest.py imports
 # vllm for every test marked `vllm`. Tiny Llama, Mixtral and Qwen3-MoE checkpoints are made by
 # the tests themselves (transformers, no network).
-test-vllm: $(VLLM_STAMP)
+test-vllm: $(VLLM_STAMP) $(NATIVE)
 	$(VLLM_PY) -c "import vllm" || { echo "make test-vllm: vLLM cannot be imported in $(VLLM_VENV)" >&2; exit 1; }
 	$(VLLM_PY) -m pytest -q -m vllm tests
 	$(MAKE) test-vllm-mrv2
@@ -84,6 +93,6 @@ test-vllm: $(VLLM_STAMP)
 # leg fails, never skips, when vLLM fell back to V1 (tests/conftest.py, test_vllm_worker.py).
 MRV2_ENV := VLLM_USE_V2_MODEL_RUNNER=1 TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR)/tests/mrv2_site
 .PHONY: test-vllm-mrv2
-test-vllm-mrv2: $(VLLM_STAMP)
+test-vllm-mrv2: $(VLLM_STAMP) $(NATIVE)
 	$(MRV2_ENV) $(VLLM_PY) -c "from vllm.triton_utils import HAS_TRITON; assert HAS_TRITON, 'MRV2 needs the Triton stand-in'"
 	$(MRV2_ENV) $(VLLM_PY) -m pytest -q -m "vllm and not runner_independent" tests

@@ -58,17 +58,19 @@ def random_batch(rng):
     return scheduled.astype(np.int64), prefilling, computed.astype(np.int64)
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["numpy", "compiled"])
 @pytest.mark.parametrize("pcp", [1, 2, 3, 4, 8])
-def test_mrv2_plan_equals_the_per_request_reference(pcp):
+def test_mrv2_plan_equals_the_per_request_reference(pcp, native):
     rng = np.random.default_rng(pcp)
     workspace = PlanWorkspace()
     for _ in range(150):
         batch = random_batch(rng)
         counts, gathered, mask, restore, ranks = reference_mrv2(*batch, pcp)
         for ws in (None, workspace):
-            plan = plan_batch(*batch, pcp, chunking="mrv2", workspace=ws)
+            plan = plan_batch(*batch, pcp, chunking="mrv2", workspace=ws, native=native)
             assert list(plan.per_rank_num_tokens) == counts
-            assert num_tokens_for_dispatch(batch[0], batch[1], pcp, chunking="mrv2") == max(counts, default=0)
+            assert num_tokens_for_dispatch(batch[0], batch[1], pcp, chunking="mrv2",
+                                           native=native) == max(counts, default=0)
             assert plan.padded_gather_idx.tolist() == gathered.tolist()
             assert plan.kv_write_mask.tolist() == mask.tolist()
             assert plan.hidden_restore_idx.tolist() == restore.tolist()
@@ -96,7 +98,8 @@ def test_a_workspace_is_reused_and_contexts_copy_what_they_keep():
     assert second.padded_gather_idx.tolist() == fresh.padded_gather_idx.tolist()
 
 
-def test_threads_plan_at_once_each_with_its_own_scratch():
+@pytest.mark.parametrize("native", [False, True], ids=["numpy", "compiled"])
+def test_threads_plan_at_once_each_with_its_own_scratch(native):
     rng = np.random.default_rng(7)
     batches = [random_batch(rng) for _ in range(40)]
     expected = [reference_mrv2(*b, 4)[3].tolist() for b in batches]
@@ -104,7 +107,7 @@ def test_threads_plan_at_once_each_with_its_own_scratch():
 
     def plan_all(order):
         for i in order:
-            got = plan_batch(*batches[i], 4, chunking="mrv2").hidden_restore_idx.tolist()
+            got = plan_batch(*batches[i], 4, chunking="mrv2", native=native).hidden_restore_idx.tolist()
             if got != expected[i]:
                 errors.append(i)
 

@@ -10,11 +10,13 @@ no Python loop over requests or tokens, are in `runner_fsm.pcp.layout`.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from typing import Callable
 
 import numpy as np
 
 from runner_fsm.errors import BatchError
-from runner_fsm.pcp import layout, rows
+from runner_fsm.pcp import layout, native, rows
 from runner_fsm.pcp.arrays import ArrayLike, int_array
 from runner_fsm.pcp.rows import PlanWorkspace
 
@@ -65,9 +67,11 @@ class RankBatch:
 _RANK_FIELDS = frozenset(f.name for f in dataclasses.fields(RankBatch))
 
 
-def _rank_batches(segs: layout.Segments, gathered: np.ndarray, num_computed: np.ndarray) -> tuple[RankBatch, ...]:
+def _rank_batches(segments_of: Callable[[], layout.Segments], gathered: np.ndarray,
+                  num_computed: np.ndarray) -> tuple[RankBatch, ...]:
     def builder(rank: int):
         def build() -> dict[str, np.ndarray]:
+            segs = segments_of()
             n_r = int(segs.tokens_per_rank[rank])
             return {"token_idx": gathered[rank, :n_r], **rows.rank_rows(segs, num_computed, rank)}
         return build
@@ -86,10 +90,24 @@ class PCPPlan:
     kv_write_mask: np.ndarray  # [P*N] rows whose K/V this step writes (each token once)
     hidden_restore_idx: np.ndarray  # [T] gathered row holding global token t
     ranks: tuple[RankBatch, ...]  # rank r's rows, built when first read
-    segments: layout.Segments
-    shared: np.ndarray  # [R] requests every rank holds whole
     num_scheduled: np.ndarray
     num_computed: np.ndarray
+    # (segments, shared): made by the plan or, after the compiled layout, on first use
+    segments_of: Callable[[], tuple[layout.Segments, np.ndarray]] = dataclasses.field(repr=False)
+
+    @functools.cached_property
+    def _segments(self) -> tuple[layout.Segments, np.ndarray]:
+        return self.segments_of()
+
+    @property
+    def segments(self) -> layout.Segments:
+        """Every rank's segments (`layout.Segments`)."""
+        return self._segments[0]
+
+    @property
+    def shared(self) -> np.ndarray:
+        """[R] bool: requests every rank holds whole."""
+        return self._segments[1]
 
     @property
     def num_tokens(self) -> int:
@@ -114,7 +132,7 @@ class PCPPlan:
 class _Batch:
     num_scheduled: np.ndarray
     is_prefilling: np.ndarray
-    num_computed: np.ndarray
+    num_computed: np.ndarray | None  # None for a dispatch count, which must not read it
 
 
 def _validate(
@@ -134,42 +152,57 @@ def _validate(
         prefilling = is_prefilling  # already a bool vector (the per-step case)
     else:
         prefilling = int_array("is_prefilling", is_prefilling, allow_bool=True).astype(bool)
-    computed = (
-        np.zeros_like(scheduled) if num_computed is None else int_array("num_computed", num_computed)
-    )
-    if not (scheduled.shape == prefilling.shape == computed.shape):
+    computed = None if num_computed is None else int_array("num_computed", num_computed)
+    if not (scheduled.shape == prefilling.shape == (scheduled.shape if computed is None else computed.shape)):
         raise BatchError(
             "num_scheduled, is_prefilling and num_computed must have one entry per request,"
-            f" got lengths {scheduled.shape[0]}, {prefilling.shape[0]}, {computed.shape[0]}"
+            f" got lengths {scheduled.shape[0]}, {prefilling.shape[0]},"
+            f" {scheduled.shape[0] if computed is None else computed.shape[0]}"
         )
-    for name, arr in (("num_scheduled", scheduled), ("num_computed", computed)):
-        if arr.size and arr.min() < 0:
+    # One reduction per array: each numpy call of a step's plan counts (docs/vllm.md).
+    fewest = scheduled.min() if scheduled.size else 0
+    for name, arr, low in (("num_scheduled", scheduled, fewest),
+                           ("num_computed", computed, computed.min() if computed is not None and computed.size else 0)):
+        if low < 0:
             bad = np.flatnonzero(arr < 0)
             raise BatchError(f"{name} must be >= 0, got {arr[bad[0]]} for request {bad[0]}")
-    empty = np.flatnonzero(scheduled == 0) if scheduled.size and scheduled.min() == 0 else ()
     # MRV2 skips a request with no tokens; the other policies call it a scheduler bug.
-    if len(empty) and len(empty) != scheduled.size and chunking != "mrv2":
-        kind = "prefill" if prefilling[empty[0]] else "decode"
-        raise BatchError(
-            f"request {empty[0]} ({kind}) has 0 scheduled tokens in a batch with real ones;"
-            " every scheduled request needs >= 1 token"
-        )
-    total = int(scheduled.sum())
-    if max_num_tokens is not None and total > max_num_tokens:
+    if fewest == 0 and scheduled.size and chunking != "mrv2":
+        empty = np.flatnonzero(scheduled == 0)
+        if len(empty) != scheduled.size:
+            kind = "prefill" if prefilling[empty[0]] else "decode"
+            raise BatchError(
+                f"request {empty[0]} ({kind}) has 0 scheduled tokens in a batch with real ones;"
+                " every scheduled request needs >= 1 token"
+            )
+    if max_num_tokens is not None and (total := int(scheduled.sum())) > max_num_tokens:
         raise BatchError(
             f"batch schedules {total} tokens, more than the capacity max_num_tokens={max_num_tokens}"
         )
     return _Batch(scheduled, prefilling, computed)
 
 
-def _dispatch_count(batch: _Batch, pcp_size: int, chunking: str, dcp_size: int) -> int:
+def _use_native(chunking: str, dcp_size: int, wanted: bool | None) -> bool:
+    """Whether this plan takes the compiled layout (`native`: the mrv2 layout with DCP 1)."""
+    if wanted is False or chunking != "mrv2" or dcp_size != 1:
+        return False
+    if native.library() is not None:
+        return True
+    if wanted:
+        raise BatchError(f"native=True, but the compiled layout is not available: {native.status()['reason']}")
+    return False
+
+
+def _dispatch_count(batch: _Batch, pcp_size: int, chunking: str, dcp_size: int, use_native: bool) -> int:
     """N = widest rank-local batch, computed without building the rows."""
     lengths, prefilling = batch.num_scheduled, batch.is_prefilling
+    if use_native:
+        return native.dispatch_count(lengths, prefilling, pcp_size)
     if chunking == "mrv2" and dcp_size == 1:
         tokens = layout.sharded_tokens_per_rank(lengths, prefilling, pcp_size)
         return int(tokens.max()) if lengths.size else 0
-    if chunking == "mrv2":
-        grid = layout.segment_grid(lengths, prefilling, batch.num_computed, pcp_size, chunking, dcp_size)
+    if chunking == "mrv2":  # the mrv2 grid does not read num_computed
+        grid = layout.segment_grid(lengths, prefilling, np.zeros_like(lengths), pcp_size, chunking, dcp_size)
         return int(grid.length.reshape(pcp_size, -1).sum(axis=1).max()) if lengths.size else 0
     decode_tokens = int(lengths[~prefilling].sum())
     prefill_lengths = lengths[prefilling]
@@ -193,15 +226,16 @@ def num_tokens_for_dispatch(
     chunking: str = "ceil",
     max_num_tokens: int | None = None,
     dcp_size: int = 1,
+    native: bool | None = None,
 ) -> int:
     """Dispatch count N of a replica's batch: the widest rank-local batch.
 
     It never reads ``num_computed``: dispatch sizing must not depend on request state that
-    may be stale. ``dcp_size`` matters to ``mrv2`` only (see `plan_batch`).
+    may be stale. ``dcp_size`` matters to ``mrv2`` only, and ``native`` too (see `plan_batch`).
     """
     _check_dcp(dcp_size)
     batch = _validate(num_scheduled, is_prefilling, None, pcp_size, chunking, max_num_tokens)
-    return _dispatch_count(batch, pcp_size, chunking, dcp_size)
+    return _dispatch_count(batch, pcp_size, chunking, dcp_size, _use_native(chunking, dcp_size, native))
 
 
 def plan_batch(
@@ -215,6 +249,7 @@ def plan_batch(
     max_num_tokens: int | None = None,
     dcp_size: int = 1,
     workspace: PlanWorkspace | None = None,
+    native: bool | None = None,
 ) -> PCPPlan:
     """Cut a global batch into ``pcp_size`` rank-local batches (DESIGN.md section 3).
 
@@ -228,13 +263,31 @@ def plan_batch(
     With a ``workspace`` (`PlanWorkspace`, kept by the caller from step to step) the plan's
     gathered layout, write mask and restore index are written into it, and are valid until
     the next plan is written there; without one they are fresh arrays. Each rank's own rows
-    are built when ``plan.ranks[r]`` is first read.
+    are built when ``plan.ranks[r]`` is first read, from the arrays given here: a caller does
+    not change them while it uses the plan.
+
+    ``mrv2`` with ``dcp_size == 1`` is written by the compiled layout (`runner_fsm.pcp.native`)
+    where it is built, and by numpy where it is not; the arrays are the same. ``native=False``
+    plans in numpy always; ``native=True`` refuses to plan without the compiled layout.
     """
     _check_dcp(dcp_size)
     batch = _validate(num_scheduled, is_prefilling, num_computed, pcp_size, chunking, max_num_tokens)
+    if batch.num_computed is None:  # positions from 0 (a batch of fresh prompts)
+        batch = dataclasses.replace(batch, num_computed=np.zeros_like(batch.num_scheduled))
+    if _use_native(chunking, dcp_size, native):
+        return _native_plan(batch, pcp_size, padded_num_tokens, workspace)
     segs, shared = layout.plan_segments(batch.num_scheduled, batch.is_prefilling, batch.num_computed,
                                         pcp_size, chunking, dcp_size)
     counts = segs.tokens_per_rank
+    n = _padded(counts, padded_num_tokens)
+    ends = np.cumsum(batch.num_scheduled)
+    total = int(ends[-1]) if ends.size else 0
+    gathered, write_mask, restore = rows.gathered_layout(segs, shared, ends - batch.num_scheduled, total, n,
+                                                         workspace)
+    return _plan(batch, pcp_size, counts, n, gathered, write_mask, restore, lambda: (segs, shared))
+
+
+def _padded(counts: np.ndarray, padded_num_tokens: int | None) -> int:
     widest = int(counts.max()) if counts.size else 0
     n = widest if padded_num_tokens is None else int(padded_num_tokens)
     if n < widest:
@@ -242,10 +295,33 @@ def plan_batch(
             f"padded_num_tokens={padded_num_tokens} is below the widest rank-local batch"
             f" ({widest} tokens, per rank {counts.tolist()})"
         )
-    ends = np.cumsum(batch.num_scheduled)
-    total = int(ends[-1]) if ends.size else 0
-    gathered, write_mask, restore = rows.gathered_layout(segs, shared, ends - batch.num_scheduled, total, n,
-                                                         workspace)
+    return n
+
+
+def _native_plan(batch: _Batch, pcp_size: int, padded_num_tokens: int | None,
+                 workspace: PlanWorkspace | None) -> PCPPlan:
+    """The mrv2 layout (DCP 1) written by the compiled layout; segments made on first use."""
+    lengths, prefilling = batch.num_scheduled, batch.is_prefilling
+    space = PlanWorkspace() if workspace is None else workspace
+    padded = None if padded_num_tokens is None else int(padded_num_tokens)
+    n, counts = native.plan_into(lengths, prefilling, pcp_size, padded, space)
+    rows_per_rank = counts[:pcp_size]
+    if n == native.PADDING_TOO_SMALL:
+        _padded(rows_per_rank, padded_num_tokens)  # raises, naming the widest rank
+    size, total = pcp_size * n, int(counts[pcp_size])
+    ints, bools = space.buffers()
+    gathered, restore = ints[:size].reshape(pcp_size, n), ints[size:size + total]
+    write_mask = bools[:size].reshape(pcp_size, n)
+
+    def segments_of() -> tuple[layout.Segments, np.ndarray]:
+        return layout.plan_segments(lengths, prefilling, batch.num_computed, pcp_size, "mrv2", 1)
+    return _plan(batch, pcp_size, rows_per_rank, n, gathered, write_mask, restore, segments_of)
+
+
+def _plan(batch: _Batch, pcp_size: int, counts: np.ndarray, n: int, gathered: np.ndarray,
+          write_mask: np.ndarray, restore: np.ndarray,
+          segments_of: Callable[[], tuple[layout.Segments, np.ndarray]]) -> PCPPlan:
+    once = functools.cache(segments_of)  # the plan and each of its ranks share one call
     return PCPPlan(
         pcp_size=pcp_size,
         per_rank_num_tokens=tuple(counts.tolist()),
@@ -253,9 +329,8 @@ def plan_batch(
         padded_gather_idx=gathered.reshape(-1),
         kv_write_mask=write_mask.reshape(-1),
         hidden_restore_idx=restore,
-        ranks=_rank_batches(segs, gathered, batch.num_computed),
-        segments=segs,
-        shared=shared,
+        ranks=_rank_batches(lambda: once()[0], gathered, batch.num_computed),
         num_scheduled=batch.num_scheduled,
         num_computed=batch.num_computed,
+        segments_of=once,
     )

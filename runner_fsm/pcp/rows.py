@@ -55,15 +55,31 @@ class PlanWorkspace:
     def __init__(self) -> None:
         self._ints = np.empty(0, dtype=np.int64)
         self._bools = np.empty(0, dtype=bool)
+        self.scratch = np.empty(0, dtype=np.int64)  # the compiled layout's per-rank counters
+        self.addresses = (0, 0, 0)  # of ints, bools, scratch: for the compiled layout
 
     def take(self, num_ints: int, num_bools: int) -> tuple[np.ndarray, np.ndarray]:
         """Views of `num_ints` int64 and `num_bools` bool entries (grown by a quarter more
         than asked, so that slowly growing batches do not reallocate every step)."""
+        self.reserve(num_ints, num_bools)
+        return self._ints[:num_ints], self._bools[:num_bools]
+
+    def buffers(self) -> tuple[np.ndarray, np.ndarray]:
+        """The whole int64 and bool buffers (what `take` hands out views of)."""
+        return self._ints, self._bools
+
+    def reserve(self, num_ints: int, num_bools: int, num_scratch: int = 0) -> None:
+        """Room for at least that many entries of each (see `take`)."""
         if self._ints.size < num_ints:
             self._ints = np.empty(num_ints + num_ints // 4, dtype=np.int64)
+        elif self._bools.size >= num_bools and self.scratch.size >= num_scratch:
+            return
         if self._bools.size < num_bools:
             self._bools = np.empty(num_bools + num_bools // 4, dtype=bool)
-        return self._ints[:num_ints], self._bools[:num_bools]
+        if self.scratch.size < num_scratch:
+            self.scratch = np.empty(num_scratch, dtype=np.int64)
+        # addresses are read once per growth: numpy's `.ctypes.data` costs about 1.5 us a read
+        self.addresses = (self._ints.ctypes.data, self._bools.ctypes.data, self.scratch.ctypes.data)
 
 
 class _Ones(threading.local):
