@@ -85,10 +85,13 @@ def test_mrv2_policy_equals_vllm_build_batch_layout(dcp, seed):
         if rng.random() < 0.3 and scheduled.sum():
             padded = mgr.get_num_tokens_for_dispatch(scheduled, prefilling) + int(rng.integers(0, 4))
         theirs = vllm_layout(mgr, scheduled, computed, prefilling, padded)
-        plan = plan_batch(scheduled, prefilling, computed, pcp, chunking="mrv2", dcp_size=dcp,
-                          padded_num_tokens=padded)
-        dispatch = num_tokens_for_dispatch(scheduled, prefilling, pcp, chunking="mrv2", dcp_size=dcp)
-        assert_same_layout(plan_as_vllm(plan, dispatch), theirs)
+        # with DCP off both writers: the compiled layout (runner_fsm.pcp.native) and numpy's
+        for native in ((True, False) if dcp == 1 else (None,)):
+            plan = plan_batch(scheduled, prefilling, computed, pcp, chunking="mrv2", dcp_size=dcp,
+                              padded_num_tokens=padded, native=native)
+            dispatch = num_tokens_for_dispatch(scheduled, prefilling, pcp, chunking="mrv2", dcp_size=dcp,
+                                               native=native)
+            assert_same_layout(plan_as_vllm(plan, dispatch), theirs)
         checked += 1
     assert checked == CASES_PER_CONFIG
 
@@ -103,9 +106,10 @@ def test_mrv2_policy_equals_vllm_on_the_benchmark_batch():
     scheduled, prefilling, computed = mixed_batch(512)
     for pcp in (2, 4, 8):
         theirs = vllm_layout(manager(pcp, 1), scheduled, computed, prefilling)
-        plan = plan_batch(scheduled, prefilling, computed, pcp, chunking="mrv2")
-        assert_same_layout(plan_as_vllm(plan, num_tokens_for_dispatch(scheduled, prefilling, pcp, chunking="mrv2")),
-                           theirs)
+        for native in (True, False):
+            plan = plan_batch(scheduled, prefilling, computed, pcp, chunking="mrv2", native=native)
+            dispatch = num_tokens_for_dispatch(scheduled, prefilling, pcp, chunking="mrv2", native=native)
+            assert_same_layout(plan_as_vllm(plan, dispatch), theirs)
 
 
 # --- fast_pcp_layout: the installer ---------------------------------------------------------
