@@ -79,8 +79,9 @@ def _check_equal(plan, dispatch, mgr, vllm_in) -> None:
         assert np.array_equal(ours, theirs.numpy()), "layout differs from vLLM's"
 
 
-def _pair(batch, pcp: int, repeats: int):
-    """Times (ours, vLLM's), interleaved, after checking the outputs equal."""
+def _pair(batch, pcp: int, repeats: int, native: bool | None = None):
+    """Times (ours, vLLM's), interleaved, after checking the outputs equal. `native`: the
+    writer of ours (None: the compiled layout where it is built, as `plan_batch` picks)."""
     from runner_fsm.pcp.plan import PlanWorkspace, num_tokens_for_dispatch, plan_batch
 
     mgr, vllm_in = _manager(pcp), _vllm_inputs(batch)
@@ -88,8 +89,9 @@ def _pair(batch, pcp: int, repeats: int):
     workspace = PlanWorkspace()  # kept from step to step, as the engine keeps its own
 
     def ours():
-        dispatch = num_tokens_for_dispatch(scheduled, prefilling, pcp, chunking="mrv2")
-        return plan_batch(scheduled, prefilling, computed, pcp, chunking="mrv2", workspace=workspace), dispatch
+        dispatch = num_tokens_for_dispatch(scheduled, prefilling, pcp, chunking="mrv2", native=native)
+        return plan_batch(scheduled, prefilling, computed, pcp, chunking="mrv2", workspace=workspace,
+                          native=native), dispatch
 
     def theirs():
         mgr._build_batch_layout(*vllm_in)
@@ -140,9 +142,13 @@ def measured_rows(quick: bool) -> list[Row]:
 
     repeats = 3 if quick else 7
     rows, batch = [], mixed_batch(512)
+    from runner_fsm.pcp import native
+
+    writer = "compiled layout" if native.status()["native"] else f"numpy ({native.status()['reason']})"
     for pcp in (2, 4, 8):
         ours, theirs = _pair(batch, pcp, repeats)
         ratio = _ratio(ours, theirs)
+        numpy_ours, numpy_theirs = _pair(batch, pcp, repeats, native=False)
         warm_ours, warm_theirs = _back_to_back(batch, pcp)
         rows.append(Row(
             f"PCP layout vs vLLM MRV2, 512 reqs, P={pcp}", Spread.of(ours).fmt(" ms", 1e3),
@@ -150,6 +156,8 @@ def measured_rows(quick: bool) -> list[Row]:
             f"{ratio.median:.1f}x faster", f">= {TARGET:.0f}x", verdict(ratio.median >= TARGET),
             note=(f"{int(batch[0].sum()):,} tokens; plan_batch(chunking='mrv2', workspace=...) +"
                   " num_tokens_for_dispatch, outputs equal to vLLM's, interleaved in one process; " if pcp == 2 else "")
+            + f"written by the {writer}; the numpy writer (native=False) in its own interleaved run:"
+            f" {Spread.of(numpy_ours).median * 1e3:.2f} ms, {_ratio(numpy_ours, numpy_theirs).median:.1f}x; "
             + f"back to back (caches warm), best of 10: ours {warm_ours * 1e3:.2f} ms, vLLM's"
             f" {warm_theirs * 1e3:.2f} ms, {warm_theirs / warm_ours:.1f}x"))
     step = realistic_step()

@@ -114,7 +114,7 @@ def test_the_compiled_writer_never_writes_outside_its_buffers():
     lib = native.library()
     lengths, prefilling = np.array([9, 1, 1], dtype=np.int64), np.array([True, False, False])
     ints, bools = np.full(64, -7, dtype=np.int64), np.zeros(64, dtype=bool)
-    scratch = np.zeros(5, dtype=np.int64)
+    scratch = np.zeros(3 * 2 + 1, dtype=np.int64)  # rows, T, 2P cursors
 
     def plan(padded, ints_cap, bools_cap):
         return lib.mrv2_plan(lengths.ctypes.data, prefilling.ctypes.data, 3, 2, padded, ints.ctypes.data,
@@ -140,3 +140,14 @@ def test_a_workspace_grows_to_fit_and_keeps_its_addresses_current():
         assert workspace.addresses[:2] == (ints.ctypes.data, bools.ctypes.data)
         assert np.shares_memory(plan.hidden_restore_idx, ints)
         _same(plan, plan_batch(lengths, [True, False, False], [0, 4, 4], 4, chunking="mrv2", native=False))
+
+
+def test_wrong_inputs_are_refused_before_the_c_code_reads_them():
+    with pytest.raises(TypeError, match="lengths int64 and prefilling bool"):
+        native.dispatch_count(np.array([3, 1], dtype=np.int32), np.array([True, False]), 2)
+    with pytest.raises(TypeError, match="lengths int64 and prefilling bool"):
+        native.plan_into(np.array([3, 1]), np.array([1, 0]), 2, None, PlanWorkspace())
+    with pytest.raises(ValueError, match="padded must be None or >= 0, got -2"):
+        native.plan_into(np.array([3, 1]), np.array([True, False]), 2, -2, PlanWorkspace())
+    with pytest.raises(BatchError, match="padded_num_tokens must be >= 0, got -1"):
+        plan_batch([3, 1], [True, False], [0, 2], 2, chunking="mrv2", padded_num_tokens=-1)

@@ -1,4 +1,4 @@
-/* vLLM Model Runner V2's PCP layout with sharded decodes (DCP 1), in one pass over the batch.
+/* vLLM Model Runner V2's PCP layout with sharded decodes (DCP 1), each output written once.
  *
  * The same layout as `runner_fsm.pcp.layout.sharded_segments` + `rows.gathered_layout`
  * (tests/test_plan_native.py holds them equal): the k-th decode with tokens goes whole to
@@ -9,7 +9,10 @@
  *
  * Why compiled: numpy writes these runs of consecutive integers with a running sum per
  * output plus about a hundred small calls, each of which starts from cold caches right
- * after the engine's own work; one loop here writes each output once (docs/vllm.md).
+ * after the engine's own work; here one call writes each output once, front to back: the
+ * gathered layout rank by rank, then the restore index in token order. That is one write
+ * stream at a time; writing both in request order (P + 1 streams at once) cost 1.6x at P=4
+ * and 2.1x at P=8 right after vLLM's own layout call (docs/vllm.md).
  *
  * Plain C, no Python headers: loaded with ctypes (runner_fsm/pcp/native.py). The caller
  * checks its inputs (lengths >= 0, P >= 1) and passes output capacities; N and T are worked
@@ -20,7 +23,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MRV2_LAYOUT_ABI 3
+#define MRV2_LAYOUT_ABI 4
 #define MRV2_PADDING_TOO_SMALL (-1)
 #define MRV2_NEEDS_SPACE (-2)
 #define MRV2_BROKEN_PROMISE (-3)
@@ -62,61 +65,69 @@ int64_t mrv2_dispatch_count(const int64_t *lengths, const uint8_t *prefilling, i
     return widest;
 }
 
-/* Tokens first..first+len-1 go to gathered rows row..row+len-1, and back; 0, or -1 (nothing
- * written) when the run would pass the end of its rank's rows or of the tokens. */
-static int put_run(int64_t *gathered, uint8_t *mask, int64_t *restore, int64_t row, int64_t row_end,
-                   int64_t first, int64_t len, int64_t total) {
-    if (len == 0) return 0;  /* an empty chunk: its offset may lie past its request */
-    if (row + len > row_end || first + len > total) return -1;
-    int64_t *g = gathered + row, *back = restore + first;
-    for (int64_t j = 0; j < len; j++) {
-        g[j] = first + j;
-        back[j] = row + j;
-    }
-    memset(mask + row, 1, (size_t)len);
-    return 0;
-}
-
 /* gathered[P*N] (token of each row, 0 on padding), mask[P*N] (1 on rows, 0 on padding),
- * restore[T] (gathered row of each token); cursor[P] is scratch. */
+ * restore[T] (gathered row of each token); cursor[2P] is scratch. Two passes, each writing
+ * one output front to back: the gathered layout rank by rank, then the restore index in
+ * token order (one stream each, instead of P + 1 streams interleaved). */
 static int64_t write_layout(const int64_t *lengths, const uint8_t *prefilling, int64_t num_reqs,
                             int64_t pcp, int64_t padded, int64_t total, int64_t *gathered,
                             uint8_t *mask, int64_t *restore, int64_t *cursor) {
-    int64_t chunks = 2 * pcp, dealt = 0, first = 0;
-    for (int64_t r = 0; r < pcp; r++) cursor[r] = r * padded;
-    for (int64_t i = 0; i < num_reqs; first += lengths[i], i++) {  /* decodes, dealt out */
-        int64_t len = lengths[i];
-        if (prefilling[i] || len == 0) continue;
-        int64_t r = dealt++ % pcp;
-        if (put_run(gathered, mask, restore, cursor[r], (r + 1) * padded, first, len, total))
-            return MRV2_BROKEN_PROMISE;
-        cursor[r] += len;
-    }
-    first = 0;
-    for (int64_t i = 0; i < num_reqs; first += lengths[i], i++) {  /* prefills: head, tail */
-        int64_t len = lengths[i];
-        if (!prefilling[i]) continue;
-        int64_t width = (len + chunks - 1) / chunks;
-        for (int64_t r = 0; r < pcp; r++) {
-            int64_t head = r * width, tail = (chunks - 1 - r) * width, row_end = (r + 1) * padded;
-            int64_t head_len = clamp(len - head, width), tail_len = clamp(len - tail, width);
-            if (put_run(gathered, mask, restore, cursor[r], row_end, first + head, head_len, total))
-                return MRV2_BROKEN_PROMISE;
-            cursor[r] += head_len;
-            if (put_run(gathered, mask, restore, cursor[r], row_end, first + tail, tail_len, total))
-                return MRV2_BROKEN_PROMISE;
-            cursor[r] += tail_len;
+    int64_t chunks = 2 * pcp;
+    int64_t *decode_cursor = cursor, *prefill_cursor = cursor + pcp;
+    for (int64_t r = 0; r < pcp; r++) {  /* pass 1: rank r's rows, in its order */
+        int64_t row = r * padded, row_end = row + padded, dealt = 0, first = 0;
+        for (int64_t i = 0; i < num_reqs; first += lengths[i], i++) {
+            int64_t len = lengths[i];
+            if (prefilling[i] || len == 0) continue;
+            if (dealt++ % pcp != r) continue;
+            if (row + len > row_end || first + len > total) return MRV2_BROKEN_PROMISE;
+            for (int64_t j = 0; j < len; j++) gathered[row + j] = first + j;
+            row += len;
         }
+        prefill_cursor[r] = row;  /* where rank r's prefill rows begin */
+        first = 0;
+        for (int64_t i = 0; i < num_reqs; first += lengths[i], i++) {
+            int64_t len = lengths[i];
+            if (!prefilling[i]) continue;
+            int64_t width = (len + chunks - 1) / chunks;
+            int64_t head = r * width, tail = (chunks - 1 - r) * width;
+            int64_t head_len = clamp(len - head, width), tail_len = clamp(len - tail, width);
+            if (row + head_len + tail_len > row_end) return MRV2_BROKEN_PROMISE;
+            for (int64_t j = 0; j < head_len; j++) gathered[row + j] = first + head + j;
+            row += head_len;
+            for (int64_t j = 0; j < tail_len; j++) gathered[row + j] = first + tail + j;
+            row += tail_len;
+        }
+        memset(mask + r * padded, 1, (size_t)(row - r * padded));
+        memset(mask + row, 0, (size_t)(row_end - row));
+        memset(gathered + row, 0, (size_t)(row_end - row) * sizeof(int64_t));
     }
-    for (int64_t r = 0; r < pcp; r++) {  /* padding */
-        int64_t end = (r + 1) * padded;
-        memset(gathered + cursor[r], 0, (size_t)(end - cursor[r]) * sizeof(int64_t));
-        memset(mask + cursor[r], 0, (size_t)(end - cursor[r]));
+    for (int64_t r = 0; r < pcp; r++) decode_cursor[r] = r * padded;
+    int64_t dealt = 0, first = 0;
+    for (int64_t i = 0; i < num_reqs; first += lengths[i], i++) {  /* pass 2: token order */
+        int64_t len = lengths[i];
+        if (first + len > total) return MRV2_BROKEN_PROMISE;
+        if (!prefilling[i]) {
+            if (len == 0) continue;
+            int64_t r = dealt++ % pcp, row = decode_cursor[r];
+            for (int64_t j = 0; j < len; j++) restore[first + j] = row + j;
+            decode_cursor[r] += len;
+            continue;
+        }
+        int64_t width = (len + chunks - 1) / chunks;
+        for (int64_t c = 0; c < chunks; c++) {  /* chunk c is rank r's head or its tail */
+            int64_t r = c < pcp ? c : chunks - 1 - c;
+            int64_t offset = c * width, chunk_len = clamp(len - offset, width);
+            int64_t row = prefill_cursor[r] + (c < pcp ? 0 : clamp(len - r * width, width));
+            for (int64_t j = 0; j < chunk_len; j++) restore[first + offset + j] = row + j;
+        }
+        for (int64_t r = 0; r < pcp; r++)
+            prefill_cursor[r] += clamp(len - r * width, width) + clamp(len - (chunks - 1 - r) * width, width);
     }
     return 0;
 }
 
-/* One step's plan, in one call. scratch[2P + 1]: rows of each rank, then T, then cursors.
+/* One step's plan, in one call. scratch[3P + 1]: rows of each rank, then T, then 2P cursors.
  * N = `padded`, or the widest rank's rows when `padded` < 0. The outputs go to ints (gathered
  * [P*N], then restore [T]) and bools (mask [P*N]). Returns N when written;
  * MRV2_PADDING_TOO_SMALL when 0 <= padded < the widest rank's rows; MRV2_NEEDS_SPACE when
@@ -130,6 +141,6 @@ int64_t mrv2_plan(const int64_t *lengths, const uint8_t *prefilling, int64_t num
     if (n < widest) return MRV2_PADDING_TOO_SMALL;
     if (pcp * n + total > ints_cap || pcp * n > bools_cap) return MRV2_NEEDS_SPACE;
     int64_t status = write_layout(lengths, prefilling, num_reqs, pcp, n, total, ints, bools,
-                                  ints + pcp * n, scratch + pcp + 1);
+                                  ints + pcp * n, scratch + pcp + 1);  /* cursor: 2P */
     return status ? status : n;
 }

@@ -23,7 +23,7 @@ import numpy as np
 
 from runner_fsm.pcp.rows import PlanWorkspace
 
-ABI = 3  # MRV2_LAYOUT_ABI in _mrv2_layout.c
+ABI = 4  # MRV2_LAYOUT_ABI in _mrv2_layout.c
 LIBRARY = Path(__file__).with_name("_mrv2_layout.so")
 PADDING_TOO_SMALL, NEEDS_SPACE, BROKEN_PROMISE = -1, -2, -3  # mrv2_plan's answers besides N
 
@@ -77,10 +77,18 @@ def status() -> dict:
     return {"native": lib is not None, **({} if lib is not None else {"reason": _why_not})}
 
 
+def _inputs(lengths: np.ndarray, prefilling: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """What the C code reads: contiguous int64 lengths and one byte per prefilling flag."""
+    if lengths.dtype != np.int64 or prefilling.dtype != np.bool_ or lengths.shape != prefilling.shape:
+        raise TypeError(f"lengths int64 and prefilling bool of one shape, got {lengths.dtype} {lengths.shape}"
+                        f" and {prefilling.dtype} {prefilling.shape}")
+    return np.ascontiguousarray(lengths), np.ascontiguousarray(prefilling)
+
+
 def dispatch_count(lengths: np.ndarray, prefilling: np.ndarray, pcp_size: int) -> int:
     """The widest rank's rows (MRV2's dispatch count). `lengths`: int64 [R], each >= 0
     (checked by the caller); `prefilling`: bool [R]."""
-    lengths, prefilling = np.ascontiguousarray(lengths), np.ascontiguousarray(prefilling)
+    lengths, prefilling = _inputs(lengths, prefilling)
     count = (_lib or _required()).mrv2_dispatch_count(lengths.ctypes.data, prefilling.ctypes.data,
                                                       lengths.size, pcp_size)
     if count < 0:
@@ -96,10 +104,10 @@ def plan_into(lengths: np.ndarray, prefilling: np.ndarray, pcp_size: int, padded
     In the workspace's buffers: the gathered layout (``[:P * N]``), then the restore index
     (``[P * N:P * N + T]``), and the write mask (``[:P * N]`` of the bools)."""
     lib = _lib or _required()
-    lengths, prefilling = np.ascontiguousarray(lengths), np.ascontiguousarray(prefilling)
-    if lengths.size != prefilling.size:
-        raise ValueError(f"{lengths.size} lengths for {prefilling.size} prefilling flags")
-    workspace.reserve(0, 0, 2 * pcp_size + 1)
+    lengths, prefilling = _inputs(lengths, prefilling)
+    if padded is not None and padded < 0:
+        raise ValueError(f"padded must be None or >= 0, got {padded}")
+    workspace.reserve(0, 0, 3 * pcp_size + 1)  # rows of each rank, T, then 2P cursors
     args = (lengths.ctypes.data, prefilling.ctypes.data, lengths.size, pcp_size, -1 if padded is None else padded)
     while True:
         ints, bools = workspace.buffers()
@@ -111,5 +119,6 @@ def plan_into(lengths: np.ndarray, prefilling: np.ndarray, pcp_size: int, padded
         size = pcp_size * (int(counts[:pcp_size].max()) if padded is None else padded)
         workspace.reserve(size + int(counts[pcp_size]), size)
     if n == BROKEN_PROMISE:  # the layout's own count and its writer disagree: a bug here
-        raise RuntimeError("the compiled PCP layout wrote past a rank's rows; nothing was written outside")
+        raise RuntimeError("the compiled PCP layout's writer disagrees with its own row count (a bug);"
+                           " it stopped before writing outside its buffers")
     return n, workspace.scratch[:pcp_size + 1]

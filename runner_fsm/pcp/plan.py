@@ -271,6 +271,8 @@ def plan_batch(
     plans in numpy always; ``native=True`` refuses to plan without the compiled layout.
     """
     _check_dcp(dcp_size)
+    if padded_num_tokens is not None and int(padded_num_tokens) < 0:
+        raise BatchError(f"padded_num_tokens must be >= 0, got {padded_num_tokens}")
     batch = _validate(num_scheduled, is_prefilling, num_computed, pcp_size, chunking, max_num_tokens)
     if batch.num_computed is None:  # positions from 0 (a batch of fresh prompts)
         batch = dataclasses.replace(batch, num_computed=np.zeros_like(batch.num_scheduled))
