@@ -253,3 +253,37 @@ def test_ranks_stopped_after_different_steps_are_not_a_quiescent_stop(tmp_path):
     report = replay(run)
     assert not report.sound and not report.summary.notes, report.format()
     assert (3,) in [v.ranks for v in report.verdicts if v.kind == "unfinished"]
+
+
+def _shutdown_after_the_last_step(path) -> None:
+    """Label a log's shutdown with the step number after its last step, as vLLM's worker does."""
+    records = [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+    assert not _not_shutdown(records[-1])
+    records[-1]["step_id"] += 1
+    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records))
+
+
+@pytest.mark.parametrize("killed", [(0,), (3,), (1, 2)])
+def test_killed_ranks_beside_shutdowns_logged_under_the_next_step_are_a_quiescent_stop(tmp_path, killed):
+    """vLLM's Ctrl-C race seen in make test-vllm: one replica's worker shut down (its record
+    under step N+1), the other's force-killed after step N: nothing was left half done."""
+    run = _run(tmp_path)
+    for rank in range(4):
+        if rank in killed:
+            _drop(run / f"rank-{rank}.jsonl", _not_shutdown)
+        else:
+            _shutdown_after_the_last_step(run / f"rank-{rank}.jsonl")
+    report = replay(run)
+    assert report.sound, report.format()
+    ranks = ", ".join(map(str, killed))
+    assert report.summary.notes[-1].startswith(f"rank(s) {ranks} stopped between steps after step {SPEC.steps - 1},")
+
+
+def test_a_rank_killed_a_step_before_a_peer_that_worked_on_is_no_quiescent_stop(tmp_path):
+    run = _run(tmp_path)
+    last = SPEC.steps - 1
+    _drop(run / "rank-3.jsonl", lambda r: r["step_id"] != last)  # killed after step last - 1
+    _shutdown_after_the_last_step(run / "rank-0.jsonl")
+    report = replay(run)
+    assert not report.sound and not report.summary.notes, report.format()
+    assert (3,) in [v.ranks for v in report.verdicts if v.kind == "unfinished"]

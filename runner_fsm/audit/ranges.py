@@ -37,6 +37,9 @@ class RangeResult:
     records: int
     first_step: int | None
     last_step: int | None
+    # the last step in which some rank did work, not only log its shutdown (vLLM's worker logs
+    # `shutdown` under the step number after its last step)
+    last_work_step: int | None
 
 
 def scan_rank(info: RankInfo, verdicts: list[Verdict], counter: dict[int, int], cut: set[int] | None = None,
@@ -90,7 +93,7 @@ def judge_range(infos: list[RankInfo], lo: int | None = None, hi: int | None = N
                                               stop_step=hi)
     merger = StepMerger(streams, ended_before=ended_before, cut=cut)
     checker = CrossRankChecker(Groups(infos), merger, verdicts)
-    first = last = None
+    first = last = last_work = None
     for step, present in merger:
         checker.check(step, present)
         if timeline is not None:
@@ -98,11 +101,13 @@ def judge_range(infos: list[RankInfo], lo: int | None = None, hi: int | None = N
         if lo is None or step >= lo:
             first = step if first is None else first
             last = step
+            if any(s.kind is not None or s.signature or s.fault is not None or s.faulted for s in present.values()):
+                last_work = step
     missed = checker.finish()
     if lo is not None:
         verdicts = _own_verdicts(verdicts, lo, infos, offsets)
         missed = _own_missed(missed, lo)
-    return RangeResult(verdicts, missed, sum(counts.values()), first, last)
+    return RangeResult(verdicts, missed, sum(counts.values()), first, last, last_work)
 
 
 def _own_verdicts(verdicts: list[Verdict], lo: int, infos, offsets) -> list[Verdict]:
@@ -284,8 +289,10 @@ def _result_of(process, receive) -> RangeResult:
 def _combined(results: list[RangeResult]) -> RangeResult:
     firsts = [r.first_step for r in results if r.first_step is not None]
     lasts = [r.last_step for r in results if r.last_step is not None]
+    works = [r.last_work_step for r in results if r.last_work_step is not None]
     return RangeResult([v for r in results for v in r.verdicts], [m for r in results for m in r.missed],
-                       sum(r.records for r in results), min(firsts, default=None), max(lasts, default=None))
+                       sum(r.records for r in results), min(firsts, default=None), max(lasts, default=None),
+                       max(works, default=None))
 
 
 def cpu_count() -> int:

@@ -63,7 +63,7 @@ def replay(run_dir: str | os.PathLike[str], *, timeline: Timeline | None = None,
         result = judge_range(infos, timeline=timeline)
     verdicts = list(job.verdicts) + result.verdicts + join_missed(result.missed)
     verdicts, stop_note = settle_quiescent_stop(verdicts, {i.global_rank for i in infos}, job.expected_ranks,
-                                                result.last_step)
+                                                result.last_work_step)
     replicas, pcp_size = layout_of(infos)
     summary = RunSummary(str(run_dir), len(infos), replicas, pcp_size, result.records,
                          result.first_step, result.last_step, job.expected_ranks, job.notes + stop_note)
@@ -95,7 +95,8 @@ def replay_with_plot(run_dir: str | os.PathLike[str], plot_path: str | os.PathLi
 
 def settle_quiescent_stop(verdicts: list[Verdict], ranks: set[int], expected: int | None,
                           last_step: int | None) -> tuple[list[Verdict], tuple[str, ...]]:
-    """Ranks that stopped between steps after the run's last step, without logging shutdown
+    """Ranks that stopped between steps after the run's last step (the last in which a rank did
+    more than log its shutdown), without logging shutdown
     (vLLM force-kills its DP workers on Ctrl-C once they are idle, racing its own shutdown of
     the others), left nothing half done: their `unfinished` verdicts become one note. A rank
     stopped mid-step or after an earlier step, or a missing rank, keeps every verdict."""
