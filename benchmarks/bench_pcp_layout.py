@@ -79,14 +79,15 @@ def _check_equal(plan, dispatch, mgr, vllm_in) -> None:
         assert np.array_equal(ours, theirs.numpy()), "layout differs from vLLM's"
 
 
-def _pair(batch, pcp: int, repeats: int, native: bool | None = None):
-    """Times (ours, vLLM's), interleaved, after checking the outputs equal. `native`: the
-    writer of ours (None: the compiled layout where it is built, as `plan_batch` picks)."""
+def _callers(batch, pcp: int, native: bool | None = None):
+    """(ours, vLLM's) on `batch`: each computes its layout and its dispatch count. `native`:
+    the writer of ours (None: the compiled layout where it is built, as `plan_batch` picks).
+    Ours writes into one `PlanWorkspace` kept from call to call, as the engine keeps its own."""
     from runner_fsm.pcp.plan import PlanWorkspace, num_tokens_for_dispatch, plan_batch
 
     mgr, vllm_in = _manager(pcp), _vllm_inputs(batch)
     scheduled, prefilling, computed = batch
-    workspace = PlanWorkspace()  # kept from step to step, as the engine keeps its own
+    workspace = PlanWorkspace()
 
     def ours():
         dispatch = num_tokens_for_dispatch(scheduled, prefilling, pcp, chunking="mrv2", native=native)
@@ -97,27 +98,21 @@ def _pair(batch, pcp: int, repeats: int, native: bool | None = None):
         mgr._build_batch_layout(*vllm_in)
         return mgr.get_num_tokens_for_dispatch(vllm_in[0], vllm_in[2])
 
+    return ours, theirs, mgr, vllm_in
+
+
+def _pair(batch, pcp: int, repeats: int, native: bool | None = None):
+    """Times (ours, vLLM's), interleaved, after checking the outputs equal."""
+    ours, theirs, mgr, vllm_in = _callers(batch, pcp, native)
     _check_equal(*ours(), mgr, vllm_in)
-    small = int(scheduled.sum()) < 50_000
+    small = int(batch[0].sum()) < 50_000
     times = interleaved({"ours": ours, "vllm": theirs}, repeats=repeats, number=20 if small else 1)
     return times["ours"], times["vllm"]
 
 
 def _back_to_back(batch, pcp: int, calls: int = 10) -> tuple[float, float]:
     """(ours, vLLM's), each alone call after call (caches warm): the best of `calls` each."""
-    from runner_fsm.pcp.plan import PlanWorkspace, num_tokens_for_dispatch, plan_batch
-
-    scheduled, prefilling, computed = batch
-    workspace, mgr, vllm_in = PlanWorkspace(), _manager(pcp), _vllm_inputs(batch)
-
-    def ours():
-        num_tokens_for_dispatch(scheduled, prefilling, pcp, chunking="mrv2")
-        plan_batch(scheduled, prefilling, computed, pcp, chunking="mrv2", workspace=workspace)
-
-    def theirs():
-        mgr._build_batch_layout(*vllm_in)
-        mgr.get_num_tokens_for_dispatch(vllm_in[0], vllm_in[2])
-
+    ours, theirs, _, _ = _callers(batch, pcp)
     best = []
     for fn in (ours, theirs):
         fn()

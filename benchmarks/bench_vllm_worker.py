@@ -71,7 +71,8 @@ def _install_timers(worker) -> list:
     steps: list[int] = []
     wrapper_steps: list[int] = []
     by_call: dict[str, list[int]] = {}  # own time per call (and per forward pre-hook)
-    wrapper_by_call: dict[str, list[int]] = {}  # FSMWorker's own time per call, paired
+    # FSMWorker's own time per call, paired; its forward pre-hook is the wrapper's alone
+    wrapper_by_call: dict[str, list[int]] = {"forward hook": by_call.setdefault("forward hook", [])}
     runner = worker.model_runner
     inner = {"ns": 0, "base": 0}
 
@@ -142,8 +143,6 @@ def _install_timers(worker) -> list:
     worker._bench_steps = steps
     worker._bench_wrapper_steps = wrapper_steps if vllm_worker_cls is not None else []
     worker._bench_by_call = by_call
-    if "forward hook" not in wrapper_by_call:
-        wrapper_by_call["forward hook"] = by_call.setdefault("forward hook", [])  # the wrapper's alone
     worker._bench_wrapper_by_call = wrapper_by_call if vllm_worker_cls is not None else {}
     return []
 
@@ -185,7 +184,7 @@ def _child(args) -> None:
         "output_tokens": sum(map(len, outputs.values())), "steps": steps,
         "own_us_median": statistics.median(own) / 1e3 if own else None,
         "own_us_p90": sorted(own)[int(0.9 * (len(own) - 1))] / 1e3 if own else None,
-        "own_us_by_call_median": {name: statistics.median(ns) / 1e3 for name, ns in by_call.items()},
+        "own_us_by_call_median": {name: statistics.median(ns) / 1e3 for name, ns in by_call.items() if ns},
         "wrapper_us_median": statistics.median(wrapper) / 1e3 if wrapper else None,
         "wrapper_us_p90": sorted(wrapper)[int(0.9 * (len(wrapper) - 1))] / 1e3 if wrapper else None,
         "wrapper_us_by_call_median": {name: statistics.median(ns) / 1e3 for name, ns in wrapper_by_call.items() if ns},

@@ -92,22 +92,19 @@ class PCPPlan:
     ranks: tuple[RankBatch, ...]  # rank r's rows, built when first read
     num_scheduled: np.ndarray
     num_computed: np.ndarray
-    # (segments, shared): made by the plan or, after the compiled layout, on first use
+    # (segments, shared), made on the first call and kept (the plan's ranks share it): by the
+    # numpy layout at once, after the compiled layout on first use
     segments_of: Callable[[], tuple[layout.Segments, np.ndarray]] = dataclasses.field(repr=False)
-
-    @functools.cached_property
-    def _segments(self) -> tuple[layout.Segments, np.ndarray]:
-        return self.segments_of()
 
     @property
     def segments(self) -> layout.Segments:
         """Every rank's segments (`layout.Segments`)."""
-        return self._segments[0]
+        return self.segments_of()[0]
 
     @property
     def shared(self) -> np.ndarray:
         """[R] bool: requests every rank holds whole."""
-        return self._segments[1]
+        return self.segments_of()[1]
 
     @property
     def num_tokens(self) -> int:
