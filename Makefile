@@ -9,13 +9,17 @@ STAMP  := $(VENV)/.runner-fsm-installed
 .PHONY: demo test test-slow venv clean
 
 # The compiled PCP layout (runner_fsm/pcp/native.py): a plain C shared library next to its
-# source, loaded with ctypes by any venv that imports this checkout. Without it plans are
-# written by numpy; tests/test_plan_native.py fails when it is missing. No -march=native: the
-# library must run on any x86-64 or ARM machine the checkout is copied to.
+# source, loaded with ctypes by any venv that imports this checkout. The package's own build
+# (setup.py) makes it too, for pip install, wheels and sdists; this rule builds it in place.
+# It is stamped with the start of its source's sha256, as setup.py does: native.py loads no
+# library built from other source. Without it plans are written by numpy;
+# tests/test_plan_native.py fails when it is missing. No -march=native: the library must run
+# on any x86-64 or ARM machine the checkout is copied to.
 CC     ?= cc
 NATIVE := runner_fsm/pcp/_mrv2_layout.so
 $(NATIVE): runner_fsm/pcp/_mrv2_layout.c
-	$(CC) -O3 -shared -fPIC -Wall -Wextra -Werror -o $@ $<
+	$(CC) -O3 -shared -fPIC -Wall -Wextra -Werror \
+		-DMRV2_SOURCE_DIGEST=\"$$( (sha256sum $< 2>/dev/null || shasum -a 256 $<) | cut -c1-16)\" -o $@ $<
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)

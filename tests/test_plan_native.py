@@ -1,6 +1,8 @@
-"""The compiled `mrv2` layout (`runner_fsm.pcp.native`, built by `make venv`): there, and the
-same arrays as the numpy layout (tests/test_plan_mrv2.py holds both to a per-request
-reference). A checkout without the library plans in numpy; this tier fails, it never skips."""
+"""The compiled `mrv2` layout (`runner_fsm.pcp.native`, built by `make venv` or the package's own
+build): there, and the same arrays as the numpy layout (tests/test_plan_mrv2.py holds both to a
+per-request reference). A checkout without the library plans in numpy; this tier fails, it
+never skips. Hostile sizes: tests/test_native_limits.py; the loader: tests/test_native_loader.py;
+the package's build: tests/test_packaging.py."""
 
 import os
 import subprocess
@@ -118,11 +120,12 @@ def test_the_compiled_writer_never_writes_outside_its_buffers():
 
     def plan(padded, ints_cap, bools_cap):
         return lib.mrv2_plan(lengths.ctypes.data, prefilling.ctypes.data, 3, 2, padded, ints.ctypes.data,
-                             ints_cap, bools.ctypes.data, bools_cap, scratch.ctypes.data)
+                             ints_cap, bools.ctypes.data, bools_cap, scratch.ctypes.data, scratch.size)
     # rank 0: a decode, chunks 0 and 3 of the prefill (1 + 3 + 0 rows); rank 1: 1 + 3 + 3
     assert plan(6, 64, 64) == native.PADDING_TOO_SMALL
     assert scratch.tolist()[:3] == [4, 7, 11]  # rows of each rank, then T
     assert plan(-1, 7 * 2 + 11 - 1, 64) == native.NEEDS_SPACE  # one int short of P * N + T
+    assert scratch.tolist()[2:4] == [11, 7]  # T and N, for the caller to size its buffers
     assert plan(-1, 64, 13) == native.NEEDS_SPACE  # one bool short of P * N
     assert ints.tolist() == [-7] * 64 and not bools.any()  # none of them wrote
     assert plan(-1, 25, 14) == 7
@@ -147,7 +150,53 @@ def test_wrong_inputs_are_refused_before_the_c_code_reads_them():
         native.dispatch_count(np.array([3, 1], dtype=np.int32), np.array([True, False]), 2)
     with pytest.raises(TypeError, match="lengths int64 and prefilling bool"):
         native.plan_into(np.array([3, 1]), np.array([1, 0]), 2, None, PlanWorkspace())
-    with pytest.raises(ValueError, match="padded must be None or >= 0, got -2"):
+    with pytest.raises(BatchError, match=r"padded_num_tokens must be in \[0, 2305843009213693952\], got -2"):
         native.plan_into(np.array([3, 1]), np.array([True, False]), 2, -2, PlanWorkspace())
     with pytest.raises(BatchError, match="padded_num_tokens must be >= 0, got -1"):
         plan_batch([3, 1], [True, False], [0, 2], 2, chunking="mrv2", padded_num_tokens=-1)
+
+
+def _segment_columns(rank):
+    """A numpy plan's rank as five columns: request, first and end token, first and end row."""
+    qsl = rank.query_start_loc.tolist()
+    starts = [int(rank.token_idx[a]) for a in qsl[:-1]]
+    return [rank.seg_req_idx.tolist(), starts, [s + b - a for s, a, b in zip(starts, qsl, qsl[1:])], qsl[:-1], qsl[1:]]
+
+
+@pytest.mark.parametrize("pcp", [1, 2, 5, 16])
+def test_the_planner_plans_what_plan_batch_does_into_fresh_arrays(pcp):
+    """`native.Planner` (vLLM's PCP manager plans with it step after step) and `rank_segments`:
+    the numpy plan's arrays, counts and each rank's segments, from integer arrays of any width.
+    Mutations that fail it: `mrv2_rank_segments` putting a prefill's tail before its head, or
+    keeping empty chunks; `Planner.plan` reusing one output block from call to call."""
+    rng = np.random.default_rng(200 + pcp)
+    planner = native.Planner(pcp)
+    earlier = []
+    for _ in range(40):
+        scheduled, prefilling, computed = _batch(rng, int(rng.integers(0, 200)), rng.choice([0.0, 0.3, 1.0]), 2000)
+        expected = plan_batch(scheduled, prefilling, computed, pcp, chunking="mrv2", native=False)
+        planner.load(scheduled.astype(np.int32), prefilling)
+        n, per_rank, ints, mask = planner.plan(None)
+        size = pcp * n
+        assert (n, per_rank, planner.dispatch_count()) == (expected.num_tokens_padded,
+                                                           list(expected.per_rank_num_tokens), n)
+        assert ints[:size].tolist() == expected.padded_gather_idx.tolist()
+        assert ints[size:].tolist() == expected.hidden_restore_idx.tolist()
+        assert mask.tolist() == expected.kv_write_mask.tolist()
+        for r in range(pcp):
+            columns = _segment_columns(expected.ranks[r])
+            assert planner.rank_segments(r) == columns
+            assert native.rank_segments(scheduled, prefilling, pcp, r) == columns
+        earlier.append((ints.copy(), ints))
+    assert all(np.array_equal(kept, handed) for kept, handed in earlier)  # later plans wrote elsewhere
+
+
+def test_the_planner_pads_and_refuses_like_plan_batch():
+    planner = native.Planner(2)
+    planner.load(np.array([10, 1], dtype=np.int64), np.array([True, False]))
+    n, per_rank, ints, mask = planner.plan(8)
+    assert (n, per_rank, ints.size, mask.size) == (8, [5, 6], 2 * 8 + 11, 16)
+    n, per_rank, ints, _ = planner.plan(5)
+    assert (n, per_rank, ints.size) == (native.PADDING_TOO_SMALL, [5, 6], 0)
+    with pytest.raises(BatchError, match="the compiled layout plans from a 1-D integer array"):
+        planner.load(np.array([1.0, 2.0]), np.array([True, False]))

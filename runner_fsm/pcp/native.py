@@ -3,78 +3,153 @@
 `plan_batch(chunking="mrv2")` and `num_tokens_for_dispatch` use it when it is there and fall
 back to numpy (`layout.sharded_segments` + `rows.gathered_layout`) when it is not; both give
 the same arrays (tests/test_plan_native.py). It is a plain shared library with no Python
-headers, built next to its source by `make venv` (the Makefile's `NATIVE` rule); a checkout
-without it plans in numpy, and `status()` says why.
+headers, built by the package's build where a C compiler is (setup.py: `pip install`, wheels,
+sdists) and in place by `make` in a checkout; an installation without it plans in numpy, and
+`status()` says why.
 
 Why it exists: right after the engine's own work every numpy call starts from cold caches,
 and the numpy layout makes about 125 of them plus two running sums over its outputs; the
 compiled one makes one call that writes each output once (measured in docs/vllm.md).
 
+The library is loaded once, under a lock, at the first plan. Any failure to load it (a file
+that is no library, a missing function, a library built from other source than the
+`_mrv2_layout.c` shipped beside it: its build stamps it with the start of that file's
+sha256) leaves plans to numpy, with the reason. Every size reaches C checked here first
+(ctypes truncates a Python int that does not fit, silently) and again there.
 `RUNNER_FSM_NATIVE=0` in the environment turns it off (read once, at the first plan).
 """
 
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
+import threading
 from pathlib import Path
 
 import numpy as np
 
+from runner_fsm.errors import BatchError
 from runner_fsm.pcp.rows import PlanWorkspace
 
-ABI = 4  # MRV2_LAYOUT_ABI in _mrv2_layout.c
-LIBRARY = Path(__file__).with_name("_mrv2_layout.so")
-PADDING_TOO_SMALL, NEEDS_SPACE, BROKEN_PROMISE = -1, -2, -3  # mrv2_plan's answers besides N
+SOURCE = Path(__file__).with_name("_mrv2_layout.c")
+LIBRARY = SOURCE.with_suffix(".dll" if os.name == "nt" else ".so")
+BUILD_ERROR = SOURCE.with_suffix(".build-error")  # left by setup.py where the build failed
+# mrv2_plan's answers besides N (MRV2_ in _mrv2_layout.c)
+PADDING_TOO_SMALL, NEEDS_SPACE, BROKEN_PROMISE, BAD_ARGUMENT, TOO_LARGE, NO_MEMORY = -1, -2, -3, -4, -5, -6
+# The limits the C code enforces too: with T and P*N + T at most 2^62 and P at most 2^16, none
+# of its sums or products can overflow int64.
+MAX_PCP = 1 << 16
+MAX_SIZE = 1 << 62
 
 _ptr, _int = ctypes.c_void_p, ctypes.c_int64
-_lib: ctypes.CDLL | None = None
-_why_not: str | None = None
-_loaded = False
+SIGNATURES = {
+    "mrv2_dispatch_count": [_ptr, _ptr, _int, _int],
+    "mrv2_plan": [_ptr, _ptr, _int, _int, _int, _ptr, _int, _ptr, _int, _ptr, _int],
+    "mrv2_rank_segments": [_ptr, _ptr, _int, _int, _int, _ptr, _int],
+}
+_lock = threading.Lock()
+_state: tuple[ctypes.CDLL | None, str | None] | None = None  # (library, why not), once loaded
 
 
-def _load() -> ctypes.CDLL | None:
-    global _lib, _why_not, _loaded
-    _loaded = True
+def source_digest() -> str:
+    """The stamp of a library built from `SOURCE` (setup.py and the Makefile compute it too)."""
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+
+
+def _not_built() -> str:
+    try:
+        failed = BUILD_ERROR.read_text().strip()
+    except OSError:
+        return (f"{LIBRARY.name} is not built (in a checkout `make` builds it; pip install builds it"
+                " where a C compiler is)")
+    return (f"{LIBRARY.name} was not built when this package was installed: {failed}."
+            " Installing it where a C compiler is builds it")
+
+
+def _load() -> tuple[ctypes.CDLL | None, str | None]:
     if os.environ.get("RUNNER_FSM_NATIVE", "1") == "0":
-        _why_not = "turned off by RUNNER_FSM_NATIVE=0"
-        return None
+        return None, "turned off by RUNNER_FSM_NATIVE=0"
     if not LIBRARY.exists():
-        _why_not = f"{LIBRARY.name} is not built (make venv builds it with the C compiler)"
-        return None
+        return None, _not_built()
     try:
         lib = ctypes.CDLL(str(LIBRARY))
-    except OSError as error:
-        _why_not = f"{LIBRARY.name} does not load: {error}"
-        return None
-    lib.mrv2_layout_abi.restype = _int
-    if lib.mrv2_layout_abi() != ABI:
-        _why_not = f"{LIBRARY.name} is ABI {lib.mrv2_layout_abi()}, this package wants {ABI}: rebuild it"
-        return None
-    lib.mrv2_dispatch_count.restype = _int
-    lib.mrv2_dispatch_count.argtypes = [_ptr, _ptr, _int, _int]
-    lib.mrv2_plan.restype = _int
-    lib.mrv2_plan.argtypes = [_ptr, _ptr, _int, _int, _int, _ptr, _int, _ptr, _int, _ptr]
-    _lib = lib
-    return lib
+        lib.mrv2_layout_source_digest.restype = ctypes.c_char_p
+        built_from = lib.mrv2_layout_source_digest().decode()
+        for name, argtypes in SIGNATURES.items():
+            function = getattr(lib, name)
+            function.restype, function.argtypes = _int, argtypes
+        shipped = source_digest()
+    except Exception as error:  # whatever stops it loading (AttributeError: a function missing)
+        return None, f"{LIBRARY.name} does not load: {type(error).__name__}: {error}"
+    if built_from != shipped:
+        return None, (f"{LIBRARY.name} was built from other source (sha256 {built_from}...) than the"
+                      f" {SOURCE.name} beside it ({shipped}...): rebuild it")
+    return lib, None
+
+
+def _loaded() -> tuple[ctypes.CDLL | None, str | None]:
+    global _state
+    state = _state
+    if state is None:
+        with _lock:  # loaded once: a caller that comes meanwhile waits for the answer
+            if _state is None:
+                _state = _load()
+            state = _state
+    return state
 
 
 def library() -> ctypes.CDLL | None:
     """The loaded library, or None (then `status()` says why)."""
-    return _lib if _loaded else _load()
+    return _loaded()[0]
 
 
 def _required() -> ctypes.CDLL:
-    lib = library()
+    lib, why_not = _loaded()
     if lib is None:
-        raise RuntimeError(f"the compiled PCP layout is not available: {_why_not}")
+        raise RuntimeError(f"the compiled PCP layout is not available: {why_not}")
     return lib
 
 
 def status() -> dict:
     """For logs and benchmarks: whether plans use the compiled layout, and if not, why."""
-    lib = library()
-    return {"native": lib is not None, **({} if lib is not None else {"reason": _why_not})}
+    lib, why_not = _loaded()
+    return {"native": True} if lib is not None else {"native": False, "reason": why_not}
+
+
+def _integer(name: str, value, low: int, high: int) -> int:
+    """`value` as an int in [low, high], or a BatchError naming it (never a truncated int in C)."""
+    if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
+        raise BatchError(f"{name} must be an integer, got {value!r}")
+    number = int(value)  # exact for numpy's unsigned integers too
+    if not low <= number <= high:
+        raise BatchError(f"{name} must be in [{low}, {high}], got {number}")
+    return number
+
+
+def check_pcp(pcp_size) -> int:
+    return _integer("pcp_size", pcp_size, 1, MAX_PCP)
+
+
+def _padded(pcp_size: int, padded) -> int:
+    """N as C takes it: -1 for "the widest rank's rows", else checked so that P*N fits."""
+    if padded is None:
+        return -1
+    return _integer("padded_num_tokens", padded, 0, MAX_SIZE // pcp_size)
+
+
+def _refused(code: int, pcp_size: int, padded: int) -> None:
+    """Raise for an answer of the C code that is not N: it refused what it was given."""
+    if code == BAD_ARGUMENT:
+        raise BatchError("num_scheduled must be >= 0: the compiled layout found a negative length")
+    if code == TOO_LARGE:
+        raise BatchError(f"the batch is too large: T (the sum of num_scheduled) and pcp_size * N + T must be"
+                         f" at most 2**62 (pcp_size={pcp_size}, padded_num_tokens={None if padded < 0 else padded})")
+    if code == NO_MEMORY:
+        raise MemoryError(f"no memory for the per-rank counts of {pcp_size} ranks")
+    if code == BROKEN_PROMISE:  # the layout's own count and its writer disagree: a bug here
+        raise RuntimeError("the compiled PCP layout's writer disagrees with its own row count (a bug);"
+                           " it stopped before writing outside its buffers")
 
 
 def _inputs(lengths: np.ndarray, prefilling: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -86,14 +161,25 @@ def _inputs(lengths: np.ndarray, prefilling: np.ndarray) -> tuple[np.ndarray, np
 
 
 def dispatch_count(lengths: np.ndarray, prefilling: np.ndarray, pcp_size: int) -> int:
-    """The widest rank's rows (MRV2's dispatch count). `lengths`: int64 [R], each >= 0
-    (checked by the caller); `prefilling`: bool [R]."""
+    """The widest rank's rows (MRV2's dispatch count). `lengths`: int64 [R]; `prefilling`: bool [R]."""
+    pcp_size = check_pcp(pcp_size)
     lengths, prefilling = _inputs(lengths, prefilling)
-    count = (_lib or _required()).mrv2_dispatch_count(lengths.ctypes.data, prefilling.ctypes.data,
-                                                      lengths.size, pcp_size)
-    if count < 0:
-        raise MemoryError(f"no memory for the per-rank counts of {pcp_size} ranks")
+    count = _required().mrv2_dispatch_count(lengths.ctypes.data, prefilling.ctypes.data, lengths.size, pcp_size)
+    _refused(count, pcp_size, -1)
     return count
+
+
+def rank_segments(lengths: np.ndarray, prefilling: np.ndarray, pcp_size: int, rank: int) -> list[list[int]]:
+    """Rank `rank`'s segments, in its order, as five lists: request, first and end global
+    token, first and end row of the rank. `lengths`: int64 [R]; `prefilling`: bool [R]."""
+    pcp_size = check_pcp(pcp_size)
+    rank = _integer("rank", rank, 0, pcp_size - 1)
+    lengths, prefilling = _inputs(lengths, prefilling)
+    segments = np.empty((5, 2 * lengths.size), dtype=np.int64)  # at most 2 per request
+    count = _required().mrv2_rank_segments(lengths.ctypes.data, prefilling.ctypes.data, lengths.size, pcp_size,
+                                           rank, segments.ctypes.data, segments.shape[1])
+    _refused(count, pcp_size, -1)
+    return segments[:, :count].tolist()
 
 
 def plan_into(lengths: np.ndarray, prefilling: np.ndarray, pcp_size: int, padded: int | None,
@@ -103,22 +189,99 @@ def plan_into(lengths: np.ndarray, prefilling: np.ndarray, pcp_size: int, padded
     `PADDING_TOO_SMALL` (nothing written) when `padded` is below the widest rank's rows.
     In the workspace's buffers: the gathered layout (``[:P * N]``), then the restore index
     (``[P * N:P * N + T]``), and the write mask (``[:P * N]`` of the bools)."""
-    lib = _lib or _required()
+    lib = _required()
+    pcp_size = check_pcp(pcp_size)
     lengths, prefilling = _inputs(lengths, prefilling)
-    if padded is not None and padded < 0:
-        raise ValueError(f"padded must be None or >= 0, got {padded}")
+    n_arg = _padded(pcp_size, padded)
     workspace.reserve(0, 0, 3 * pcp_size + 1)  # rows of each rank, T, then 2P cursors
-    args = (lengths.ctypes.data, prefilling.ctypes.data, lengths.size, pcp_size, -1 if padded is None else padded)
+    args = (lengths.ctypes.data, prefilling.ctypes.data, lengths.size, pcp_size, n_arg)
     while True:
         ints, bools = workspace.buffers()
         at_ints, at_bools, at_scratch = workspace.addresses
-        n = lib.mrv2_plan(*args, at_ints, ints.size, at_bools, bools.size, at_scratch)
+        n = lib.mrv2_plan(*args, at_ints, ints.size, at_bools, bools.size, at_scratch, workspace.scratch.size)
         if n != NEEDS_SPACE:
             break
-        counts = workspace.scratch
-        size = pcp_size * (int(counts[:pcp_size].max()) if padded is None else padded)
-        workspace.reserve(size + int(counts[pcp_size]), size)
-    if n == BROKEN_PROMISE:  # the layout's own count and its writer disagree: a bug here
-        raise RuntimeError("the compiled PCP layout's writer disagrees with its own row count (a bug);"
-                           " it stopped before writing outside its buffers")
+        total, rows = int(workspace.scratch[pcp_size]), pcp_size * int(workspace.scratch[pcp_size + 1])
+        workspace.reserve(rows + total, rows)
+    _refused(n, pcp_size, n_arg)
     return n, workspace.scratch[:pcp_size + 1]
+
+
+class Planner:
+    """The compiled layout for a caller that plans step after step with one P (vLLM's PCP
+    manager: `integrations/vllm/pcp_layout.py`). Each batch is copied into memory kept from
+    call to call, whose addresses are read once per growth (a read of numpy's `.ctypes.data`
+    costs about 1.5 us, a copy of a few hundred lengths less); each plan is written into fresh
+    arrays, which the caller hands on (on a CPU device vLLM's tensors alias them)."""
+
+    def __init__(self, pcp_size: int):
+        self.pcp_size = check_pcp(pcp_size)
+        self._lib = _required()
+        self._scratch = np.empty(3 * self.pcp_size + 1, dtype=np.int64)  # rows of each rank, T, 2P cursors
+        self._at_scratch = self._scratch.ctypes.data
+        self.num_reqs = 0
+        self._reserve(64)
+
+    def _reserve(self, num_reqs: int) -> None:
+        self._lengths = np.empty(num_reqs, dtype=np.int64)
+        self._flags = np.empty(num_reqs, dtype=np.bool_)
+        self._segments = np.empty((5, 2 * num_reqs), dtype=np.int64)  # at most 2 per request
+        self._at = (self._lengths.ctypes.data, self._flags.ctypes.data)
+        self._at_segments = self._segments.ctypes.data
+
+    def load(self, num_scheduled: np.ndarray, is_prefilling: np.ndarray) -> None:
+        """Copy in the batch the calls below plan: integer lengths and bool flags, one per request."""
+        if (type(num_scheduled) is not np.ndarray or type(is_prefilling) is not np.ndarray
+                or num_scheduled.dtype.kind not in "iu" or is_prefilling.dtype != np.bool_
+                or num_scheduled.ndim != 1 or num_scheduled.shape != is_prefilling.shape):
+            raise BatchError("the compiled layout plans from a 1-D integer array of lengths and bool flags of one"
+                             f" shape, got {type(num_scheduled).__name__} and {type(is_prefilling).__name__}")
+        num_reqs = num_scheduled.size
+        if num_reqs > self._lengths.size:
+            self._reserve(num_reqs + num_reqs // 4)
+        self._lengths[:num_reqs] = num_scheduled  # any length beyond int64 wraps negative: refused in C
+        self._flags[:num_reqs] = is_prefilling
+        self.num_reqs = num_reqs
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """The loaded lengths (int64), until the next load."""
+        return self._lengths[:self.num_reqs]
+
+    def batch(self) -> tuple[np.ndarray, np.ndarray]:
+        """Copies of the loaded lengths (int64) and flags, which later loads leave alone."""
+        return self._lengths[:self.num_reqs].copy(), self._flags[:self.num_reqs].copy()
+
+    def dispatch_count(self) -> int:
+        count = self._lib.mrv2_dispatch_count(*self._at, self.num_reqs, self.pcp_size)
+        _refused(count, self.pcp_size, -1)
+        return count
+
+    def plan(self, padded: int | None) -> tuple[int, list[int], np.ndarray, np.ndarray]:
+        """(N, rows of each rank, ints, mask) of the loaded batch, in fresh arrays: ints holds the
+        gathered layout ``[:P * N]`` and then the restore index ``[P * N:]``; N is
+        `PADDING_TOO_SMALL` (and the arrays empty) when `padded` is below the widest rank's rows."""
+        pcp, plan = self.pcp_size, self._lib.mrv2_plan
+        n_arg = _padded(pcp, padded)
+        args = (*self._at, self.num_reqs, pcp, n_arg)
+        n = plan(*args, 0, 0, 0, 0, self._at_scratch, self._scratch.size)  # sizes the outputs
+        if n == NEEDS_SPACE:
+            total, rows = int(self._scratch[pcp]), pcp * int(self._scratch[pcp + 1])
+            block = np.empty(8 * (rows + total) + rows, dtype=np.uint8)  # one allocation, one address
+            at = block.ctypes.data
+            n = plan(*args, at, rows + total, at + 8 * (rows + total), rows, self._at_scratch, self._scratch.size)
+            ints, mask = block[:8 * (rows + total)].view(np.int64), block[8 * (rows + total):].view(np.bool_)
+        else:  # nothing to write (no tokens), or refused
+            ints, mask = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.bool_)
+        if n < 0 and n != PADDING_TOO_SMALL:
+            _refused(n, pcp, n_arg)
+        return n, self._scratch[:pcp].tolist(), ints, mask
+
+    def rank_segments(self, rank: int) -> list[list[int]]:
+        """Rank `rank`'s segments of the loaded batch, in its order, as five lists: request,
+        first and end global token, first and end row of the rank."""
+        rank = _integer("rank", rank, 0, self.pcp_size - 1)
+        cap = self._segments.shape[1]
+        count = self._lib.mrv2_rank_segments(*self._at, self.num_reqs, self.pcp_size, rank, self._at_segments, cap)
+        _refused(count, self.pcp_size, -1)
+        return self._segments[:, :count].tolist()

@@ -140,8 +140,9 @@ def _validate(
     chunking: str,
     max_num_tokens: int | None,
 ) -> _Batch:
-    if not isinstance(pcp_size, (int, np.integer)) or pcp_size < 1:
-        raise BatchError(f"pcp_size must be an integer >= 1, got {pcp_size!r}")
+    # bounded before any array is sized by it (and before ctypes, which would truncate it)
+    if not isinstance(pcp_size, (int, np.integer)) or not 1 <= int(pcp_size) <= native.MAX_PCP:
+        raise BatchError(f"pcp_size must be an integer in [1, {native.MAX_PCP}], got {pcp_size!r}")
     if chunking not in layout.POLICIES:
         raise BatchError(f"chunking must be one of {', '.join(layout.POLICIES)}, got {chunking!r}")
     scheduled = int_array("num_scheduled", num_scheduled)
@@ -268,9 +269,8 @@ def plan_batch(
     plans in numpy always; ``native=True`` refuses to plan without the compiled layout.
     """
     _check_dcp(dcp_size)
-    if padded_num_tokens is not None and int(padded_num_tokens) < 0:
-        raise BatchError(f"padded_num_tokens must be >= 0, got {padded_num_tokens}")
     batch = _validate(num_scheduled, is_prefilling, num_computed, pcp_size, chunking, max_num_tokens)
+    _check_padding(padded_num_tokens, pcp_size)
     if batch.num_computed is None:  # positions from 0 (a batch of fresh prompts)
         batch = dataclasses.replace(batch, num_computed=np.zeros_like(batch.num_scheduled))
     if _use_native(chunking, dcp_size, native):
@@ -284,6 +284,19 @@ def plan_batch(
     gathered, write_mask, restore = rows.gathered_layout(segs, shared, ends - batch.num_scheduled, total, n,
                                                          workspace)
     return _plan(batch, pcp_size, counts, n, gathered, write_mask, restore, lambda: (segs, shared))
+
+
+def _check_padding(padded_num_tokens: int | None, pcp_size: int) -> None:
+    """N is an integer >= 0, and P * N leaves int64 headroom (`native.MAX_SIZE`)."""
+    if padded_num_tokens is None:
+        return
+    if isinstance(padded_num_tokens, bool) or not isinstance(padded_num_tokens, (int, np.integer)):
+        raise BatchError(f"padded_num_tokens must be an integer, got {padded_num_tokens!r}")
+    if int(padded_num_tokens) < 0:
+        raise BatchError(f"padded_num_tokens must be >= 0, got {padded_num_tokens}")
+    if int(pcp_size) * int(padded_num_tokens) > native.MAX_SIZE:
+        raise BatchError(f"padded_num_tokens={padded_num_tokens} is too large: pcp_size * padded_num_tokens"
+                         f" = {int(pcp_size) * int(padded_num_tokens)} passes 2**62")
 
 
 def _padded(counts: np.ndarray, padded_num_tokens: int | None) -> int:
