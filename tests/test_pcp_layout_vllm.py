@@ -9,6 +9,10 @@ with 0 tokens, padding; P = 1..8; decodes sharded (DCP = 1, vLLM's rule) and rep
 with short prefills replicated too (DCP = 2, 4).
 
     PYTHONPATH=$PWD .venv-vllm/bin/python -m pytest -q -m vllm tests/test_pcp_layout_vllm.py
+
+`fast_pcp_layout` is installed on manager instances only, by FSMWorker's MRV2 adapter once the
+KV cache built the manager; it writes with the compiled layout where it loads (DCP 1) and with
+numpy otherwise, and both writers are held to vLLM's layout here.
 """
 
 import numpy as np
@@ -16,7 +20,7 @@ import pytest
 
 from runner_fsm.pcp.plan import num_tokens_for_dispatch, plan_batch
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]  # no engine: once, in the V1 leg
 
 CASES_PER_CONFIG = 700  # x 3 DCP configurations x 2 seeds: 4,200 random batches
 
@@ -114,81 +118,125 @@ def test_mrv2_policy_equals_vllm_on_the_benchmark_batch():
 
 # --- fast_pcp_layout: the installer ---------------------------------------------------------
 
-def fresh_subclass():
-    from vllm.v1.worker.gpu.pcp_manager import PCPManager
-
-    return type("ManagerUnderTest", (PCPManager,), {})
+FAST = "runner_fsm.integrations.vllm.pcp_layout"
 
 
-def test_installs_on_vllm_0_32_0_class_and_says_so():
+def test_installs_on_a_manager_instance_and_refuses_a_class():
+    """Mutation that fails it: `install_fast_pcp_layout` patching `type(manager)` (every
+    manager of the process would get it)."""
     import vllm
+    from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
     from runner_fsm.integrations.vllm.pcp_layout import install_fast_pcp_layout
 
     assert vllm.__version__ == "0.32.0"
-    cls = fresh_subclass()
-    description = install_fast_pcp_layout(cls)
-    assert description["installed"] is True and "reason" not in description
-    assert description["vllm"] == "0.32.0"
-    assert description["target"].endswith("ManagerUnderTest")
-    assert set(description["methods"]) == {"_build_batch_layout", "get_num_tokens_for_dispatch"}
-    assert install_fast_pcp_layout(cls)["reason"] == "already installed"
-    from vllm.v1.worker.gpu.pcp_manager import PCPManager
+    mgr = manager(2, 1)
+    description = install_fast_pcp_layout(mgr)
+    assert description == {"installed": True, "target": "vllm.v1.worker.gpu.pcp_manager.PCPManager instance",
+                           "vllm": "0.32.0", "methods": ["_build_batch_layout", "get_num_tokens_for_dispatch"],
+                           "policy": "runner_fsm.pcp.plan chunking='mrv2'",
+                           "writer": "compiled layout (runner_fsm.pcp.native)"}
+    assert install_fast_pcp_layout(mgr)["reason"] == "already installed"
+    assert mgr._build_batch_layout.__func__.__module__ == FAST
+    refused = install_fast_pcp_layout(PCPManager)
+    assert refused["installed"] is False and refused["target"] == "vllm.v1.worker.gpu.pcp_manager.PCPManager"
+    assert refused["reason"] == "installs on a PCPManager instance only: a class is shared by every manager built from it"
+    for method in (PCPManager._build_batch_layout, manager(2, 1)._build_batch_layout.__func__):
+        assert method.__module__ == "vllm.v1.worker.gpu.pcp_manager"  # the class and other managers untouched
 
-    assert "runner_fsm" not in PCPManager._build_batch_layout.__module__  # the base class untouched
+
+WRITERS = [(1, "compiled"), (1, "numpy"), (2, "numpy")]  # (DCP, the writer it installs with)
 
 
-@pytest.mark.parametrize("dcp", [1, 2])
-@pytest.mark.parametrize("on", ["class", "instance"])
-def test_installed_manager_lays_out_what_vllm_does(dcp, on):
+def fast_manager(pcp, dcp, writer, monkeypatch, rank=0):
     from runner_fsm.integrations.vllm.pcp_layout import install_fast_pcp_layout
+    from runner_fsm.pcp import native
 
-    rng = np.random.default_rng(7 + dcp)
-    cls = fresh_subclass()
-    if on == "class":
-        assert install_fast_pcp_layout(cls)["installed"]
-    for _ in range(400):
+    mgr = manager(pcp, dcp, rank=rank)
+    with monkeypatch.context() as patch:
+        if writer == "numpy":
+            patch.setattr(native, "status", lambda: {"native": False, "reason": "left off by the test"})
+        description = install_fast_pcp_layout(mgr)
+    assert description["installed"] and description["writer"].startswith(writer), description
+    assert ("_runner_fsm_fast_pcp_layout_planner" in mgr.__dict__) == (writer == "compiled")
+    return mgr
+
+
+@pytest.mark.parametrize(("dcp", "writer"), WRITERS)
+def test_installed_manager_lays_out_what_vllm_does(dcp, writer, monkeypatch):
+    """Every rank's segments (the manager's own rank and the others, read later), the arrays,
+    the dispatch count, on managers of every rank. Mutations that fail it: `Planner.batch`
+    returning the staged arrays (a later load changes another rank's segments), `rank_segments`
+    swapping the global and local slices."""
+    rng = np.random.default_rng(7 + dcp + len(writer))
+    for _ in range(300):
         pcp = int(rng.integers(1, 9))
         scheduled, computed, prefilling = random_batch(rng)
-        fast, plain = manager(pcp, dcp, cls=cls), manager(pcp, dcp)
-        if on == "instance":
-            assert install_fast_pcp_layout(fast)["installed"]
-        assert "runner_fsm" in fast._build_batch_layout.__func__.__module__
+        fast, plain = fast_manager(pcp, dcp, writer, monkeypatch, rank=int(rng.integers(0, pcp))), manager(pcp, dcp)
         padded = None
         if rng.random() < 0.3 and scheduled.sum():
             padded = plain.get_num_tokens_for_dispatch(scheduled, prefilling) + int(rng.integers(0, 4))
-        ours = vllm_layout(fast, scheduled, computed, prefilling, padded)
-        assert_same_layout(ours, vllm_layout(plain, scheduled, computed, prefilling, padded))
+        theirs = vllm_layout(plain, scheduled, computed, prefilling, padded)
+        assert_same_layout(vllm_layout(fast, scheduled, computed, prefilling, padded), theirs)
+        # another rank's segments read after the manager planned another batch
+        qsl = np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32)
+        segments, _ = fast._build_batch_layout(scheduled, computed, prefilling, qsl, padded_num_tokens=padded)
+        fast.get_num_tokens_for_dispatch(np.array([5, 1, 2], np.int32), np.array([True, False, True]))
+        assert [list(s) for s in segments] == theirs[0]
 
 
-def test_installed_layout_refuses_padding_below_the_widest_like_vllm():
-    from runner_fsm.integrations.vllm.pcp_layout import install_fast_pcp_layout
-
-    cls = fresh_subclass()
-    install_fast_pcp_layout(cls)
+@pytest.mark.parametrize(("dcp", "writer"), WRITERS)
+def test_installed_layout_refuses_padding_below_the_widest_like_vllm(dcp, writer, monkeypatch):
     scheduled, prefilling = np.array([1, 10], np.int32), np.array([False, True])
-    for mgr in (manager(2, 1, cls=cls), manager(2, 1)):
-        with pytest.raises(ValueError, match="smaller than the largest rank-local batch: 5 < 6"):
+    for mgr in (fast_manager(2, dcp, writer, monkeypatch), manager(2, dcp)):
+        widest = 6 if dcp == 1 else 7  # DCP 2: the decode replicated on both ranks
+        with pytest.raises(ValueError, match=f"smaller than the largest rank-local batch: 5 < {widest}"):
             mgr._build_batch_layout(scheduled, np.zeros(2, np.int32), prefilling, np.array([0, 1, 11]), 5)
 
 
 def test_not_installed_where_the_layout_is_not_the_pinned_one(monkeypatch):
+    import torch
     import vllm
+    from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
     from runner_fsm.integrations.vllm import pcp_layout
 
-    changed = type("Changed", (fresh_subclass(),), {
+    changed = type("Changed", (PCPManager,), {
         "_iter_rank_chunks": lambda self, rank, num_scheduled_tokens, is_prefilling, extra=0: iter(())})
-    description = pcp_layout.install_fast_pcp_layout(changed)
+    mgr = changed(pcp_world_size=2, pcp_rank=0, device=torch.device("cpu"), shard_decode_requests=True)
+    description = pcp_layout.install_fast_pcp_layout(mgr)
     assert description["installed"] is False
     assert "PCPManager._iter_rank_chunks(self, rank, num_scheduled_tokens, is_prefilling, extra=0)" in description["reason"]
-    assert "_runner_fsm" not in str(changed.__dict__)
+    assert "_runner_fsm" not in str(mgr.__dict__)
 
     monkeypatch.setattr(vllm, "__version__", "0.33.0")
-    other = fresh_subclass()
+    other = manager(2, 1)
     description = pcp_layout.install_fast_pcp_layout(other)
     assert description["installed"] is False and description["reason"] == "vLLM 0.33.0, pinned 0.32.0"
-    assert "runner_fsm" not in other._build_batch_layout.__module__
+    assert "runner_fsm" not in other._build_batch_layout.__func__.__module__
+
+
+def test_not_installed_where_rank_segment_is_not_the_pinned_one(monkeypatch):
+    """RankSegments are made without their `__init__` (for speed): only for the class pinned."""
+    import dataclasses
+
+    from vllm.v1.worker.gpu import pcp_manager
+
+    from runner_fsm.integrations.vllm.pcp_layout import install_fast_pcp_layout
+
+    @dataclasses.dataclass(frozen=True)
+    class RankSegment:
+        global_batch_req_idx: int
+        global_batch_slice: slice
+        rank_local_batch_slice: slice
+
+        def __post_init__(self):
+            raise AssertionError("a segment made without its __init__ skips this")
+    monkeypatch.setattr(pcp_manager, "RankSegment", RankSegment)
+    description = install_fast_pcp_layout(manager(2, 1))
+    assert description["installed"] is False
+    assert description["reason"].startswith("RankSegment: source digest ") and description["reason"].endswith(
+        ", pinned 9e08c4b26c3b2bb4")
 
 
 def test_not_installed_on_something_else():
@@ -198,32 +246,84 @@ def test_not_installed_on_something_else():
     assert description["installed"] is False and "is not a vLLM PCPManager" in description["reason"]
 
 
-def test_installed_steps_aside_for_what_it_was_not_pinned_on():
-    """Sharded decodes with DCP > 1 (a combination vLLM never builds) and a
-    query_start_loc that is not the running sum: vLLM's own method answers."""
+@pytest.mark.parametrize("writer", ["compiled", "numpy"])
+def test_installed_steps_aside_for_what_it_was_not_pinned_on(writer, monkeypatch):
+    """Sharded decodes with DCP > 1 (a combination vLLM never builds), a query_start_loc that
+    is not the running sum, and a batch the layout refuses: vLLM's own method answers."""
     import torch
-    from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
+    calls = []
+
+    def spy_on(mgr):
+        original = mgr._runner_fsm_fast_pcp_layout_original__build_batch_layout
+
+        def spy(*args, **kwargs):
+            calls.append(args)
+            return original(*args, **kwargs)
+        mgr._runner_fsm_fast_pcp_layout_original__build_batch_layout = spy
+        return mgr
+
+    scheduled, computed, prefilling = np.array([3, 9], np.int32), np.zeros(2, np.int32), np.array([False, True])
+    odd = manager(2, 2)
+    odd.shard_decode_requests = True
     from runner_fsm.integrations.vllm.pcp_layout import install_fast_pcp_layout
 
-    cls = fresh_subclass()
-    install_fast_pcp_layout(cls)
-    calls = []
-    original = cls._runner_fsm_fast_pcp_layout_original__build_batch_layout
-
-    def spy(self, *args, **kwargs):
-        calls.append(args)
-        return original(self, *args, **kwargs)
-
-    cls._runner_fsm_fast_pcp_layout_original__build_batch_layout = spy
-    scheduled, computed, prefilling = np.array([3, 9], np.int32), np.zeros(2, np.int32), np.array([False, True])
-    odd = cls(pcp_world_size=2, pcp_rank=0, device=torch.device("cpu"), shard_decode_requests=True,
-              dcp_world_size=2)
-    odd._build_batch_layout(scheduled, computed, prefilling, np.array([0, 3, 12]))
+    assert install_fast_pcp_layout(odd)["installed"]
+    spy_on(odd)._build_batch_layout(scheduled, computed, prefilling, np.array([0, 3, 12]))
     assert len(calls) == 1
-    plain = manager(2, 1, cls=cls)
+    plain = spy_on(fast_manager(2, 1, writer, monkeypatch))
     plain._build_batch_layout(scheduled, computed, prefilling, np.array([0, 3, 12]))
     assert len(calls) == 1  # the pinned case: ours
     plain._build_batch_layout(scheduled, computed, prefilling, np.array([0, 4, 13]))
     assert len(calls) == 2  # starts that are not the running sum: vLLM's
-    assert issubclass(cls, PCPManager)
+    with pytest.raises(ValueError, match="Maximum allowed dimension exceeded"):  # numpy's, in vLLM's method
+        plain._build_batch_layout(scheduled, computed, prefilling, np.array([0, 3, 12]), padded_num_tokens=2**64 + 8)
+    assert len(calls) == 3  # a padding the layout refuses: vLLM's own method answers, as without it
+    assert isinstance(odd.device, torch.device)
+
+
+# --- fast_pcp_layout in FSMWorker's MRV2 adapter ----------------------------------------------
+
+def mrv2_adapter(pcp, mgr):
+    from types import SimpleNamespace
+
+    from vllm.v1.worker.gpu.pcp_manager import PCPManager
+
+    from runner_fsm.integrations.vllm.runners.mrv2 import MRV2Runner
+
+    parallel = SimpleNamespace(prefill_context_parallel_size=pcp, decode_context_parallel_size=1)
+    return MRV2Runner(SimpleNamespace(pcp_manager=mgr, pcp_manager_cls=PCPManager, parallel_config=parallel))
+
+
+def test_the_mrv2_adapter_installs_on_its_manager_once_built_under_the_evidence():
+    """Checked at start-up (the log's first record), installed when the KV cache built the
+    manager (`attach_kv`), before PCPEvidence wraps the dispatch count, which then calls ours.
+    Mutations that fail it: installing in `install_fast_pcp_layout` on `pcp_manager_cls` (the
+    class changes), installing after PCPEvidence (the evidence's wrapper is replaced)."""
+    from vllm.v1.worker.gpu.pcp_manager import PCPManager
+
+    mgr = manager(2, 1)
+    adapter = mrv2_adapter(2, None)
+    description = adapter.install_fast_pcp_layout()
+    assert description["installed"] is True and description["writer"] == "compiled layout (runner_fsm.pcp.native)"
+    assert PCPManager._build_batch_layout.__module__ == "vllm.v1.worker.gpu.pcp_manager"
+    adapter.runner.pcp_manager = mgr  # what initialize_kv_cache does
+    adapter.attach_kv()
+    assert adapter.pcp is not None and mgr._build_batch_layout.__func__.__module__ == FAST
+    evidence = mgr.__dict__["get_num_tokens_for_dispatch"]
+    assert evidence.__wrapped__.__func__.__module__ == FAST  # the evidence wraps ours
+    scheduled, prefilling = np.array([1, 10, 3], np.int32), np.array([False, True, False])
+    assert mgr.get_num_tokens_for_dispatch(scheduled, prefilling) == manager(2, 1).get_num_tokens_for_dispatch(
+        scheduled, prefilling)
+    assert PCPManager._build_batch_layout.__module__ == "vllm.v1.worker.gpu.pcp_manager"
+
+
+def test_the_mrv2_adapter_says_so_without_pcp_and_fails_loudly_if_the_manager_refuses():
+    assert mrv2_adapter(1, None).install_fast_pcp_layout() == {
+        "installed": False, "reason": "PCP 1: the runner builds no PCP manager"}
+    mgr = manager(2, 1)
+    del mgr.pcp_rank  # a manager unlike the class checked at start-up
+    adapter = mrv2_adapter(2, mgr)
+    assert adapter.install_fast_pcp_layout()["installed"] is True
+    with pytest.raises(RuntimeError, match="fast_pcp_layout: not installed on the PCP manager: instance lacks pcp_rank"):
+        adapter.attach_kv()

@@ -1,17 +1,23 @@
-"""`fast_pcp_layout`: vLLM MRV2's PCP layout computed by `runner_fsm.pcp.layout`, opt-in.
+"""`fast_pcp_layout`: vLLM MRV2's PCP layout written by `runner_fsm.pcp`, opt-in.
 
 MRV2's `PCPManager._build_batch_layout` and `get_num_tokens_for_dispatch` plan every step
-in per-request Python (one loop per rank over every request, one `np.arange` per
-segment). `install_fast_pcp_layout` replaces both, on a `PCPManager` class or instance,
-with the vectorised ``mrv2`` policy of `runner_fsm.pcp.plan`, which `tests/test_pcp_layout_vllm.py`
-holds equal to vLLM's own on thousands of random batches. It installs only where the
-installed vLLM is that layout: the version the test pinned, the methods' signatures and
-the digest of their source; anything else is left as vLLM wrote it, and the returned
-description says why (the worker records it in the log's first record).
+in per-request Python (one loop per rank over every request, one `np.arange` per segment,
+every rank's `RankSegment`s). `install_fast_pcp_layout` replaces both on one manager
+INSTANCE, never on a class (vLLM's `PCPManager` is shared by every manager in the process),
+with the ``mrv2`` policy of `runner_fsm.pcp.plan`. With DCP 1 (decodes sharded, the layout
+vLLM uses) and the compiled layout loaded, `runner_fsm.pcp.native` writes it: the dispatch
+count, the layout, and the segments of the manager's own rank only (another rank's when
+read); otherwise numpy does. `tests/test_pcp_layout_vllm.py` holds both equal to vLLM's own on
+thousands of random batches. It installs only where the installed vLLM is that layout: the
+version the test pinned, the methods' signatures and the digest of their source (and of
+`RankSegment`, whose instances are made here without its `__init__`, for speed); anything
+else is left as vLLM wrote it, and the returned description says why (the worker records it
+in the log's first record).
 
-At call time the vectorised layout also steps aside, to vLLM's own method, for what it was
-not pinned on: a manager whose `shard_decode_requests` is not vLLM's rule (`dcp == 1`), or a
-`query_start_loc_np` that is not the running sum of the scheduled tokens.
+At call time it also steps aside, to vLLM's own method, for what it was not pinned on: a
+manager whose `shard_decode_requests` is not vLLM's rule (`dcp == 1`), a
+`query_start_loc_np` that is not the running sum of the scheduled tokens, or inputs the
+layout refuses (`BatchError`).
 """
 
 from __future__ import annotations
@@ -20,13 +26,14 @@ import hashlib
 import inspect
 import types
 from collections.abc import Sequence
-from typing import Any
+from itertools import repeat
+from typing import Any, Callable
 
 import numpy as np
 
 from runner_fsm.errors import BatchError
-from runner_fsm.pcp import layout, rows
-from runner_fsm.pcp.plan import _validate, num_tokens_for_dispatch
+from runner_fsm.pcp import layout, native, rows
+from runner_fsm.pcp.plan import _check_padding, _validate, num_tokens_for_dispatch
 
 PINNED_VERSION = "0.32.0"
 MODULE = "vllm.v1.worker.gpu.pcp_manager"
@@ -54,8 +61,11 @@ PINNED: dict[str, tuple[str, str]] = {
         "(self, num_scheduled_tokens: numpy.ndarray, is_prefilling: numpy.ndarray) -> numpy.ndarray", "0082bcf20f8b32f4"),
 }
 SEGMENT_FIELDS = ("global_batch_req_idx", "global_batch_slice", "rank_local_batch_slice")
-INSTANCE_ATTRS = ("pcp_world_size", "shard_decode_requests", "dcp_world_size", "device")
+SEGMENT_DIGEST = "9e08c4b26c3b2bb4"  # RankSegment's source: a frozen dataclass, no __post_init__, no slots
+INSTANCE_ATTRS = ("pcp_world_size", "pcp_rank", "shard_decode_requests", "dcp_world_size", "device")
+METHODS = ("_build_batch_layout", "get_num_tokens_for_dispatch")
 _MARK = "_runner_fsm_fast_pcp_layout"
+_PLANNER = f"{_MARK}_planner"  # the manager's `native.Planner`, where the compiled layout writes
 
 
 def source_digest(function: Any) -> str:
@@ -75,8 +85,6 @@ def schema_problems(manager_cls: type, version: str) -> list[str]:
             problems.append(f"PCPManager.{name} is missing")
             continue
         function = method.__func__ if isinstance(method, (staticmethod, classmethod)) else method
-        if getattr(function, _MARK, False):
-            function = getattr(manager_cls, f"{_MARK}_original_{name}")
         if str(inspect.signature(function)) != signature:
             problems.append(f"PCPManager.{name}{inspect.signature(function)}, pinned {signature}")
         elif digest and source_digest(function) != digest:
@@ -85,49 +93,65 @@ def schema_problems(manager_cls: type, version: str) -> list[str]:
     fields = tuple(f.name for f in dataclasses.fields(segment)) if dataclasses.is_dataclass(segment) else ()
     if fields != SEGMENT_FIELDS:
         problems.append(f"RankSegment fields {fields}, pinned {SEGMENT_FIELDS}")
+    elif source_digest(segment) != SEGMENT_DIGEST:
+        problems.append(f"RankSegment: source digest {source_digest(segment)}, pinned {SEGMENT_DIGEST}")
     return problems
 
 
-def install_fast_pcp_layout(target: Any) -> dict[str, Any]:
-    """Install on a `PCPManager` subclass or instance; return what was done, and why not.
+def _writer(dcp_size: int) -> str:
+    if dcp_size != 1:
+        return f"numpy (DCP {dcp_size}: decodes replicated, which the compiled layout does not write)"
+    status = native.status()
+    return "compiled layout (runner_fsm.pcp.native)" if status["native"] else f"numpy ({status['reason']})"
 
-    The description's keys: ``installed`` (bool), ``target``, ``vllm``, ``methods`` and,
-    when not installed, ``reason``. Installing twice is a no-op that says so.
-    """
+
+def check_fast_pcp_layout(manager_cls: type, dcp_size: int = 1) -> dict[str, Any]:
+    """What `install_fast_pcp_layout` will do on a manager of `manager_cls` (the class a runner
+    builds its manager from, before it exists), installing nothing: see there."""
     import vllm
     from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
-    is_class = isinstance(target, type)
-    cls = target if is_class else type(target)
-    description = {"installed": False, "target": f"{cls.__module__}.{cls.__qualname__}" + ("" if is_class else " instance"),
-                   "vllm": vllm.__version__, "methods": ["_build_batch_layout", "get_num_tokens_for_dispatch"],
-                   "policy": "runner_fsm.pcp.plan chunking='mrv2'"}
+    cls = manager_cls if isinstance(manager_cls, type) else type(manager_cls)
+    description = {"installed": False, "target": f"{cls.__module__}.{cls.__qualname__} instance",
+                   "vllm": vllm.__version__, "methods": list(METHODS),
+                   "policy": "runner_fsm.pcp.plan chunking='mrv2'", "writer": _writer(dcp_size)}
     if not issubclass(cls, PCPManager):
         return {**description, "reason": f"{cls.__qualname__} is not a vLLM PCPManager"}
-    if getattr(target, _MARK, False):
-        return {**description, "installed": True, "reason": "already installed"}
     problems = schema_problems(cls, vllm.__version__)
-    if not is_class:
-        problems += [f"instance lacks {a}" for a in INSTANCE_ATTRS if not hasattr(target, a)]
-    if problems:
-        return {**description, "reason": "; ".join(problems)}
-    if is_class:
-        for name in ("_build_batch_layout", "get_num_tokens_for_dispatch"):
-            setattr(cls, f"{_MARK}_original_{name}", cls.__dict__.get(name, getattr(cls, name)))
-        cls._build_batch_layout = _build_batch_layout
-        cls.get_num_tokens_for_dispatch = _get_num_tokens_for_dispatch
-    else:
-        for name in ("_build_batch_layout", "get_num_tokens_for_dispatch"):
-            setattr(target, f"{_MARK}_original_{name}", getattr(target, name))
-        target._build_batch_layout = types.MethodType(_build_batch_layout, target)
-        target.get_num_tokens_for_dispatch = types.MethodType(_get_num_tokens_for_dispatch, target)
-    setattr(target, _MARK, True)
-    return {**description, "installed": True}
+    return {**description, "reason": "; ".join(problems)} if problems else {**description, "installed": True}
 
 
-def _original(manager: Any, name: str):
-    method = getattr(manager, f"{_MARK}_original_{name}")
-    return method if isinstance(method, types.MethodType) else types.MethodType(method, manager)
+def install_fast_pcp_layout(manager: Any) -> dict[str, Any]:
+    """Install on one `PCPManager` instance; return what was done, and why not.
+
+    The description's keys: ``installed`` (bool), ``target``, ``vllm``, ``methods``, ``policy``,
+    ``writer`` and, when not installed, ``reason``. Installing twice is a no-op that says so;
+    a class is refused (every manager of the process would get it).
+    """
+    if isinstance(manager, type):
+        return {**check_fast_pcp_layout(manager), "installed": False,
+                "target": f"{manager.__module__}.{manager.__qualname__}",
+                "reason": "installs on a PCPManager instance only: a class is shared by every manager built from it"}
+    description = check_fast_pcp_layout(manager, getattr(manager, "dcp_world_size", 1))
+    if not description["installed"]:
+        return description
+    if manager.__dict__.get(_MARK):
+        return {**description, "reason": "already installed"}
+    missing = [f"instance lacks {a}" for a in INSTANCE_ATTRS if not hasattr(manager, a)]
+    if missing:
+        return {**description, "installed": False, "reason": "; ".join(missing)}
+    if description["writer"].startswith("compiled"):
+        setattr(manager, _PLANNER, native.Planner(manager.pcp_world_size))
+    for name in METHODS:
+        setattr(manager, f"{_MARK}_original_{name}", getattr(manager, name))
+    manager._build_batch_layout = types.MethodType(_build_batch_layout, manager)
+    manager.get_num_tokens_for_dispatch = types.MethodType(_get_num_tokens_for_dispatch, manager)
+    setattr(manager, _MARK, True)
+    return description
+
+
+def _original(manager: Any, name: str) -> Callable:
+    return getattr(manager, f"{_MARK}_original_{name}")
 
 
 def _pinned_config(manager: Any) -> bool:
@@ -135,88 +159,152 @@ def _pinned_config(manager: Any) -> bool:
     return bool(manager.shard_decode_requests) == (manager.dcp_world_size == 1)
 
 
-def _batch(manager: Any, num_scheduled: Any, is_prefilling: Any):
-    return _validate(num_scheduled, is_prefilling, None, manager.pcp_world_size, "mrv2", None)
-
-
 def _get_num_tokens_for_dispatch(self, num_scheduled_tokens, is_prefilling) -> int:
-    if not _pinned_config(self):
-        return _original(self, "get_num_tokens_for_dispatch")(num_scheduled_tokens, is_prefilling)
-    try:
-        return num_tokens_for_dispatch(num_scheduled_tokens, is_prefilling, self.pcp_world_size,
-                                       chunking="mrv2", dcp_size=self.dcp_world_size)
-    except BatchError:
-        return _original(self, "get_num_tokens_for_dispatch")(num_scheduled_tokens, is_prefilling)
+    if _pinned_config(self):
+        planner = self.__dict__.get(_PLANNER)
+        try:
+            if planner is not None:
+                planner.load(num_scheduled_tokens, is_prefilling)
+                return planner.dispatch_count()
+            return num_tokens_for_dispatch(num_scheduled_tokens, is_prefilling, self.pcp_world_size,
+                                           chunking="mrv2", dcp_size=self.dcp_world_size)
+        except BatchError:
+            pass
+    return _original(self, "get_num_tokens_for_dispatch")(num_scheduled_tokens, is_prefilling)
+
+
+class _StepAside(Exception):
+    """The batch is not one the layout was pinned on: vLLM's own method lays it out."""
 
 
 def _build_batch_layout(self, num_scheduled_tokens, num_computed_tokens, is_prefilling, query_start_loc_np,
                         padded_num_tokens=None):
     args = (num_scheduled_tokens, num_computed_tokens, is_prefilling, query_start_loc_np, padded_num_tokens)
-    if not _pinned_config(self):
-        return _original(self, "_build_batch_layout")(*args)
-    try:
-        batch = _batch(self, num_scheduled_tokens, is_prefilling)
-    except BatchError:
-        return _original(self, "_build_batch_layout")(*args)
-    starts = np.asarray(query_start_loc_np)
-    num_reqs, total = batch.num_scheduled.size, int(batch.num_scheduled.sum())
+    if _pinned_config(self):
+        planner = self.__dict__.get(_PLANNER)
+        try:
+            if planner is not None:
+                return _compiled_layout(self, planner, *args)
+            return _numpy_layout(self, *args)
+        except (BatchError, _StepAside):
+            pass
+    return _original(self, "_build_batch_layout")(*args)
+
+
+def _is_running_sum(starts: Any, lengths: np.ndarray) -> bool:
+    """Whether vLLM's `query_start_loc_np` starts each request where the one before ends (the
+    layout was pinned on that); entries past the last request repeat the total."""
+    num_reqs = lengths.size
+    if type(starts) is not np.ndarray or starts.ndim != 1 or starts.size <= num_reqs or starts[0] != 0:
+        return False
+    ends = lengths.cumsum()
+    return bool(starts[-1] == (ends[-1] if num_reqs else 0) and (starts[1:num_reqs + 1] == ends).all())
+
+
+def _to_device(array: np.ndarray, device: Any):
+    """vLLM's `async_tensor_h2d`, looked up once: an import statement in the step's path costs
+    about 5 us a step (it asks vLLM's `torch_utils` module `__getattr__` for `__path__`)."""
+    global _to_device
+    from vllm.utils.torch_utils import async_tensor_h2d
+
+    _to_device = async_tensor_h2d
+    return async_tensor_h2d(array, device=device)
+
+
+def _too_small(padded: int, widest: int) -> ValueError:
+    return ValueError("PCP padded token count is smaller than the largest rank-local "
+                      f"batch: {padded} < {widest}.")
+
+
+def _compiled_layout(self, planner: native.Planner, num_scheduled, num_computed, is_prefilling, starts, padded):
+    planner.load(num_scheduled, is_prefilling)
+    if not _is_running_sum(starts, planner.lengths):
+        raise _StepAside
+    n, per_rank, ints, mask = planner.plan(padded)
+    if n == native.PADDING_TOO_SMALL:
+        raise _too_small(padded, max(per_rank))
+    size = self.pcp_world_size * n
+    self._hidden_restore_idx = _to_device(ints[size:], device=self.device)
+    self._padded_gather_idx = _to_device(ints[:size], device=self.device)
+    self._gathered_kv_write_mask = _to_device(mask, device=self.device)
+    batch = planner.batch()  # for another rank's segments, read later (vLLM reads only its own)
+    segments = SegmentsByRank(self.pcp_world_size,
+                              lambda rank: native.rank_segments(*batch, self.pcp_world_size, rank))
+    segments.known(self.pcp_rank, planner.rank_segments(self.pcp_rank))
+    return segments, per_rank
+
+
+def _numpy_layout(self, num_scheduled, num_computed, is_prefilling, starts, padded):
+    batch = _validate(num_scheduled, is_prefilling, None, self.pcp_world_size, "mrv2", None)
+    _check_padding(padded, self.pcp_world_size)
+    if not _is_running_sum(starts, batch.num_scheduled):
+        raise _StepAside
     req_start = np.cumsum(batch.num_scheduled) - batch.num_scheduled
-    if (starts.ndim != 1 or starts.size < num_reqs + 1 or int(starts[-1]) != total
-            or not np.array_equal(starts[:num_reqs], req_start) or int(starts[num_reqs]) != total):
-        return _original(self, "_build_batch_layout")(*args)
     segs, shared = layout.plan_segments(batch.num_scheduled, batch.is_prefilling, batch.num_computed,
                                         self.pcp_world_size, "mrv2", self.dcp_world_size)
     per_rank = segs.tokens_per_rank.tolist()
     widest = max(per_rank)
-    if padded_num_tokens is None:
-        padded_num_tokens = widest
-    elif padded_num_tokens < widest:
-        raise ValueError(
-            "PCP padded token count is smaller than the largest rank-local "
-            f"batch: {padded_num_tokens} < {widest}."
-        )
+    if padded is None:
+        padded = widest
+    elif padded < widest:
+        raise _too_small(padded, widest)
     # Fresh arrays, not a workspace: on a CPU device vLLM's tensors below alias them.
-    gathered, write_mask, restore = rows.gathered_layout(segs, shared, req_start, total, padded_num_tokens)
-    from vllm.utils.torch_utils import async_tensor_h2d
+    gathered, write_mask, restore = rows.gathered_layout(segs, shared, req_start, int(starts[-1]), padded)
+    self._hidden_restore_idx = _to_device(restore, device=self.device)
+    self._padded_gather_idx = _to_device(gathered.reshape(-1), device=self.device)
+    self._gathered_kv_write_mask = _to_device(write_mask.reshape(-1), device=self.device)
+    bounds = np.concatenate([[0], np.cumsum(segs.per_rank)]).tolist()
 
-    self._hidden_restore_idx = async_tensor_h2d(restore, device=self.device)
-    self._padded_gather_idx = async_tensor_h2d(gathered.reshape(-1), device=self.device)
-    self._gathered_kv_write_mask = async_tensor_h2d(write_mask.reshape(-1), device=self.device)
-    return SegmentsByRank(segs, req_start), per_rank
+    def columns(rank: int) -> list[list[int]]:
+        lo, hi = bounds[rank], bounds[rank + 1]
+        req, length = segs.req[lo:hi], segs.length[lo:hi]
+        start, local_end = req_start[req] + segs.offset[lo:hi], np.cumsum(length)
+        return [req.tolist(), start.tolist(), (start + length).tolist(), (local_end - length).tolist(),
+                local_end.tolist()]
+    return SegmentsByRank(self.pcp_world_size, columns), per_rank
+
+
+def rank_segments(columns: list[list[int]]) -> list:
+    """vLLM `RankSegment`s from five columns (request, first and end global token, first and end
+    row of the rank). Made without the frozen dataclass's `__init__`, whose three
+    `object.__setattr__` calls cost about three times this per segment (hundreds a step): its
+    fields go straight into each instance's `__dict__`, as `__init__` would put them
+    (`schema_problems` pins RankSegment's source)."""
+    from vllm.v1.worker.gpu.pcp_manager import RankSegment
+
+    req, start, end, local, local_end = columns
+    made = list(map(object.__new__, repeat(RankSegment, len(req))))
+    req_field, global_field, local_field = SEGMENT_FIELDS
+    for segment, i, global_slice, local_slice in zip(made, req, map(slice, start, end), map(slice, local, local_end)):
+        fields = segment.__dict__
+        fields[req_field], fields[global_field], fields[local_field] = i, global_slice, local_slice
+    return made
 
 
 class SegmentsByRank(Sequence):
-    """vLLM's `segments_by_rank`, each rank's list of `RankSegment` built when first read
-    (MRV2 reads only its own rank's): per-segment objects only for the rank that needs them."""
+    """vLLM's `segments_by_rank`: each rank's list of `RankSegment` built when first read
+    (MRV2 reads only its own rank's), from `columns(rank)` (see `rank_segments`)."""
 
-    def __init__(self, segs: layout.Segments, req_start: np.ndarray):
-        self._segs, self._req_start = segs, req_start
-        self._bounds = np.concatenate([[0], np.cumsum(segs.per_rank)]).tolist()
+    def __init__(self, num_ranks: int, columns: Callable[[int], list[list[int]]]):
+        self._num_ranks, self._columns = num_ranks, columns
         self._built: dict[int, list] = {}
+        self._known: dict[int, list[list[int]]] = {}
+
+    def known(self, rank: int, columns: list[list[int]]) -> None:
+        """Rank `rank`'s columns, worked out already."""
+        self._known[rank] = columns
 
     def __len__(self) -> int:
-        return self._segs.per_rank.size
+        return self._num_ranks
 
     def __getitem__(self, rank):
         if isinstance(rank, slice):
             return [self[r] for r in range(len(self))[rank]]
         rank = range(len(self))[rank]
         if rank not in self._built:
-            self._built[rank] = self._build(rank)
+            columns = self._known.pop(rank, None)
+            self._built[rank] = rank_segments(self._columns(rank) if columns is None else columns)
         return self._built[rank]
-
-    def _build(self, rank: int) -> list:
-        from vllm.v1.worker.gpu.pcp_manager import RankSegment
-
-        lo, hi = self._bounds[rank], self._bounds[rank + 1]
-        req, length = self._segs.req[lo:hi], self._segs.length[lo:hi]
-        start = self._req_start[req] + self._segs.offset[lo:hi]
-        local_end = np.cumsum(length)
-        return [
-            RankSegment(global_batch_req_idx=i, global_batch_slice=slice(a, a + n),
-                        rank_local_batch_slice=slice(e - n, e))
-            for i, a, n, e in zip(req.tolist(), start.tolist(), length.tolist(), local_end.tolist())
-        ]
 
     def __eq__(self, other) -> bool:
         return isinstance(other, Sequence) and len(other) == len(self) and all(

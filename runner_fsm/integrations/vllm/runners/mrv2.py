@@ -50,6 +50,7 @@ class MRV2Runner(RunnerAdapter):
         self._base_ptrs: list[int] = []  # their addresses
         self.pcp = None  # PCPEvidence under PCP, once the KV cache exists (`attach_kv`)
         self._pcp_fault: Callable[[str], bool] | None = None
+        self._fast_pcp_layout = False  # install it on the PCP manager once that exists (`attach_kv`)
 
     def attach(self, step_of: Callable[[], int] | None = None) -> None:
         """Observe each forward's inputs; `step_of()` names the worker's current step."""
@@ -64,6 +65,8 @@ class MRV2Runner(RunnerAdapter):
 
         manager = self.runner.pcp_manager
         if manager is not None and self.pcp is None:
+            if self._fast_pcp_layout:  # before PCPEvidence wraps the methods it replaces
+                self._install_fast_pcp_layout(manager)
             self.pcp = PCPEvidence(manager, self._step_of, self._pcp_fault)
 
     def _keep_prepared(self, prepare, args, kwargs, *, dummy: bool):
@@ -159,10 +162,24 @@ class MRV2Runner(RunnerAdapter):
             wrap_method(speculator, "propose", propose_unless_skipped)
 
     def install_fast_pcp_layout(self) -> dict:
-        """Into the PCP manager class this runner builds (`pcp_manager_cls`), before it is built."""
+        """On the PCP manager instance this runner builds with the KV cache (`attach_kv`), never on
+        its class, which vLLM shares: checked here, before the manager exists, installed there."""
+        from runner_fsm.integrations.vllm.pcp_layout import check_fast_pcp_layout
+
+        par = self.runner.parallel_config
+        if int(getattr(par, "prefill_context_parallel_size", 1) or 1) <= 1:
+            return {"installed": False, "reason": "PCP 1: the runner builds no PCP manager"}
+        description = check_fast_pcp_layout(self.runner.pcp_manager_cls,
+                                            int(getattr(par, "decode_context_parallel_size", 1) or 1))
+        self._fast_pcp_layout = description["installed"]
+        return description
+
+    def _install_fast_pcp_layout(self, manager) -> None:
         from runner_fsm.integrations.vllm.pcp_layout import install_fast_pcp_layout
 
-        return install_fast_pcp_layout(self.runner.pcp_manager_cls)
+        description = install_fast_pcp_layout(manager)
+        if not description["installed"]:  # the log's first record said it would be
+            raise RuntimeError(f"fast_pcp_layout: not installed on the PCP manager: {description['reason']}")
 
     def draft_model(self) -> torch.nn.Module | None:
         spec = self.runner.speculator
