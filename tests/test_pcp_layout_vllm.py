@@ -186,6 +186,24 @@ def test_installed_manager_lays_out_what_vllm_does(dcp, writer, monkeypatch):
 
 
 @pytest.mark.parametrize(("dcp", "writer"), WRITERS)
+def test_a_steps_layout_stays_intact_while_the_next_is_built(dcp, writer, monkeypatch):
+    """On a CPU device the manager's tensors alias the layout's arrays: the step before's must
+    survive the next step's layout (vLLM reads a step's within it; one step of slack).
+    Mutation that fails it: the compiled writer's `Planner.plan` writing into one workspace."""
+    rng = np.random.default_rng(40 + dcp)
+    fast = fast_manager(4, dcp, writer, monkeypatch)
+    kept = None
+    for _ in range(30):
+        scheduled, computed, prefilling = random_batch(rng)
+        qsl = np.concatenate([[0], np.cumsum(scheduled)]).astype(np.int32)
+        fast._build_batch_layout(scheduled, computed, prefilling, qsl)
+        tensors = (fast._padded_gather_idx, fast._gathered_kv_write_mask, fast._hidden_restore_idx)
+        if kept is not None:
+            assert all(t.tolist() == copy for t, copy in zip(*kept))
+        kept = (tensors, [t.tolist() for t in tensors])
+
+
+@pytest.mark.parametrize(("dcp", "writer"), WRITERS)
 def test_installed_layout_refuses_padding_below_the_widest_like_vllm(dcp, writer, monkeypatch):
     scheduled, prefilling = np.array([1, 10], np.int32), np.array([False, True])
     for mgr in (fast_manager(2, dcp, writer, monkeypatch), manager(2, dcp)):

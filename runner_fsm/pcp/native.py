@@ -195,30 +195,41 @@ def plan_into(lengths: np.ndarray, prefilling: np.ndarray, pcp_size: int, padded
     n_arg = _padded(pcp_size, padded)
     workspace.reserve(0, 0, 3 * pcp_size + 1)  # rows of each rank, T, then 2P cursors
     args = (lengths.ctypes.data, prefilling.ctypes.data, lengths.size, pcp_size, n_arg)
+    n = _plan_with(lib, args, workspace)
+    _refused(n, pcp_size, n_arg)
+    return n, workspace.scratch[:pcp_size + 1]
+
+
+def _plan_with(lib: ctypes.CDLL, args: tuple, workspace: PlanWorkspace) -> int:
+    """`mrv2_plan` into `workspace`, grown and called again when its buffers are short: N, or
+    the C code's answer. `args`: lengths, flags, R, P, N (the caller checked them)."""
+    pcp = args[3]
     while True:
         ints, bools = workspace.buffers()
         at_ints, at_bools, at_scratch = workspace.addresses
         n = lib.mrv2_plan(*args, at_ints, ints.size, at_bools, bools.size, at_scratch, workspace.scratch.size)
         if n != NEEDS_SPACE:
-            break
-        total, rows = int(workspace.scratch[pcp_size]), pcp_size * int(workspace.scratch[pcp_size + 1])
+            return n
+        total, rows = int(workspace.scratch[pcp]), pcp * int(workspace.scratch[pcp + 1])
         workspace.reserve(rows + total, rows)
-    _refused(n, pcp_size, n_arg)
-    return n, workspace.scratch[:pcp_size + 1]
 
 
 class Planner:
     """The compiled layout for a caller that plans step after step with one P (vLLM's PCP
     manager: `integrations/vllm/pcp_layout.py`). Each batch is copied into memory kept from
     call to call, whose addresses are read once per growth (a read of numpy's `.ctypes.data`
-    costs about 1.5 us, a copy of a few hundred lengths less); each plan is written into fresh
-    arrays, which the caller hands on (on a CPU device vLLM's tensors alias them)."""
+    costs about 1.5 us, a copy of a few hundred lengths less). Plans are written into two
+    `PlanWorkspace`s in turn: a plan stays intact while the next one is written, and is
+    overwritten by the one after it. Fresh arrays each step would cost a page fault per 4 KiB
+    written (rows.py), right after the engine's own work about as much as the whole layout."""
 
     def __init__(self, pcp_size: int):
         self.pcp_size = check_pcp(pcp_size)
         self._lib = _required()
-        self._scratch = np.empty(3 * self.pcp_size + 1, dtype=np.int64)  # rows of each rank, T, 2P cursors
-        self._at_scratch = self._scratch.ctypes.data
+        self._spaces = (PlanWorkspace(), PlanWorkspace())
+        for space in self._spaces:
+            space.reserve(0, 0, 3 * self.pcp_size + 1)  # rows of each rank, T, then 2P cursors
+        self._turn = 0
         self.num_reqs = 0
         self._reserve(64)
 
@@ -258,24 +269,23 @@ class Planner:
         return count
 
     def plan(self, padded: int | None) -> tuple[int, list[int], np.ndarray, np.ndarray]:
-        """(N, rows of each rank, ints, mask) of the loaded batch, in fresh arrays: ints holds the
-        gathered layout ``[:P * N]`` and then the restore index ``[P * N:]``; N is
-        `PADDING_TOO_SMALL` (and the arrays empty) when `padded` is below the widest rank's rows."""
-        pcp, plan = self.pcp_size, self._lib.mrv2_plan
+        """(N, rows of each rank, ints, mask) of the loaded batch: ints holds the gathered layout
+        ``[:P * N]`` and then the restore index ``[P * N:]``, views of this turn's workspace
+        (valid until the plan after next); N is `PADDING_TOO_SMALL` (the arrays empty) when
+        `padded` is below the widest rank's rows."""
+        pcp = self.pcp_size
         n_arg = _padded(pcp, padded)
-        args = (*self._at, self.num_reqs, pcp, n_arg)
-        n = plan(*args, 0, 0, 0, 0, self._at_scratch, self._scratch.size)  # sizes the outputs
-        if n == NEEDS_SPACE:
-            total, rows = int(self._scratch[pcp]), pcp * int(self._scratch[pcp + 1])
-            block = np.empty(8 * (rows + total) + rows, dtype=np.uint8)  # one allocation, one address
-            at = block.ctypes.data
-            n = plan(*args, at, rows + total, at + 8 * (rows + total), rows, self._at_scratch, self._scratch.size)
-            ints, mask = block[:8 * (rows + total)].view(np.int64), block[8 * (rows + total):].view(np.bool_)
-        else:  # nothing to write (no tokens), or refused
-            ints, mask = np.empty(0, dtype=np.int64), np.empty(0, dtype=np.bool_)
-        if n < 0 and n != PADDING_TOO_SMALL:
-            _refused(n, pcp, n_arg)
-        return n, self._scratch[:pcp].tolist(), ints, mask
+        space = self._spaces[self._turn]
+        self._turn ^= 1
+        n = _plan_with(self._lib, (*self._at, self.num_reqs, pcp, n_arg), space)
+        counts = space.scratch
+        if n < 0:
+            if n != PADDING_TOO_SMALL:
+                _refused(n, pcp, n_arg)
+            return n, counts[:pcp].tolist(), np.empty(0, dtype=np.int64), np.empty(0, dtype=np.bool_)
+        ints, bools = space.buffers()
+        size = pcp * n
+        return n, counts[:pcp].tolist(), ints[:size + int(counts[pcp])], bools[:size]
 
     def rank_segments(self, rank: int) -> list[list[int]]:
         """Rank `rank`'s segments of the loaded batch, in its order, as five lists: request,

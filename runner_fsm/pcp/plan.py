@@ -140,9 +140,10 @@ def _validate(
     chunking: str,
     max_num_tokens: int | None,
 ) -> _Batch:
-    # bounded before any array is sized by it (and before ctypes, which would truncate it)
-    if not isinstance(pcp_size, (int, np.integer)) or not 1 <= int(pcp_size) <= native.MAX_PCP:
-        raise BatchError(f"pcp_size must be an integer in [1, {native.MAX_PCP}], got {pcp_size!r}")
+    if not isinstance(pcp_size, (int, np.integer)) or pcp_size < 1:
+        raise BatchError(f"pcp_size must be an integer >= 1, got {pcp_size!r}")
+    if int(pcp_size) > native.MAX_PCP:  # before any array is sized by it (or ctypes truncates it)
+        raise BatchError(f"pcp_size must be at most {native.MAX_PCP}, got {pcp_size!r}")
     if chunking not in layout.POLICIES:
         raise BatchError(f"chunking must be one of {', '.join(layout.POLICIES)}, got {chunking!r}")
     scheduled = int_array("num_scheduled", num_scheduled)
