@@ -147,6 +147,11 @@ for name, call in [
      lambda: lib.mrv2_rank_segments(at(np.array([9, -1, 1])), at(flags), 3, P, 0, at(segs), 4)),
     ("segments: a sum that wraps",
      lambda: lib.mrv2_rank_segments(at(np.array([2**63 - 1, 2, 1])), at(flags), 3, P, 0, at(segs), 4)),
+    ("starts: fewer than R + 1", lambda: lib.mrv2_is_running_sum(at(lengths), 3, at(np.array([0, 9, 10])), 3)),
+    ("starts: a negative length",
+     lambda: lib.mrv2_is_running_sum(at(np.array([9, -1, 1])), 3, at(np.array([0, 9, 8, 9])), 4)),
+    ("starts: a sum that wraps",
+     lambda: lib.mrv2_is_running_sum(at(np.array([2**63 - 1, 2, 1])), 3, at(np.array([0, 2**63 - 1, 0, 0])), 4)),
 ]:
     out[name] = [call(), untouched(), scratch.tolist() if name == "scratch one short" else None]
 # rank 1 has three segments (a decode, the prefill's chunks 1 and 2): room for two
@@ -173,6 +178,7 @@ def test_the_c_code_refuses_what_python_would_have_refused_and_writes_nothing():
         "lengths whose sum wraps": large, "dispatch: pcp 0": bad, "dispatch: a negative length": bad,
         "dispatch: a sum that wraps": large, "segments: rank -1": bad, "segments: rank P": bad,
         "segments: cap -1": bad, "segments: a negative length": bad, "segments: a sum that wraps": large,
+        "starts: fewer than R + 1": bad, "starts: a negative length": bad, "starts: a sum that wraps": 0,
     }
     for name, code in expected_codes.items():
         answer, untouched, scratch = got[name]

@@ -193,6 +193,20 @@ def test_the_planner_plans_what_plan_batch_does_and_keeps_the_plan_before(pcp):
         before = (ints.copy(), ints, mask.copy(), mask)
 
 
+def test_the_planner_knows_starts_that_begin_each_request():
+    """vLLM's query_start_loc_np: the running sum (entries past the last request repeat T for
+    padding), anything else is not. Mutation that fails it: `mrv2_is_running_sum` not reading
+    the last entry."""
+    planner = native.Planner(2)
+    planner.load(np.array([3, 0, 5], dtype=np.int32), np.array([False, True, True]))
+    for starts, begins in (([0, 3, 3, 8], True), ([0, 3, 3, 8, 8, 8], True), ([0, 3, 3, 8, 8, 9], False),
+                           ([0, 3, 4, 8], False), ([1, 4, 4, 9], False), ([0, 3, 3], False), ([0, 3, 3, 7], False)):
+        assert planner.begins_each_request(np.array(starts, dtype=np.int32)) is begins, starts
+    assert planner.begins_each_request(np.concatenate([[0, 3, 3], np.full(500, 8)])) is True  # grows its buffer
+    assert planner.begins_each_request(np.array([0.0, 3.0, 3.0, 8.0])) is False  # not integers
+    assert planner.begins_each_request([0, 3, 3, 8]) is False  # not an array
+
+
 def test_the_planner_pads_and_refuses_like_plan_batch():
     planner = native.Planner(2)
     planner.load(np.array([10, 1], dtype=np.int64), np.array([True, False]))

@@ -222,3 +222,18 @@ int64_t mrv2_rank_segments(const int64_t *lengths, const uint8_t *prefilling, in
 #undef MRV2_SEGMENT
     return count > cap ? MRV2_NEEDS_SPACE : count;
 }
+
+/* 1 when starts[i] is where request i begins (the running sum of the lengths before it) for
+ * every i <= R and the last of the `num_starts` entries is T, else 0 (the layout above
+ * starts each request there); MRV2_BAD_ARGUMENT for fewer than R + 1 starts or a length < 0.
+ * It only reads. */
+int64_t mrv2_is_running_sum(const int64_t *lengths, int64_t num_reqs, const int64_t *starts,
+                            int64_t num_starts) {
+    if (num_reqs < 0 || num_starts <= num_reqs) return MRV2_BAD_ARGUMENT;
+    int64_t first = 0;
+    for (int64_t i = 0; i < num_reqs; i++) {
+        if (lengths[i] < 0) return MRV2_BAD_ARGUMENT;
+        if (starts[i] != first || __builtin_add_overflow(first, lengths[i], &first)) return 0;
+    }
+    return starts[num_reqs] == first && starts[num_starts - 1] == first;
+}

@@ -47,6 +47,7 @@ SIGNATURES = {
     "mrv2_dispatch_count": [_ptr, _ptr, _int, _int],
     "mrv2_plan": [_ptr, _ptr, _int, _int, _int, _ptr, _int, _ptr, _int, _ptr, _int],
     "mrv2_rank_segments": [_ptr, _ptr, _int, _int, _int, _ptr, _int],
+    "mrv2_is_running_sum": [_ptr, _int, _ptr, _int],
 }
 _lock = threading.Lock()
 _state: tuple[ctypes.CDLL | None, str | None] | None = None  # (library, why not), once loaded
@@ -236,9 +237,10 @@ class Planner:
     def _reserve(self, num_reqs: int) -> None:
         self._lengths = np.empty(num_reqs, dtype=np.int64)
         self._flags = np.empty(num_reqs, dtype=np.bool_)
+        self._starts = np.empty(num_reqs + 1, dtype=np.int64)
         self._segments = np.empty((5, 2 * num_reqs), dtype=np.int64)  # at most 2 per request
         self._at = (self._lengths.ctypes.data, self._flags.ctypes.data)
-        self._at_segments = self._segments.ctypes.data
+        self._at_starts, self._at_segments = self._starts.ctypes.data, self._segments.ctypes.data
 
     def load(self, num_scheduled: np.ndarray, is_prefilling: np.ndarray) -> None:
         """Copy in the batch the calls below plan: integer lengths and bool flags, one per request."""
@@ -254,10 +256,17 @@ class Planner:
         self._flags[:num_reqs] = is_prefilling
         self.num_reqs = num_reqs
 
-    @property
-    def lengths(self) -> np.ndarray:
-        """The loaded lengths (int64), until the next load."""
-        return self._lengths[:self.num_reqs]
+    def begins_each_request(self, starts: np.ndarray) -> bool:
+        """Whether `starts` (vLLM's `query_start_loc_np`) holds where each loaded request
+        begins, then T, and T again in its last entry (entries past T are for padding)."""
+        if type(starts) is not np.ndarray or starts.ndim != 1 or starts.dtype.kind not in "iu":
+            return False
+        size = starts.size
+        if size > self._starts.size:
+            self._starts = np.empty(size + size // 4, dtype=np.int64)
+            self._at_starts = self._starts.ctypes.data
+        self._starts[:size] = starts
+        return self._lib.mrv2_is_running_sum(self._at[0], self.num_reqs, self._at_starts, size) == 1
 
     def batch(self) -> tuple[np.ndarray, np.ndarray]:
         """Copies of the loaded lengths (int64) and flags, which later loads leave alone."""

@@ -25,14 +25,13 @@ from __future__ import annotations
 import hashlib
 import inspect
 import types
-from collections.abc import Sequence
-from itertools import repeat
 from typing import Any, Callable
 
 import numpy as np
 import torch
 
 from runner_fsm.errors import BatchError
+from runner_fsm.integrations.vllm.rank_segments import FIELDS, SegmentsByRank
 from runner_fsm.pcp import layout, native, rows
 from runner_fsm.pcp.plan import _check_padding, _validate, num_tokens_for_dispatch
 
@@ -61,7 +60,7 @@ PINNED: dict[str, tuple[str, str]] = {
     "replicated_requests": (
         "(self, num_scheduled_tokens: numpy.ndarray, is_prefilling: numpy.ndarray) -> numpy.ndarray", "0082bcf20f8b32f4"),
 }
-SEGMENT_FIELDS = ("global_batch_req_idx", "global_batch_slice", "rank_local_batch_slice")
+SEGMENT_FIELDS = FIELDS
 SEGMENT_DIGEST = "9e08c4b26c3b2bb4"  # RankSegment's source: a frozen dataclass, no __post_init__, no slots
 INSTANCE_ATTRS = ("pcp_world_size", "pcp_rank", "shard_decode_requests", "dcp_world_size", "device")
 METHODS = ("_build_batch_layout", "get_num_tokens_for_dispatch")
@@ -227,7 +226,7 @@ def _too_small(padded: int, widest: int) -> ValueError:
 
 def _compiled_layout(self, planner: native.Planner, num_scheduled, num_computed, is_prefilling, starts, padded):
     planner.load(num_scheduled, is_prefilling)
-    if not _is_running_sum(starts, planner.lengths):
+    if not planner.begins_each_request(starts):
         raise _StepAside
     # Views of the planner's workspaces, intact until the layout after next. vLLM's manager reads
     # a step's layout within that step (partition_batch, prepare_attn, the drafter's prefill,
@@ -275,52 +274,3 @@ def _numpy_layout(self, num_scheduled, num_computed, is_prefilling, starts, padd
         return [req.tolist(), start.tolist(), (start + length).tolist(), (local_end - length).tolist(),
                 local_end.tolist()]
     return SegmentsByRank(self.pcp_world_size, columns), per_rank
-
-
-def rank_segments(columns: list[list[int]]) -> list:
-    """vLLM `RankSegment`s from five columns (request, first and end global token, first and end
-    row of the rank). Made without the frozen dataclass's `__init__`, whose three
-    `object.__setattr__` calls cost about three times this per segment (hundreds a step): its
-    fields go straight into each instance's `__dict__`, as `__init__` would put them
-    (`schema_problems` pins RankSegment's source)."""
-    from vllm.v1.worker.gpu.pcp_manager import RankSegment
-
-    req, start, end, local, local_end = columns
-    made = list(map(object.__new__, repeat(RankSegment, len(req))))
-    req_field, global_field, local_field = SEGMENT_FIELDS
-    for segment, i, global_slice, local_slice in zip(made, req, map(slice, start, end), map(slice, local, local_end)):
-        fields = segment.__dict__
-        fields[req_field], fields[global_field], fields[local_field] = i, global_slice, local_slice
-    return made
-
-
-class SegmentsByRank(Sequence):
-    """vLLM's `segments_by_rank`: each rank's list of `RankSegment` built when first read
-    (MRV2 reads only its own rank's), from `columns(rank)` (see `rank_segments`)."""
-
-    def __init__(self, num_ranks: int, columns: Callable[[int], list[list[int]]]):
-        self._num_ranks, self._columns = num_ranks, columns
-        self._built: dict[int, list] = {}
-        self._known: dict[int, list[list[int]]] = {}
-
-    def known(self, rank: int, columns: list[list[int]]) -> None:
-        """Rank `rank`'s columns, worked out already."""
-        self._known[rank] = columns
-
-    def __len__(self) -> int:
-        return self._num_ranks
-
-    def __getitem__(self, rank):
-        if isinstance(rank, slice):
-            return [self[r] for r in range(len(self))[rank]]
-        rank = range(len(self))[rank]
-        if rank not in self._built:
-            columns = self._known.pop(rank, None)
-            self._built[rank] = rank_segments(self._columns(rank) if columns is None else columns)
-        return self._built[rank]
-
-    def __eq__(self, other) -> bool:
-        return isinstance(other, Sequence) and len(other) == len(self) and all(
-            list(a) == list(b) for a, b in zip(self, other))
-
-    __hash__ = None
