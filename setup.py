@@ -50,7 +50,8 @@ setup(
     ext_modules=[Extension(
         "runner_fsm.pcp._mrv2_layout", [SOURCE], optional=True,
         define_macros=[("MRV2_SOURCE_DIGEST", f'"{DIGEST}"')],
-        export_symbols=["mrv2_layout_source_digest", "mrv2_dispatch_count", "mrv2_plan", "mrv2_rank_segments"],
+        export_symbols=["mrv2_layout_source_digest", "mrv2_dispatch_count", "mrv2_plan", "mrv2_rank_segments",
+                        "mrv2_is_running_sum"],
     )],
     cmdclass={"build_ext": OptionalLibrary},
 )
