@@ -32,6 +32,7 @@ import re
 
 import orjson
 
+from runner_fsm.audit.order import last_phase
 from runner_fsm.audit.report import ReplayInputError
 from runner_fsm.audit.shape import JOB_EVENT, JobShape
 
@@ -49,6 +50,9 @@ class RankInfo:
     pcp_rank: int
     path: Path
     shape: JobShape | None = None  # the job as this log's first record declares it
+    # K, the drafter's tokens per step, where the `job` record names it (`num_speculative_tokens`,
+    # the vLLM worker's): it bounds the phases of a step (`audit.order`, rule 0).
+    spec_tokens: int | None = None
 
     @property
     def file(self) -> str:
@@ -70,17 +74,18 @@ def discover(run_dir: str | os.PathLike[str]) -> list[RankInfo]:
     if not ranked:
         raise ReplayInputError(f"no rank-<global_rank>.jsonl files in {directory}; is it a run directory?")
     probed = {rank: _probe(path) for rank, path in ranked}
-    shape = next((shape for _, shape in probed.values() if shape is not None), None)
+    shape = next((shape for _, shape, _ in probed.values() if shape is not None), None)
     pcp_size = shape.pcp_size if shape is not None else \
-        1 + max((coords[1] for coords, _ in probed.values() if coords), default=0)
-    return [RankInfo(rank, *(probed[rank][0] or divmod(rank, pcp_size)), path, probed[rank][1])
+        1 + max((coords[1] for coords, _, _ in probed.values() if coords), default=0)
+    return [RankInfo(rank, *(probed[rank][0] or divmod(rank, pcp_size)), path, probed[rank][1], probed[rank][2])
             for rank, path in ranked]
 
 
-def _probe(path: Path) -> tuple[tuple[int, int] | None, JobShape | None]:
-    """(dp_rank, pcp_rank) from the first record that has both (or None), and the job's shape
-    when the first line is a `job` record (or None: a log of a writer that logs no shape)."""
-    coords = shape = None
+def _probe(path: Path) -> tuple[tuple[int, int] | None, JobShape | None, int | None]:
+    """(dp_rank, pcp_rank) from the first record that has both (or None), the job's shape
+    when the first line is a `job` record (or None: a log of a writer that logs no shape), and
+    the drafter's K when that record names it."""
+    coords = shape = spec_tokens = None
     try:
         with open(path, "rb") as lines:
             for line_no, raw in enumerate(islice(lines, _PROBE_LINES), 1):
@@ -94,12 +99,14 @@ def _probe(path: Path) -> tuple[tuple[int, int] | None, JobShape | None]:
                         shape = JobShape.from_record(record)
                     except ValueError as err:
                         raise ReplayInputError(f"{path}:1: unreadable job shape: {err}") from None
+                    k = record.get("num_speculative_tokens")
+                    spec_tokens = k if isinstance(k, int) and not isinstance(k, bool) and k >= 0 else None
                 if isinstance(dp_rank, int) and isinstance(pcp_rank, int):
                     coords = dp_rank, pcp_rank
                     break
     except OSError as err:
         raise ReplayInputError(f"cannot read {path}: {err}") from err
-    return coords, shape
+    return coords, shape, spec_tokens
 
 
 def layout_of(infos: list[RankInfo]) -> tuple[int, int]:
@@ -140,6 +147,12 @@ class Groups:
 
     def replica(self, rank: int) -> int:
         return self.infos[rank].dp_rank
+
+    @property
+    def last_phase(self) -> int | None:
+        """The last phase of a step, when every log names the same drafter K (else unknown)."""
+        ks = {info.spec_tokens for info in self.infos.values()}
+        return last_phase(ks.pop()) if len(ks) == 1 and None not in ks else None
 
     def replicas_text(self, ranks) -> str:
         """'replica 1 (ranks 2, 3)' for a set of ranks, grouped by replica."""

@@ -111,6 +111,9 @@ class FSMWorkerMixin:
                                               if self.rope_verdict.defective else "none: vLLM's own op kept")}
         if self.fsm_options.fast_pcp_layout:  # opt-in: a change of vLLM behaviour (DESIGN section 10)
             changed["fast_pcp_layout"] = self.runner_adapter.install_fast_pcp_layout()
+        if self.drafting:  # not opt-in: installed only where vLLM's own draft path is known to fail
+            changed["draft_dp_sync"] = self.runner_adapter.install_draft_dp_sync(dp_size, pcp_size)
+            changed["num_speculative_tokens"] = int(self.vllm_config.speculative_config.num_speculative_tokens)
         return job_shape_fields(dp_size, pcp_size, self.dp_rank, self.pcp_rank, groups=groups,
                                 vllm=schema.installed_version(), **self.runner_adapter.describe(),
                                 supplied=supplied, **changed)
