@@ -121,14 +121,15 @@ def out_of_order(sent: Mapping[int, Sequence[int]], *, last_phase: int | None = 
     return OutOfOrder((), None, TIE, None, keyed)
 
 
+def past_last_phase(phase, last_phase: int | None) -> bool:
+    """Whether `phase` comes after `last_phase` (rule 0's test; False when either is unknown)."""
+    return last_phase in PHASE_ORDER and phase in PHASE_ORDER and PHASE_ORDER[phase] > PHASE_ORDER[last_phase]
+
+
 def _beyond(keyed: tuple[tuple[int, tuple], ...], last_phase: int | None) -> OutOfOrder | None:
     """Rule 0: the replicas whose phase comes after `last_phase`, when some (not all) do and
     they agree on one key."""
-    last = PHASE_ORDER.get(last_phase) if last_phase is not None else None
-    if last is None:
-        return None
-    odd = {replica: key for replica, key in keyed
-           if len(key) > 1 and key[1] in PHASE_ORDER and PHASE_ORDER[key[1]] > last}
+    odd = {replica: key for replica, key in keyed if len(key) > 1 and past_last_phase(key[1], last_phase)}
     if not odd or len(odd) == len(keyed) or len(set(odd.values())) != 1:
         return None
     key = next(iter(odd.values()))

@@ -117,6 +117,13 @@ def layout_of(infos: list[RankInfo]) -> tuple[int, int]:
     return 1 + max(i.dp_rank for i in infos), 1 + max(i.pcp_rank for i in infos)
 
 
+def job_last_phase(infos) -> int | None:
+    """The last phase of a step (`audit.order.last_phase`), when every log names the same
+    drafter K; None (unknown) otherwise."""
+    ks = {info.spec_tokens for info in infos}
+    return last_phase(ks.pop()) if len(ks) == 1 and None not in ks else None
+
+
 def instance_key(group: str, info: RankInfo) -> tuple:
     if group == "dp":
         return ("dp", info.pcp_rank)
@@ -150,9 +157,7 @@ class Groups:
 
     @property
     def last_phase(self) -> int | None:
-        """The last phase of a step, when every log names the same drafter K (else unknown)."""
-        ks = {info.spec_tokens for info in self.infos.values()}
-        return last_phase(ks.pop()) if len(ks) == 1 and None not in ks else None
+        return job_last_phase(self.infos.values())
 
     def replicas_text(self, ranks) -> str:
         """'replica 1 (ranks 2, 3)' for a set of ranks, grouped by replica."""

@@ -32,16 +32,21 @@ from runner_fsm.integrations.vllm.watchdog import Watchdog
 
 
 class DPSupport:
-    def __init__(self, recorder, *, dp_rank: int, dp_size: int, timeout_s: float, injection=None, flight=None):
+    def __init__(self, recorder, *, dp_rank: int, dp_size: int, timeout_s: float, injection=None, flight=None,
+                 last_phase: int | None = None):
         self.recorder, self.dp_rank, self.audit = recorder, dp_rank, recorder.audit
         self.flight = flight  # the worker's WorkerFlight: dumped when the watchdog fires
         self.injector = VLLMInjector(injection, dp_rank)
         store = dist.distributed_c10d._get_default_store()  # the job's store, as the embedded engine uses
-        heartbeat = Heartbeat(store, ParallelLayout(dp_size=dp_size, pcp_size=1).validate(), dp_rank)
+        # `last_phase` (from the drafter's K, the same on every replica) lets the agreement and the
+        # watchdog name a replica that runs a draft pass no step has (`audit.order`, rule 0).
+        heartbeat = Heartbeat(store, ParallelLayout(dp_size=dp_size, pcp_size=1).validate(), dp_rank,
+                              last_phase=last_phase)
         self.watchdog = Watchdog(heartbeat, timeout_s, dp_rank=dp_rank, on_fault=self._log_fault).start()
         self.tap = dp_agreement.AgreementTap(dp_rank, dp_size, audit=self.audit, beat=self.watchdog.beat,
                                              rows_hook=self._rows_hook, position=self._position,
                                              enqueue_extra=self._agreement_extra)
+        self.tap.last_phase = last_phase
         self.drafts = DraftLedger(dp_rank)
         self.adapter: RunnerAdapter | None = None
         self._undo = lambda: None
@@ -58,12 +63,11 @@ class DPSupport:
             return None
         dp_schema.check_dp_hooks(mrv2=worker.runner_adapter.name != "v1")
         opts = worker.fsm_options
-        support = cls(worker.recorder, dp_rank=int(par.data_parallel_rank), dp_size=int(par.data_parallel_size),
-                      timeout_s=opts.collective_timeout_s, injection=inject.parse(opts.inject) if opts.inject else None,
-                      flight=worker.flight)
         spec = worker.vllm_config.speculative_config
-        support.tap.last_phase = last_phase(int(spec.num_speculative_tokens) if spec is not None else 0)
-        return support
+        return cls(worker.recorder, dp_rank=int(par.data_parallel_rank), dp_size=int(par.data_parallel_size),
+                   timeout_s=opts.collective_timeout_s, injection=inject.parse(opts.inject) if opts.inject else None,
+                   flight=worker.flight,
+                   last_phase=last_phase(int(spec.num_speculative_tokens) if spec is not None else 0))
 
     def attach(self, adapter: RunnerAdapter) -> None:
         """Once vLLM's model runner (and drafter) are loaded: agreement, phase tags, forwards, faults."""
