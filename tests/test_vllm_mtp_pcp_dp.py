@@ -31,14 +31,12 @@ from __future__ import annotations
 
 import os
 import re
-import shutil
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
-import orjson
 import pytest
 import vllm_dp_cases as c
 from vllm_checks import hf_greedy, mrv2_env
@@ -195,18 +193,6 @@ def test_every_replica_joins_its_own_draft_agreement_each_step(runs):
         assert min(idle) == IDLE_FROM
 
 
-def _stripped(run_dir: Path) -> Path:
-    """A copy of the run's logs without a single `fault` record: replay must find the fault in
-    the evidence, not in what the worker said of it."""
-    copy = run_dir.parent / (run_dir.name + "-stripped")
-    shutil.copytree(run_dir, copy, dirs_exist_ok=True)
-    for path in copy.glob("rank-*.jsonl"):
-        kept = [line for line in path.read_bytes().splitlines(keepends=True)
-                if line.strip() and orjson.loads(line).get("event") != "fault"]
-        path.write_bytes(b"".join(kept))
-    return copy
-
-
 @pytest.mark.parametrize("label", list(FAULTS))
 def test_draft_faults_stop_every_rank_online_naming_the_replica_and_step(runs, label):
     """Online: the busy replica waits in the draft's own DP agreement that the idle one skipped
@@ -236,9 +222,10 @@ def test_replay_names_the_draft_fault_from_the_evidence(runs, label):
     """Offline, with every `fault` record stripped: the culprit replica at the step, no finding
     that blames the replica that ran soundly (a `gap` where a stripped record was is the
     stripping's). Mutation (draft-steps-mismatch): the hang check without the job's K
-    (`Groups.last_phase` None) -> the busy replica is blamed for the hang."""
+    (`Groups.last_phase` None) -> the busy replica is blamed for the hang; the Flight Recorder
+    join without `_extra_draft_pass` -> `source_disagreement`."""
     kind, replica = FAULTS[label]
-    stripped = _stripped(_run_dir(runs, label))
+    stripped = c.stripped(_run_dir(runs, label))
     assert not any(r["event"] == "fault" for rank in range(2 * PCP) for r in _records(stripped, rank))
     code, verdicts = c.replay_json(stripped)
     print(f"\n{label}: replay: " + "; ".join(f"{v['kind']} replica {v['replica']} step {v['step']}" for v in verdicts))
@@ -246,3 +233,5 @@ def test_replay_names_the_draft_fault_from_the_evidence(runs, label):
     named = {(v["kind"], v["replica"], v["step"]) for v in verdicts}
     assert {(k, replica, IDLE_FROM) for k in NAMED_BY[kind]} <= named, verdicts
     assert all(v["replica"] in (replica, None) for v in verdicts if v["kind"] in BLAMING), verdicts
+    # the Flight Recorder shows the sound replica never started the extra agreement: rightly
+    assert not [v for v in verdicts if v["kind"] == "source_disagreement"], verdicts
