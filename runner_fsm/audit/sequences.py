@@ -29,7 +29,8 @@ import collections
 import dataclasses
 
 from runner_fsm.audit.order import past_last_phase
-from runner_fsm.audit.read import Groups, RankStep, StepMerger
+from runner_fsm.audit.ranks import Groups
+from runner_fsm.audit.read import RankStep, StepMerger
 from runner_fsm.audit.report import RELAYED_FAULTS, Verdict, key_label, label, phase_label, sequence_label
 
 
