@@ -109,7 +109,9 @@ def main() -> None:
              baseline=f"DP=1 x PCP=2 {one['wrapper_us']:.1f} us", ratio=f"{two['wrapper_us'] / one['wrapper_us']:.2f}x",
              target="report", status=status or "report",
              note=("bench_vllm_worker's paired timers in every worker (median over steps, then over workers);"
-                   " at DP=2 the step adds the TARGET and DRAFT_PREFILL agreement rows and their records")),
+                   " under PCP the forward hook logs the PCP manager's evidence; at DP=2 DP support's forward"
+                   " pre-hook adds an expert-collective record and the watchdog's position in the job's store,"
+                   " while the agreement rows ride inside vLLM's DP sync and count as vLLM's time")),
     ]
     for row in rows:
         print("SUITE_ROW " + json.dumps(row), flush=True)
