@@ -115,6 +115,9 @@ class FSMWorkerMixin:
                                               if self.rope_verdict.defective else "none: vLLM's own op kept")}
         if self.fsm_options.fast_pcp_layout:  # opt-in: a change of vLLM behaviour (DESIGN section 10)
             changed["fast_pcp_layout"] = self.runner_adapter.install_fast_pcp_layout()
+        if self.drafting:  # not opt-in: installed only where vLLM's own draft path is known to fail
+            changed["draft_dp_sync"] = self.runner_adapter.install_draft_dp_sync(place.sizes.dp, place.sizes.pcp)
+            changed["num_speculative_tokens"] = int(self.vllm_config.speculative_config.num_speculative_tokens)
         sizes, coords = place.sizes, place.coords
         return job_shape_fields(sizes.dp, sizes.pcp, coords.dp, coords.pcp, tp_size=sizes.tp, tp_rank=coords.tp,
                                 pp_size=sizes.pp, pp_rank=coords.pp, dcp_size=place.dcp_size, groups=groups,

@@ -90,8 +90,9 @@ class V1Runner(RunnerAdapter):
             batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
         return True
 
-    def install_faults(self, *, skip_dummy_forward: Callable[[], bool],
-                       skip_draft_sync: Callable[[], bool], pcp_fault: Callable[[str], bool] | None = None) -> None:
+    def install_faults(self, *, skip_dummy_forward: Callable[[], bool], skip_draft_sync: Callable[[], bool],
+                       draft_steps_mismatch: Callable[[], bool] | None = None,
+                       pcp_fault: Callable[[str], bool] | None = None) -> None:
         runner = self.runner
 
         def determine_then_maybe_skip(determine, args, kwargs):
