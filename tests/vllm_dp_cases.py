@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import orjson
 
 from runner_fsm.audit import read_records
 from runner_fsm.integrations.vllm import harness as h
@@ -49,3 +52,15 @@ def replay_json(run_dir: Path) -> tuple[int, list[dict]]:
                          capture_output=True, text=True, timeout=300)
     data = json.loads(out.stdout) if out.stdout.strip() else {}
     return out.returncode, data.get("verdicts", data if isinstance(data, list) else [])
+
+
+def stripped(run_dir: Path) -> Path:
+    """A copy of the run's logs without a single `fault` record: replay must find the fault in
+    the evidence, not in what the worker said of it."""
+    copy = run_dir.parent / (run_dir.name + "-stripped")
+    shutil.copytree(run_dir, copy, dirs_exist_ok=True)
+    for path in copy.glob("rank-*.jsonl"):
+        kept = [line for line in path.read_bytes().splitlines(keepends=True)
+                if line.strip() and orjson.loads(line).get("event") != "fault"]
+        path.write_bytes(b"".join(kept))
+    return copy

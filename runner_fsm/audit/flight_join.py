@@ -22,14 +22,15 @@ Only the tail of each audit log is read: memory stays flat in the size of the lo
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterable
 
 import orjson
 
 from runner_fsm.audit.flight import RankDump, describe, group_views, in_flight, named_ranks, read_dumps
 from runner_fsm.audit.mapped import data_end
-from runner_fsm.audit.read import RankInfo, discover
+from runner_fsm.audit.order import past_last_phase
+from runner_fsm.audit.ranks import RankInfo, discover, job_last_phase
+from runner_fsm.audit.rundirs import RunDirs
 from runner_fsm.audit.report import ReplayReport, Verdict, sort_verdicts
 
 SEQ_JOINED_GROUPS = ("dp",)  # groups whose every torch collective is one audited collective
@@ -85,7 +86,7 @@ def read_tail(info: RankInfo) -> AuditTail:
     return tail
 
 
-def join_flight_recorder(report: ReplayReport, run_dir: str | os.PathLike[str]) -> ReplayReport:
+def join_flight_recorder(report: ReplayReport, run_dir: RunDirs) -> ReplayReport:
     """`report` with the Flight Recorder dumps of `run_dir` joined in (itself when there are none)."""
     dumps = read_dumps(run_dir)
     if not dumps:
@@ -114,8 +115,12 @@ def join_flight_recorder(report: ReplayReport, run_dir: str | os.PathLike[str]) 
 def _missing_logs(dumps: dict[int, RankDump], tails: dict[int, AuditTail], verdicts) -> list[Verdict]:
     """`missing_rank` for each rank the dumps name that has no audit log (and no verdict yet)."""
     known = {rank for v in verdicts if v.kind == "missing_rank" for rank in v.ranks}
+    shape = next((tail.info.shape for tail in tails.values() if tail.info.shape is not None), None)
     pcp_size = 1 + max((tail.info.pcp_rank for tail in tails.values()), default=0)
-    return [Verdict("missing_rank", rank // pcp_size, None, f"rank {rank} left no audit log, though"
+
+    def replica(rank: int) -> int:
+        return shape.coords(rank).dp if shape is not None and rank < shape.world_size else rank // pcp_size
+    return [Verdict("missing_rank", replica(rank), None, f"rank {rank} left no audit log, though"
                     f" {'it left a Flight Recorder dump' if rank in dumps else why}; nothing it did can be judged",
                     (rank,), f"rank-{rank}.jsonl", evidence=BOTH)
             for rank, why in sorted(named_ranks(dumps).items()) if rank not in tails and rank not in known]
@@ -149,13 +154,21 @@ def _annotate_hang(verdicts, dumps, view, name, seq, tails, steps, audit_seq: st
             detail = (f"{verdict.detail}; flight recorder: {describe(dumps, view, seq)}{audit_seq};"
                       f" audit log: {where}")
             verdict = dataclasses.replace(verdict, detail=detail, evidence=BOTH)
-            if behind and not behind & set(verdict.ranks):
+            if behind and not behind & set(verdict.ranks) and not _extra_draft_pass(verdict, name, seq, tails):
                 out.append(Verdict("source_disagreement", verdict.replica, verdict.step,
                                    f"the audit log blames rank(s) {_ids(verdict.ranks)} for the hang in group"
                                    f" {name}, the Flight Recorder shows rank(s) {_ids(sorted(behind))} never"
                                    f" started #{seq}", tuple(sorted(behind)), evidence=BOTH))
         out.append(verdict)
     return out
+
+
+def _extra_draft_pass(verdict, name, seq: int, tails) -> bool:
+    """The hang's blamed ranks wait at `seq` in a phase past the last of any step (`audit.order`,
+    rule 0): the members the Flight Recorder shows never starting it rightly did not."""
+    last = job_last_phase(tail.info for tail in tails.values())
+    waits = [tails[r].collectives.get((name, seq - 1)) for r in verdict.ranks if r in tails]
+    return bool(waits) and all(rec is not None and past_last_phase(rec.get("phase"), last) for rec in waits)
 
 
 def _annotate_rematched(verdicts, dumps, view, name, tails) -> list[Verdict]:

@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Callable
 
 from runner_fsm.audit.order import key_text, out_of_order
-from runner_fsm.audit.read import Groups, RankStep
+from runner_fsm.audit.ranks import Groups
+from runner_fsm.audit.read import RankStep
 from runner_fsm.audit.report import Verdict
 
 WINDOW = 2  # steps an agreement waits for its peers' (a skip puts the two sides one step apart)
@@ -60,7 +61,7 @@ class AgreementPairs:
 
     def _judge(self, sent: dict[int, tuple]) -> None:
         by_replica = {self.groups.replica(rank): key for rank, key in sent.items()}
-        found = out_of_order(by_replica)
+        found = out_of_order(by_replica, last_phase=self.groups.last_phase)
         if found is None:
             return
         each = ", ".join(f"replica {replica} sent {key_text(key)}" for replica, key in found.sent)

@@ -21,7 +21,8 @@ import orjson
 from runner_fsm.audit.checks import BufferTracker, TransitionChecker, check_own_agreement, dispatch_problem
 from runner_fsm.audit.context_rule import ContextEvidence
 from runner_fsm.audit.mapped import is_blank, rest_is_blank
-from runner_fsm.audit.read import RankInfo, RankStep, StepBuilder, freeze as _freeze
+from runner_fsm.audit.ranks import RankInfo
+from runner_fsm.audit.read import RankStep, StepBuilder, freeze as _freeze
 from runner_fsm.audit.report import Verdict, label
 
 TERMINAL_STATES = ("stopped", "faulted")

@@ -22,7 +22,6 @@ layout refuses (`BatchError`).
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import types
 from typing import Any, Callable
@@ -31,6 +30,7 @@ import numpy as np
 import torch
 
 from runner_fsm.errors import BatchError
+from runner_fsm.integrations.vllm.pinning import source_digest
 from runner_fsm.integrations.vllm.rank_segments import FIELDS, SegmentsByRank
 from runner_fsm.pcp import layout, native, rows
 from runner_fsm.pcp.plan import _check_padding, _validate, num_tokens_for_dispatch
@@ -66,10 +66,6 @@ INSTANCE_ATTRS = ("pcp_world_size", "pcp_rank", "shard_decode_requests", "dcp_wo
 METHODS = ("_build_batch_layout", "get_num_tokens_for_dispatch")
 _MARK = "_runner_fsm_fast_pcp_layout"
 _PLANNER = f"{_MARK}_planner"  # the manager's `native.Planner`, where the compiled layout writes
-
-
-def source_digest(function: Any) -> str:
-    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
 
 
 def schema_problems(manager_cls: type, version: str) -> list[str]:
