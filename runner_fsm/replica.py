@@ -296,8 +296,7 @@ class Replica:
         gathered = await self.collectives.run(
             "pcp", "all_gather", evidence.gather_output_digests, self.pcp_group, self.step_id, digest,
             step_id=self.step_id, phase=dp.TARGET, shapes=[(2,)],
-            enqueue_extra={"output": {"digest": digest, "tokens": count}},
-            done_extra=lambda got: {"outputs": [d for _, d in got]})
+            enqueue_extra={"output": {"digest": digest, "tokens": count}})  # each peer logs its own
         if len({d for _, d in gathered}) > 1 or any(s != self.step_id for s, _ in gathered):
             raise DesyncError(f"replica {self.dp_rank}, step {self.step_id}: its PCP ranks sampled"
                               f" different tokens (output digest per PCP rank {[d for _, d in gathered]})")

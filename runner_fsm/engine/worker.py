@@ -96,7 +96,8 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
     rc = cfg.runner_config()
     layout = cfg.layout
     audit = AuditLog(cfg.run_dir, cfg.run_id, global_rank, dp_rank, pcp_rank,
-                     shape=job_shape_fields(layout.dp_size, layout.pcp_size, dp_rank, pcp_rank))
+                     shape=job_shape_fields(layout.dp_size, layout.pcp_size, dp_rank, pcp_rank),
+                     max_log_bytes=cfg.max_log_bytes)
     model, drafter = _model_and_drafter(cfg, groups)
     replica = Replica(
         rc, dp_rank=dp_rank, pcp_rank=pcp_rank, model=model, drafter=drafter,

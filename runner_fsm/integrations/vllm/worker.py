@@ -81,11 +81,13 @@ class FSMWorkerMixin:
         run = agree_run(opts.run_dir, opts.run_id)  # over the whole job, every node
         run_dir = run.run_dir
         audit = AuditLog(run_dir, run.run_id, self.global_rank, self.dp_rank, self.pcp_rank,
-                         shape=self._job_shape(run.hosts))
+                         shape=self._job_shape(run.hosts), max_log_bytes=opts.max_log_bytes,
+                         pinned_steps=opts.pinned_steps)
         self.run_dir = run_dir
         self.flight = WorkerFlight(run_dir, self.global_rank, self.parallel_config)
-        self.recorder = ReplicaRecorder(audit, Journal(run_dir, self.global_rank),
-                                        fingerprints=opts.audit == "full")
+        journal = Journal(run_dir, self.global_rank)
+        audit.add_companion(journal)  # its segments go with the log's, under one cap
+        self.recorder = ReplicaRecorder(audit, journal, fingerprints=opts.audit == "full")
         self.install_extensions()
 
     def _job_shape(self, hosts: dict[str, list[int]]) -> dict:

@@ -1,0 +1,322 @@
+"""The compact encoding of audit records on disk (schema 2, `record_format: compact`).
+
+A log written with the job's shape (every log the runner and the vLLM worker write) begins
+each segment with its `job` record, in full: the run id, the rank's coordinates, the schema,
+the time base. Every other record says only what is its own, in short keys:
+
+    {"s":12,"q":340,"t":5120,"tr":["decode","ready","decode"]}    the first record of step 12
+    {"t":210,"c":["dp","all_reduce",1,12,[[9,2]]],"sent":{...}}    the next ones
+    {"t":395,"d":"dp","ag":[[2,1],0,0,0,0]}
+
+- `s`, `q`: step id and seq, on the first record of each step (any change of step id, null
+  included); the records after it are seq q+1, q+2, ... (a lost line shows at the next step's
+  `q`). `t`: microseconds, on a step's first record since the previous step's first record (the
+  segment's first step: since its `job` record, whose `t_ns` is absolute), on the others since
+  their step's first record. Times are read from a segment's start (`read_records`, the trace
+  export); a replay that seeks into a segment does not need them.
+- the event, one key: `tr` a transition: its trigger alone when it went as the table says
+  (outcome `ok`, from the previous transition's `dst` in this segment to the table's `dst`),
+  else `[trigger, src, dst]` (outcome `ok`) or `[trigger, src, dst, outcome]`; `c` a collective's enqueue `[group, op, phase, pg_seq, shapes]`; `d` its
+  done: the group's name when it closes that group's last open enqueue (op, phase, pg_seq and
+  shapes are the enqueue's), else `[group, op, phase, pg_seq, shapes]`; `b` a buffers record's
+  reason, with `buf`: {name: [ptr, shape, version(, digest(, rows))]} (digest null where only
+  rows follow), or with several buffers `p0` (the lowest ptr: each ptr is written less it) and,
+  where every buffer has one, `v` (the version: left out of each entry), or `"buf":"="` for
+  the very buffers of the step's previous `buffers` record (a graph replay's inputs, logged
+  right after they were written); `g` a graph action;
+  `f` a fault `[error, message]`; `e` any other event, whose fields follow as they are.
+- the record's other fields under their own names, except a DP agreement's `sent` (a
+  `LocalDispatch`) as `sn`: [status, num_tokens, graph_mode, uniform_token_count, num_reqs] and
+  its `agreed` (a `DPSyncState`) as `ag`: [num_tokens_across_dp, graph_mode,
+  uniform_token_count, num_reqs, all_idle as 0/1], each followed by [step_id, phase] only where
+  those differ from the record's own; and a forward's context identity `ctx` as `"="` where it
+  is its batch's (`batch`, the same record).
+
+`Expander` turns them back into the records of DESIGN section 7, every header field filled
+from the segment's `job` record (what `read_records` and replay read). `CompactRenderer` writes
+them; the bodies a hot loop renders once (`transition_body`, `BuffersTemplate` in `render`) are
+compact already.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from runner_fsm.audit.render import dumps_record
+from runner_fsm.states.table import TRANSITIONS
+
+FORMAT_FIELD, FORMAT = "record_format", "compact"  # in the `job` record of a compact log
+# Keys of a compact record; a record's own fields may not use them.
+KEYS = frozenset({"s", "q", "t", "tr", "c", "d", "b", "buf", "p0", "v", "g", "f", "e", "ag", "sn"})
+SAME = "="  # a value the record (or the step's previous buffers record) holds already
+SENT_FIELDS = ("status", "num_tokens", "graph_mode", "uniform_token_count", "num_reqs")
+AGREED_FIELDS = ("num_tokens_across_dp", "graph_mode", "uniform_token_count", "num_reqs", "all_idle")
+_SENT_KEYS = frozenset(SENT_FIELDS) | {"step_id", "phase"}
+_AGREED_KEYS = frozenset(AGREED_FIELDS) | {"step_id", "phase"}
+_NEW_STEP = object()  # no record yet in this segment: the next one starts a step
+# Each trigger has one destination in the table; some have one source too.
+_DEST = {t.trigger.value: t.dest.value for t in TRANSITIONS}
+_ONLY_SOURCE = {t.trigger.value: t.sources[0].value for t in TRANSITIONS if len(t.sources) == 1}
+# transition body -> (src, dst, its short body or None), filled by `transition_body`
+_EDGES: dict[bytes, tuple[str, str, bytes | None]] = {}
+
+
+def is_compact(job: Mapping[str, Any] | None) -> bool:
+    """Whether the log a `job` record begins is compact."""
+    return job is not None and job.get(FORMAT_FIELD) == FORMAT
+
+
+def transition_body(trigger: str, src: str, dst: str, outcome: str) -> bytes:
+    """A transition's body, as `AuditLog.rendered` takes it (in full: the renderer writes the
+    trigger alone where the record chains on and goes where the table says)."""
+    body = dumps_record({"tr": [trigger, src, dst] if outcome == "ok" else [trigger, src, dst, outcome]})
+    if body not in _EDGES and len(_EDGES) < 4096:
+        short = dumps_record({"tr": trigger}) if outcome == "ok" and _DEST.get(trigger) == dst else None
+        _EDGES[body] = (src, dst, short)
+    return body
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _dispatch(value: Any, step: Any, phase: Any, fields: tuple[str, ...], keys: frozenset) -> Any:
+    """`sent`/`agreed` as their list (see the module docstring), or None to keep it as it is."""
+    if type(value) is not dict or value.keys() != keys:
+        return None
+    out = [value[name] for name in fields]
+    if fields is AGREED_FIELDS and type(out[4]) is bool:
+        out[4] = int(out[4])
+    if value["step_id"] != step or value["phase"] != phase:
+        out += (value["step_id"], value["phase"])
+    return out
+
+
+class CompactRenderer:
+    """The lines of one segment's records after its `job` record, whose `t_ns` is `t0_ns`."""
+
+    def __init__(self, t0_ns: int):
+        self.t0 = int(t0_ns)
+        self.step: Any = _NEW_STEP  # the step of the last record written
+        self._step_t = self.t0
+        self._state: str | None = None  # the last transition's dst in this segment
+        self._buffers: tuple = (None, None)  # (step, buffers) of the last buffers record
+        self._open: dict[Any, tuple] = {}  # group -> (op, phase, pg_seq) of its last open enqueue
+
+    def lines(self, seq: int, records, now: int) -> bytes:
+        """The lines of `records` ((t_ns, event, step_id, fields), ...) numbered from `seq`,
+        joined by newlines; `now` for a t_ns of None. Inline, one call per write: it runs two or
+        three times a vLLM step, each right after vLLM evicted the CPU caches."""
+        out, step, step_t = [], self.step, self._step_t
+        try:
+            for t_ns, event, step_id, fields in records:
+                t = t_ns or now
+                if step_id != self.step or self.step is _NEW_STEP:
+                    head = b'{"s":%b,"q":%d,"t":%d,' % (b"null" if step_id is None else b"%d" % step_id, seq,
+                                                         (t - self._step_t) // 1000)
+                    self.step, self._step_t = step_id, t
+                else:
+                    head = b'{"t":%d,' % ((t - self._step_t) // 1000)
+                if type(fields) is not bytes:
+                    body = self._body(event, step_id, fields)
+                else:
+                    body = fields
+                    if event == "transition":
+                        edge = _EDGES.get(fields)
+                        if edge is not None:
+                            if edge[2] is not None and edge[0] == self._state:
+                                body = edge[2]
+                            self._state = edge[1]
+                out.append(head[:-1] + b"}" if len(body) == 2 else head + body[1:])
+                seq += 1
+        except BaseException:  # none of it is written: the next record starts its step anew
+            self.step, self._step_t = step, step_t
+            raise
+        return out[0] if len(out) == 1 else b"\n".join(out)
+
+    def _body(self, event: str, step_id, fields: dict) -> bytes:
+        if event == "collective":
+            return self._collective(step_id, fields)
+        if event == "transition":
+            body = transition_body(fields["trigger"], fields["src"], fields["dst"], fields["outcome"])
+            edge = _EDGES.get(body)
+            if edge is not None:
+                if edge[2] is not None and edge[0] == self._state:
+                    body = edge[2]
+                self._state = edge[1]
+            return body
+        if event == "buffers":
+            rest = dict(fields)
+            buffers = rest.pop("buffers")
+            same = self._buffers == (step_id, buffers)
+            self._buffers = (step_id, buffers)
+            return dumps_record({"b": rest.pop("reason"), **(_buffers(buffers) if not same else {"buf": SAME}),
+                                 **rest})
+        if event == "graph":
+            rest = dict(fields)
+            return dumps_record({"g": rest.pop("action"), **rest})
+        if event == "fault" and fields.keys() == {"error", "message"}:
+            return dumps_record({"f": [fields["error"], fields["message"]]})
+        return dumps_record({"e": event, **fields})
+
+    def _collective(self, step_id, fields: dict) -> bytes:
+        group, op, phase, pg_seq, shapes = (fields.pop("group"), fields.pop("op"), fields.pop("phase"),
+                                            fields.pop("pg_seq"), fields.pop("shapes"))
+        stage = fields.pop("stage")
+        if stage == "enqueue":
+            self._open[group] = (op, phase, pg_seq)
+            head: dict = {"c": [group, op, phase, pg_seq, shapes]}
+        else:
+            closes = self._open.get(group) == (op, phase, pg_seq)
+            if closes:
+                del self._open[group]
+            head = {"d": group if closes else [group, op, phase, pg_seq, shapes]}
+        if "sent" in fields:
+            sent = _dispatch(fields["sent"], step_id, phase, SENT_FIELDS, _SENT_KEYS)
+            if sent is not None:
+                del fields["sent"]
+                head["sn"] = sent
+        if "agreed" in fields:
+            agreed = _dispatch(fields["agreed"], step_id, phase, AGREED_FIELDS, _AGREED_KEYS)
+            if agreed is not None:
+                del fields["agreed"]
+                head["ag"] = agreed
+        if "ctx" in fields and fields["ctx"] == fields.get("batch"):
+            fields["ctx"] = SAME
+        return dumps_record({**head, **fields})
+
+
+def _buffers(buffers: dict) -> dict:
+    """`buf` (and `p0`, `v`) of a buffers record (see the module docstring)."""
+    fps = list(buffers.values())
+    if len(fps) < 2 or not all(type(fp["ptr"]) is int for fp in fps):
+        return {"buf": {name: _buffer(fp) for name, fp in buffers.items()}}
+    base = min(fp["ptr"] for fp in fps)
+    version = fps[0]["version"]
+    shared = all(fp["version"] == version for fp in fps)
+    out = {"buf": {name: _buffer(fp, base, shared) for name, fp in buffers.items()}, "p0": base}
+    if shared:
+        out["v"] = version
+    return out
+
+
+def _buffer(fp: dict, base: int = 0, shared: bool = False) -> list:
+    out = [fp["ptr"] - base, fp["shape"]] if shared else [fp["ptr"] - base, fp["shape"], fp["version"]]
+    if "digest" in fp or "rows" in fp:
+        out.append(fp.get("digest"))
+    if "rows" in fp:
+        out.append(fp["rows"])
+    return out
+
+
+# ---------------------------------------------------------------- reading
+
+
+
+class Expander:
+    """Records of one compact segment back in full (DESIGN section 7): call it with each record
+    after the segment's `job` record, in file order (or from the first record of a step)."""
+
+    def __init__(self, job: Mapping[str, Any]):
+        self._head = {"schema": job.get("schema"), "run_id": job.get("run_id")}
+        self._ranks = {"dp_rank": job.get("dp_rank"), "pcp_rank": job.get("pcp_rank")}
+        self.t0 = job.get("t_ns") or 0
+        self.seq = (job.get("seq") or 0) + 1
+        self.step: Any = None
+        self._step_t = self.t0
+        self._open: dict[Any, tuple] = {}  # group -> (op, phase, pg_seq, shapes)
+        self.state: str | None = None  # the last transition's dst (None: not known)
+        self._last_buffers: tuple = (None, {})  # (step, buffers) of the last buffers record
+
+    def resume(self) -> None:
+        """The next record is read after a jump in the file: it begins a step; what came
+        before it (the last transition's dst, open collectives, times) is not known."""
+        self._open.clear()
+        self.state = None
+        self._last_buffers = (None, {})
+
+    def __call__(self, record: dict) -> dict:
+        if "event" in record:  # a record in full (the `job` record of the segment)
+            return record
+        if "s" in record:
+            self.step, self.seq = record.pop("s"), record.pop("q")
+            self._step_t = t_ns = self._step_t + record.pop("t") * 1000
+        else:
+            t_ns = self._step_t + record.pop("t", 0) * 1000
+        seq = self.seq
+        self.seq = seq + 1
+        out = {**self._head, "seq": seq, "t_ns": t_ns, **self._ranks}
+        step = self.step
+        if "tr" in record:
+            edge = record.pop("tr")
+            if type(edge) is str:  # as the table says, from the last transition's dst
+                src = self.state if self.state is not None else _ONLY_SOURCE.get(edge)
+                edge = (edge, src, _DEST.get(edge))
+            self.state = edge[2]
+            out.update(event="transition", step_id=step, trigger=edge[0], src=edge[1], dst=edge[2],
+                       outcome=edge[3] if len(edge) > 3 else "ok")
+        elif "c" in record:
+            group, op, phase, pg_seq, shapes = record.pop("c")
+            self._open[group] = (op, phase, pg_seq, shapes)
+            out.update(event="collective", step_id=step, group=group, op=op, phase=phase, shapes=shapes,
+                       pg_seq=pg_seq, stage="enqueue")
+            self._dispatch(record, step, phase)
+        elif "d" in record:
+            done = record.pop("d")
+            if isinstance(done, list):
+                group, op, phase, pg_seq, shapes = done
+            else:
+                group = done
+                op, phase, pg_seq, shapes = self._open.pop(group, (None, None, None, None))
+            out.update(event="collective", step_id=step, group=group, op=op, phase=phase, shapes=shapes,
+                       pg_seq=pg_seq, stage="done")
+            self._dispatch(record, step, phase)
+        elif "b" in record:
+            out.update(event="buffers", step_id=step, reason=record.pop("b"), buffers=self._buffers(record, step))
+        elif "g" in record:
+            out.update(event="graph", step_id=step, action=record.pop("g"))
+        elif "f" in record:
+            error, message = record.pop("f")
+            out.update(event="fault", step_id=step, error=error, message=message)
+        else:
+            out.update(event=record.pop("e", None), step_id=step)
+        out.update(record)
+        return out
+
+    def _buffers(self, record: dict, step) -> dict:
+        buf, base, version = record.pop("buf"), record.pop("p0", 0), record.pop("v", None)
+        if buf == SAME:  # the step's previous buffers record's
+            last_step, last = self._last_buffers
+            return {name: dict(fp) for name, fp in last.items()} if last_step == step else {}
+        out = {}
+        for name, fp in buf.items():
+            if version is None:
+                entry = {"ptr": fp[0] + base, "shape": fp[1], "version": fp[2]}
+                more = fp[3:]
+            else:
+                entry = {"ptr": fp[0] + base, "shape": fp[1], "version": version}
+                more = fp[2:]
+            if more and more[0] is not None:
+                entry["digest"] = more[0]
+            if len(more) > 1:
+                entry["rows"] = more[1]
+            out[name] = entry
+        self._last_buffers = (step, out)
+        return out
+
+    @staticmethod
+    def _dispatch(record: dict, step, phase) -> None:
+        if record.get("ctx") == SAME:
+            record["ctx"] = dict(record["batch"])
+        sent = record.pop("sn", None)
+        if sent is not None:
+            record["sent"] = _unlist(sent, step, phase, SENT_FIELDS)
+        agreed = record.pop("ag", None)
+        if agreed is not None:
+            record["agreed"] = value = _unlist(agreed, step, phase, AGREED_FIELDS)
+            value["all_idle"] = bool(value["all_idle"])
+
+
+def _unlist(values: list, step, phase, fields: tuple[str, ...]) -> dict:
+    own = values[5:] if len(values) > 5 else (step, phase)
+    return {"step_id": own[0], "phase": own[1], **dict(zip(fields, values))}
