@@ -267,8 +267,8 @@ class Replica:
         return await self.collectives.run(
             "expert", "forward", self._checked_forward, run, ctx_id, batch_id,
             step_id=self.step_id, phase=dp.TARGET, shapes=[(step.num_rows,)],
-            enqueue_extra={"rows": step.num_rows, "dispatch_count": step.dispatch_count,
-                           "graph": step.agreed.use_graph, "ctx": ctx_id, "batch": batch_id},
+            # Its rows are its shapes', its dispatch count the agreement's (`sent`): not repeated.
+            enqueue_extra={"graph": step.agreed.use_graph, "ctx": ctx_id, "batch": batch_id},
             done_extra=self._exchange_stats)
 
     def _checked_forward(self, run, ctx_id: dict, batch_id: dict):

@@ -34,12 +34,15 @@ def every_kind_of_record(log: AuditLog) -> None:
                                 "b": {"ptr": 1024, "shape": [8, 4], "version": 1}})
     log.transition(-1, "captured", "capturing", "ready", "ok")
     log.transition(3, "decode", "ready", "decode", "ok")  # chains on, as the table says: trigger alone
-    log.collective(3, "dp", "all_reduce", 1, [[7, 2]], 12, "enqueue", sent=dict(SENT), inputs={"decode": 5})
+    log.collective(3, "dp", "all_reduce", 1, [[7, 2]], 12, "enqueue", sent=dict(SENT),
+                   inputs={"decode": 5, "prefill": [9], "pcp": 2, "chunking": "ceil"})
     log.collective(3, "dp", "all_reduce", 1, [[7, 2]], 12, "done", agreed=dict(AGREED))
     # another step and phase than the record's, a sent that is not a LocalDispatch
-    log.collective(3, "dp", "all_reduce", 2, [[7, 2]], 13, "enqueue", sent={**SENT, "step_id": 4})
+    log.collective(3, "dp", "all_reduce", 2, [[7, 2]], 13, "enqueue", sent={**SENT, "step_id": 4},
+                   inputs={"decode": 5, "prefill": [], "pcp": 2, "chunking": "mrv2", "decodes": [2, 3]})
     log.collective(3, "dp", "all_reduce", 2, [[7, 2]], 13, "done", agreed={**AGREED, "phase": 3, "all_idle": True})
-    log.collective(3, "dp", "all_reduce", 2, [[9, 2]], 14, "enqueue", sent={"num_tokens": 4, "vllm": [4, 4, 0, 0]})
+    log.collective(3, "dp", "all_reduce", 2, [[9, 2]], 14, "enqueue", sent={"num_tokens": 4, "vllm": [4, 4, 0, 0]},
+                   inputs={"prefill": [4]})  # not the dispatch inputs' fields: as it is
     log.collective(3, "dp", "all_reduce", 2, [[9, 2]], 15, "done")  # closes no enqueue: said in full
     log.buffers(3, "real", {"a": {"ptr": 4096, "shape": [64], "version": 7, "digest": -5},
                             "b": {"ptr": 1024, "shape": [8, 4], "version": 7, "digest": 2**63 - 1}})
@@ -50,13 +53,15 @@ def every_kind_of_record(log: AuditLog) -> None:
     log.collective(3, "expert", "forward", 1, None, 3, "done", exchange_bytes=10)
     log.buffers(3, "dummy", {"a": {"ptr": 4096, "shape": [64], "version": 8, "rows": 3},
                              "b": {"ptr": 1024, "shape": [8, 4], "version": 9, "digest": 7, "rows": 0}})
-    log.collective(3, "expert", "forward", 1, [[5]], 4, "enqueue", ctx={**IDENTITY, "rows": 6}, batch=dict(IDENTITY))
+    log.collective(3, "expert", "forward", 1, [[5]], 4, "enqueue", ctx={**IDENTITY, "rows": 6},
+                   batch={**IDENTITY, "step": 2})
     log.transition(3, "finish", "decode", "ready", "ok")
     log.transition(4, "prefill", "decode", "prefill", "ok")  # does not chain on: in full
     log.transition(4, "decode", "prefill", "prefill", "refused")
     log._emit("stop", 4, {"reason": "SIGTERM"})  # an event the encoding does not know
     log.fault(None, RuntimeError("peer gone"), "peer gone")
-    log.collective(np.int64(5), "pcp", "all_gather", 0, (np.int64(7),), np.int32(2), "enqueue")
+    log.collective(np.int64(5), "pcp", "all_gather", 0, (np.int64(7),), np.int32(2), "enqueue",
+                   output={"digest": 12, "tokens": 3})
     log.rendered("transition", 5, b'{"tr":["finish","prefill","ready"]}')
     log.rendered("buffers", 5, BuffersTemplate(("a", "b")).body("real", (4096, 64, 10, 11, 2, 1024, 8, 10, 12, 2)))
 
@@ -66,7 +71,7 @@ def test_a_compact_log_reads_back_as_the_same_records_in_full(tmp_path):
     or a short transition takes the wrong src) -> the records differ."""
     with AuditLog(tmp_path / "full", "run-c", 1, 1, 0) as full:
         every_kind_of_record(full)
-    shape = job_shape_fields(2, 1, 1, 0)
+    shape = job_shape_fields(2, 1, 1, 0, buffer_names=["a", "b"])  # what its buffers records list
     with AuditLog(tmp_path / "compact", "run-c", 1, 1, 0, shape=shape) as compact:
         every_kind_of_record(compact)
     written = [strip_times(r) for r in read_records(full.path)]

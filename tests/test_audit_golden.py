@@ -59,7 +59,8 @@ def _normalised(lines):
             assert isinstance(rec.pop("host"), str) and isinstance(rec.pop("pid"), int)
             rec.update(host="<host>", pid=0)
         base = rec.pop("p0", 0)  # compact: ptr less the record's lowest ptr, `p0`
-        for fp in (rec["buf"].values() if isinstance(rec.get("buf"), dict) else ()):
+        entries = rec.get("buf")  # {name: entry}, or the entries in the job's `buffer_names` order
+        for fp in (entries.values() if isinstance(entries, dict) else entries if isinstance(entries, list) else ()):
             fp[0] = ptrs.setdefault(base + fp[0], len(ptrs))
         out.append(rec)
     return out

@@ -20,13 +20,13 @@ import threading
 import time
 from pathlib import Path
 
-import orjson
 import pytest
 import vllm_dp_cases as c
 from vllm_checks import mrv2_env
 
 from runner_fsm.integrations.vllm import harness as h
 from runner_fsm.integrations.vllm.spmd import Job
+from runner_fsm.testing.logs import rewrite_in_full
 from runner_fsm.testing.vllm_models import MLA_BLOCK_SIZE, make_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
@@ -128,9 +128,7 @@ def _stripped(run_dir: Path) -> Path:
     copy = run_dir.parent / (run_dir.name + "-stripped")
     shutil.copytree(run_dir, copy, dirs_exist_ok=True)
     for path in copy.glob("rank-*.jsonl"):
-        kept = [line for line in path.read_bytes().splitlines(keepends=True)
-                if line.strip() and orjson.loads(line).get("event") != "fault"]
-        path.write_bytes(b"".join(kept))
+        rewrite_in_full(path, lambda records: [r for r in records if r["event"] != "fault"])
     return copy
 
 

@@ -20,7 +20,8 @@ the time base. Every other record says only what is its own, in short keys:
   done: the group's name when it closes that group's last open enqueue (op, phase, pg_seq and
   shapes are the enqueue's), else `[group, op, phase, pg_seq, shapes]`; `b` a buffers record's
   reason, with `buf`: {name: [ptr, shape, version(, digest(, rows))]} (digest null where only
-  rows follow), or with several buffers `p0` (the lowest ptr: each ptr is written less it) and,
+  rows follow; a list of the entries alone where the names are, in order, the `buffer_names`
+  the segment's `job` record declares), or with several buffers `p0` (the lowest ptr: each ptr is written less it) and,
   where every buffer has one, `v` (the version: left out of each entry), or `"buf":"="` for
   the very buffers of the step's previous `buffers` record (a graph replay's inputs, logged
   right after they were written); `g` a graph action;
@@ -29,8 +30,10 @@ the time base. Every other record says only what is its own, in short keys:
   `LocalDispatch`) as `sn`: [status, num_tokens, graph_mode, uniform_token_count, num_reqs] and
   its `agreed` (a `DPSyncState`) as `ag`: [num_tokens_across_dp, graph_mode,
   uniform_token_count, num_reqs, all_idle as 0/1], each followed by [step_id, phase] only where
-  those differ from the record's own; and a forward's context identity `ctx` as `"="` where it
-  is its batch's (`batch`, the same record).
+  those differ from the record's own; a forward's context identity `ctx` as `"="` where it is
+  its batch's (`batch`, the same record), and each identity's `step` left out where it is the
+  record's; a DP agreement's dispatch `inputs` as `in`: [decode, prefill, pcp, chunking(,
+  decodes)]; and a step's `output` digest as `out`: [digest, tokens].
 
 `Expander` turns them back into the records of DESIGN section 7, every header field filled
 from the segment's `job` record (what `read_records` and replay read). `CompactRenderer` writes
@@ -48,13 +51,22 @@ from runner_fsm.states.table import TRANSITIONS
 
 FORMAT_FIELD, FORMAT = "record_format", "compact"  # in the `job` record of a compact log
 # Keys of a compact record; a record's own fields may not use them.
-KEYS = frozenset({"s", "q", "t", "tr", "c", "d", "b", "buf", "p0", "v", "g", "f", "e", "ag", "sn"})
+KEYS = frozenset({"s", "q", "t", "tr", "c", "d", "b", "buf", "p0", "v", "g", "f", "e", "ag", "sn", "in", "out"})
+NAMES_FIELD = "buffer_names"  # in the `job` record: the buffers a `buffers` record lists, in order
+INPUTS_FIELDS = ("decode", "prefill", "pcp", "chunking", "decodes")  # `checks.dispatch_inputs`
+IDENTITY_FIELDS = ("step", "dummy", "rows", "digest")  # `context_rule`
 SAME = "="  # a value the record (or the step's previous buffers record) holds already
 SENT_FIELDS = ("status", "num_tokens", "graph_mode", "uniform_token_count", "num_reqs")
 AGREED_FIELDS = ("num_tokens_across_dp", "graph_mode", "uniform_token_count", "num_reqs", "all_idle")
 _SENT_KEYS = frozenset(SENT_FIELDS) | {"step_id", "phase"}
+_INPUTS_KEYS = (set(INPUTS_FIELDS[:4]), set(INPUTS_FIELDS))  # replicated decodes, or each decode too
+_IDENTITY_KEYS = frozenset(IDENTITY_FIELDS)
+_OUTPUT_KEYS = {"digest", "tokens"}  # `checks.output_digest`
 _AGREED_KEYS = frozenset(AGREED_FIELDS) | {"step_id", "phase"}
 _NEW_STEP = object()  # no record yet in this segment: the next one starts a step
+_EVENT_FIELDS = {"transition": ("trigger", "src", "dst", "outcome"), "buffers": ("reason", "buffers"),
+                 "collective": ("group", "op", "phase", "shapes", "pg_seq", "stage"), "graph": ("action",),
+                 "fault": ("error", "message")}
 # Each trigger has one destination in the table; some have one source too.
 _DEST = {t.trigger.value: t.dest.value for t in TRANSITIONS}
 _ONLY_SOURCE = {t.trigger.value: t.sources[0].value for t in TRANSITIONS if len(t.sources) == 1}
@@ -95,8 +107,9 @@ def _dispatch(value: Any, step: Any, phase: Any, fields: tuple[str, ...], keys: 
 class CompactRenderer:
     """The lines of one segment's records after its `job` record, whose `t_ns` is `t0_ns`."""
 
-    def __init__(self, t0_ns: int):
+    def __init__(self, t0_ns: int, buffer_names=None):
         self.t0 = int(t0_ns)
+        self._names = tuple(buffer_names) if buffer_names else None
         self.step: Any = _NEW_STEP  # the step of the last record written
         self._step_t = self.t0
         self._state: str | None = None  # the last transition's dst in this segment
@@ -150,8 +163,8 @@ class CompactRenderer:
             buffers = rest.pop("buffers")
             same = self._buffers == (step_id, buffers)
             self._buffers = (step_id, buffers)
-            return dumps_record({"b": rest.pop("reason"), **(_buffers(buffers) if not same else {"buf": SAME}),
-                                 **rest})
+            compacted = _buffers(buffers, self._names) if not same else {"buf": SAME}
+            return dumps_record({"b": rest.pop("reason"), **compacted, **rest})
         if event == "graph":
             rest = dict(fields)
             return dumps_record({"g": rest.pop("action"), **rest})
@@ -181,20 +194,33 @@ class CompactRenderer:
             if agreed is not None:
                 del fields["agreed"]
                 head["ag"] = agreed
+        if "inputs" in fields and type(fields["inputs"]) is dict and fields["inputs"].keys() in _INPUTS_KEYS:
+            inputs = fields.pop("inputs")
+            head["in"] = [inputs[name] for name in INPUTS_FIELDS if name in inputs]
+        output = fields.get("output")
+        if type(output) is dict and output.keys() == _OUTPUT_KEYS:
+            head["out"] = [fields.pop("output")["digest"], output["tokens"]]
         if "ctx" in fields and fields["ctx"] == fields.get("batch"):
             fields["ctx"] = SAME
+        for name in ("ctx", "batch"):
+            identity = fields.get(name)
+            if type(identity) is dict and identity.get("step") == step_id and identity.keys() == _IDENTITY_KEYS:
+                fields[name] = {key: value for key, value in identity.items() if key != "step"}
         return dumps_record({**head, **fields})
 
 
-def _buffers(buffers: dict) -> dict:
+def _buffers(buffers: dict, names: tuple | None) -> dict:
     """`buf` (and `p0`, `v`) of a buffers record (see the module docstring)."""
     fps = list(buffers.values())
+    listed = names is not None and tuple(buffers) == names
     if len(fps) < 2 or not all(type(fp["ptr"]) is int for fp in fps):
-        return {"buf": {name: _buffer(fp) for name, fp in buffers.items()}}
+        entries = [_buffer(fp) for fp in fps]
+        return {"buf": entries if listed else dict(zip(buffers, entries))}
     base = min(fp["ptr"] for fp in fps)
     version = fps[0]["version"]
     shared = all(fp["version"] == version for fp in fps)
-    out = {"buf": {name: _buffer(fp, base, shared) for name, fp in buffers.items()}, "p0": base}
+    entries = [_buffer(fp, base, shared) for fp in fps]
+    out = {"buf": entries if listed else dict(zip(buffers, entries)), "p0": base}
     if shared:
         out["v"] = version
     return out
@@ -221,6 +247,8 @@ class Expander:
         self._head = {"schema": job.get("schema"), "run_id": job.get("run_id")}
         self._ranks = {"dp_rank": job.get("dp_rank"), "pcp_rank": job.get("pcp_rank")}
         self.t0 = job.get("t_ns") or 0
+        names = job.get(NAMES_FIELD)
+        self._names = tuple(names) if isinstance(names, list) else ()
         self.seq = (job.get("seq") or 0) + 1
         self.step: Any = None
         self._step_t = self.t0
@@ -236,6 +264,9 @@ class Expander:
         self._last_buffers = (None, {})
 
     def __call__(self, record: dict) -> dict:
+        """`record` in full but for the header fields its segment's `job` record holds
+        (`schema`, `run_id`, `dp_rank`, `pcp_rank`: see `full`), filled in place: what replay
+        reads, per line, so it builds nothing it does not need."""
         if "event" in record:  # a record in full (the `job` record of the segment)
             return record
         if "s" in record:
@@ -245,7 +276,6 @@ class Expander:
             t_ns = self._step_t + record.pop("t", 0) * 1000
         seq = self.seq
         self.seq = seq + 1
-        out = {**self._head, "seq": seq, "t_ns": t_ns, **self._ranks}
         step = self.step
         if "tr" in record:
             edge = record.pop("tr")
@@ -253,33 +283,49 @@ class Expander:
                 src = self.state if self.state is not None else _ONLY_SOURCE.get(edge)
                 edge = (edge, src, _DEST.get(edge))
             self.state = edge[2]
-            out.update(event="transition", step_id=step, trigger=edge[0], src=edge[1], dst=edge[2],
-                       outcome=edge[3] if len(edge) > 3 else "ok")
+            record.update(event="transition", trigger=edge[0], src=edge[1], dst=edge[2],
+                          outcome=edge[3] if len(edge) > 3 else "ok")
         elif "c" in record:
             group, op, phase, pg_seq, shapes = record.pop("c")
             self._open[group] = (op, phase, pg_seq, shapes)
-            out.update(event="collective", step_id=step, group=group, op=op, phase=phase, shapes=shapes,
-                       pg_seq=pg_seq, stage="enqueue")
-            self._dispatch(record, step, phase)
+            if record:  # fields of its own: some are compact
+                self._dispatch(record, step, phase)
+            record.update(event="collective", group=group, op=op, phase=phase, shapes=shapes, pg_seq=pg_seq,
+                          stage="enqueue")
         elif "d" in record:
             done = record.pop("d")
-            if isinstance(done, list):
+            if type(done) is list:
                 group, op, phase, pg_seq, shapes = done
             else:
                 group = done
                 op, phase, pg_seq, shapes = self._open.pop(group, (None, None, None, None))
-            out.update(event="collective", step_id=step, group=group, op=op, phase=phase, shapes=shapes,
-                       pg_seq=pg_seq, stage="done")
-            self._dispatch(record, step, phase)
+            if record:
+                self._dispatch(record, step, phase)
+            record.update(event="collective", group=group, op=op, phase=phase, shapes=shapes, pg_seq=pg_seq,
+                          stage="done")
         elif "b" in record:
-            out.update(event="buffers", step_id=step, reason=record.pop("b"), buffers=self._buffers(record, step))
+            buffers = self._buffers(record, step)
+            record.update(event="buffers", reason=record.pop("b"), buffers=buffers)
         elif "g" in record:
-            out.update(event="graph", step_id=step, action=record.pop("g"))
+            record.update(event="graph", action=record.pop("g"))
         elif "f" in record:
             error, message = record.pop("f")
-            out.update(event="fault", step_id=step, error=error, message=message)
+            record.update(event="fault", error=error, message=message)
         else:
-            out.update(event=record.pop("e", None), step_id=step)
+            record["event"] = record.pop("e", None)
+        record["seq"], record["t_ns"], record["step_id"] = seq, t_ns, step
+        return record
+
+    def full(self, record: dict) -> dict:
+        """`record` in full: every header field, in the order a record in full has them."""
+        record = self(record)
+        if "schema" in record:  # the `job` record
+            return record
+        event = record.pop("event")
+        out = {**self._head, "seq": record.pop("seq"), "t_ns": record.pop("t_ns"), **self._ranks, "event": event,
+               "step_id": record.pop("step_id")}
+        for name in _EVENT_FIELDS.get(event, ()):  # the event's own fields first, as its builder writes them
+            out[name] = record.pop(name)
         out.update(record)
         return out
 
@@ -289,7 +335,7 @@ class Expander:
             last_step, last = self._last_buffers
             return {name: dict(fp) for name, fp in last.items()} if last_step == step else {}
         out = {}
-        for name, fp in buf.items():
+        for name, fp in (zip(self._names, buf) if type(buf) is list else buf.items()):
             if version is None:
                 entry = {"ptr": fp[0] + base, "shape": fp[1], "version": fp[2]}
                 more = fp[3:]
@@ -306,8 +352,18 @@ class Expander:
 
     @staticmethod
     def _dispatch(record: dict, step, phase) -> None:
+        for name in ("batch", "ctx"):
+            identity = record.get(name)
+            if type(identity) is dict and "step" not in identity:
+                record[name] = {"step": step, **identity}
         if record.get("ctx") == SAME:
             record["ctx"] = dict(record["batch"])
+        inputs = record.pop("in", None)
+        if inputs is not None:
+            record["inputs"] = dict(zip(INPUTS_FIELDS, inputs))
+        output = record.pop("out", None)
+        if output is not None:
+            record["output"] = {"digest": output[0], "tokens": output[1]}
         sent = record.pop("sn", None)
         if sent is not None:
             record["sent"] = _unlist(sent, step, phase, SENT_FIELDS)

@@ -79,7 +79,21 @@ def coverage_lines(window: tuple[int, int] | None, logs: tuple[int, int] | None,
             continue
         lines.append(f"rotated away: steps {span.first}..{span.last} on {_ranks(span.ranks, ranks)} (capped log):"
                      " not judged there")
+    shared = _shared_from(rotated, ranks)
+    if shared is not None and any(span.last + 1 < shared for span in rotated):
+        lines.append(f"every rank holds steps from {shared} on; the steps before, each judged among the ranks"
+                     " that still hold it")
     return lines
+
+
+def _shared_from(rotated: tuple[Rotated, ...], ranks: int) -> int | None:
+    """The first step after which no rank's log lost any (when every rank lost the run's start)."""
+    firsts: dict[int, int] = {}
+    for span in rotated:
+        if span.first <= 0:
+            for rank in span.ranks:
+                firsts[rank] = max(firsts.get(rank, 0), span.last + 1)
+    return max(firsts.values()) if firsts and len(firsts) == ranks else None
 
 
 def sound_line(window: tuple[int, int] | None, first: int | None, last: int | None,

@@ -236,7 +236,7 @@ class AuditLog(_Records):
         t0 = time.monotonic_ns()
         self._logger.msg(self._plain.line(self._next_seq, t0, "job", None, fields))
         self._next_seq += 1
-        self._compact = compact.CompactRenderer(t0)
+        self._compact = compact.CompactRenderer(t0, self._shape.get(compact.NAMES_FIELD))
         self._render_lines = self._compact.lines
 
     @property

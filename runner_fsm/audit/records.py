@@ -50,7 +50,7 @@ def read_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
                 expand = Expander(record)
             elif expand is not None:
                 try:
-                    record = expand(record)
+                    record = expand.full(record)
                 except (LookupError, TypeError, ValueError) as err:
                     raise AuditLogFormatError(f"{path}:{line_no}: malformed compact record: {err!r}") from err
             yield record
@@ -86,7 +86,7 @@ def lenient_records(path: str | os.PathLike[str], offset: int = 0) -> Iterator[d
                     if not started and not raw.startswith(b'{"s":'):
                         continue  # a step's first record begins what can be read in full
                     started = True
-                    record = expand(record)
+                    record = expand.full(record)
             except (bad, LookupError, TypeError, ValueError):
                 continue
             if isinstance(record, dict):
@@ -101,7 +101,7 @@ def strip_times(record: Mapping[str, Any]) -> dict[str, Any]:
 def plain_fields(event: str, body: bytes) -> dict[str, Any]:
     """A compact record body (`compact.transition_body`, `render.BuffersTemplate`) as the
     fields of the record in full, for a log written in full."""
-    record = Expander(_NO_HEADER)({"s": None, "q": 0, "t": 0, **orjson.loads(body)})
+    record = Expander(_NO_HEADER).full({"s": None, "q": 0, "t": 0, **orjson.loads(body)})
     if record["event"] != event:
         raise ValueError(f"a rendered {event} record holds a {record['event']} body")
     return {key: value for key, value in record.items() if key not in _HEADER}

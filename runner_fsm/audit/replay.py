@@ -94,10 +94,17 @@ def replay(run_dir: RunDirs, *, timeline: Timeline | None = None,
 
 def auto_jobs(infos: list[RankInfo]) -> int:
     """Processes worth starting: one for small runs, where starting more costs more."""
-    total = sum(segment.path.stat().st_size for info in infos for segment in info.segments)
+    total = sum(_size(segment.path) for info in infos for segment in info.segments)
     if total < PARALLEL_MIN_BYTES:
         return 1
     return max(1, min(cpu_count(), MAX_JOBS))
+
+
+def _size(path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # rotated away by a live writer since it was found
+        return 0
 
 
 def replay_with_plot(run_dir: RunDirs, plot_path: str | os.PathLike[str],

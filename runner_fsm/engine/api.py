@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+from pathlib import Path
 import os
 
 from runner_fsm import flight_recorder
-from runner_fsm.audit.mapped import is_blank
+from runner_fsm.audit.ranks import RANK_FILE
+from runner_fsm.audit.rundirs import ranked_segments
+from runner_fsm.audit.seek import last_step_of
 from runner_fsm.engine.config import EngineConfig
 import torch.distributed as dist
 
@@ -112,18 +114,12 @@ def _as_result(result, cfg: EngineConfig) -> RankResult:
 
 
 def _last_logged_step(run_dir: str, rank: int) -> int | None:
-    """The step of the last complete record a dead rank left (None without one)."""
-    path = os.path.join(run_dir, f"rank-{rank}.jsonl")
+    """The step of the last complete record a dead rank left (None without one): in its log's
+    last segment (`audit.segments`), past a blank tail or a line cut by the death."""
+    segments = ranked_segments([Path(run_dir)], RANK_FILE, "audit log").get(rank)
+    if not segments:
+        return None
     try:
-        with open(path, "rb") as f:
-            lines = f.read().splitlines()
+        return last_step_of(segments[-1][1])
     except OSError:
         return None
-    for line in reversed(lines):
-        if is_blank(line):
-            continue  # the blank tail of a log its process never closed (audit/mapped.py)
-        try:
-            return json.loads(line).get("step_id")
-        except ValueError:
-            continue  # a line cut by the death
-    return None

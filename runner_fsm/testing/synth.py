@@ -282,13 +282,14 @@ class _RankWriter:
 
 
 def write_run(run_dir: str | os.PathLike[str], spec: SynthSpec = SynthSpec(),
-              defects: Sequence[Defect] = ()) -> Path:
-    """Write `rank-<g>.jsonl` for every rank of `spec` into `run_dir` (created); return it."""
+              defects: Sequence[Defect] = (), *, ranks: Sequence[int] | None = None) -> Path:
+    """Write `rank-<g>.jsonl` for every rank of `spec` (or of `ranks`) into `run_dir`
+    (created); return it."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     schedule = _Schedule(spec, defects)
     per_replica = spec.pcp_size * spec.tp_size
-    for rank in range(spec.dp_size * per_replica):
+    for rank in (range(spec.dp_size * per_replica) if ranks is None else ranks):
         path = _write_rank(run_dir, spec, schedule, rank, defects)
         if any(d.kind == "truncated" and rank == d.replica * per_replica for d in defects):
             truncate_last_line(path)
