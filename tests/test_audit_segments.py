@@ -31,9 +31,9 @@ def switches(monkeypatch):
     seen = []
     switch = SegmentPolicy.switch
 
-    def measured(self, first_step, open_next):
+    def measured(self, first_step, close_current, open_next):
         before = disk_bytes(self.run_dir, self.global_rank)
-        switch(self, first_step, open_next)
+        switch(self, first_step, close_current, open_next)
         seen.append((first_step, before, disk_bytes(self.run_dir, self.global_rank)))
     monkeypatch.setattr(SegmentPolicy, "switch", measured)
     return seen
@@ -80,8 +80,10 @@ def test_a_capped_log_never_exceeds_its_cap_at_any_switch(tmp_path, switches):
     assert max(before for _, before, _ in switches) <= CAP
     assert max(after for _, _, after in switches) <= CAP
     assert disk_bytes(tmp_path) <= CAP
-    # the writer's own figures agree with the disk
-    assert max(s.bytes_before for s in log.segments.switches) <= CAP
+    # the writer's own figures agree with the disk, and the newest segment's job record says so
+    assert log.segments.peak == max(before for _, before, _ in switches)
+    newest = next(read_records(log.current_path))
+    assert newest["disk_peak"] == log.segments.peak and newest["disk_bytes"] <= CAP
 
 
 def test_each_segment_begins_with_the_job_record_and_its_first_step(tmp_path, switches):

@@ -159,3 +159,36 @@ def test_the_cli_prints_the_rotated_range_and_judges_the_last_steps(tmp_path):
     summary = json.loads(out.stdout)["summary"]
     assert summary["window"] == [2900, 2999] and summary["first_step"] == 2900 and summary["rotated"]
     assert out.stderr == ""  # no progress line: stderr is not a terminal
+
+
+def test_an_embedded_run_under_a_small_cap(tmp_path):
+    """The embedded engine (fakes, in process) with `max_log_bytes`: its logs rotate, the run
+    replays sound and says which steps it no longer holds. Mutation: `EngineConfig.max_log_bytes`
+    not passed to the rank's AuditLog -> one file, nothing rotated."""
+    from runner_fsm.engine.api import run_engine
+    from runner_fsm.engine.config import EngineConfig
+    from runner_fsm.engine.requests import synthetic_requests
+
+    cfg = EngineConfig(model_dir=None, model_factory="runner_fsm.testing.fakes:engine_model_and_drafter",
+                       run_dir=str(tmp_path), max_log_bytes=6 * MIN_SEGMENT)
+    result = run_engine(cfg, synthetic_requests(4, vocab_size=64, max_new_tokens=600, seed=1), in_process=True,
+                        timeout_s=300)
+    assert result.ok, [r.error for r in result.errors]
+    assert len([name for name in os.listdir(tmp_path) if re.match(r"^rank-0\.\d+\.jsonl$", name)]) > 1
+    report = replay(tmp_path)
+    assert report.sound and report.summary.rotated, report.format()
+
+
+@pytest.mark.parametrize("flag, value", [("64K", 64 << 10), ("2G", 2 << 30), ("0", None)])
+def test_the_run_flag(flag, value):
+    from runner_fsm.cli import build_parser
+
+    assert build_parser().parse_args(["run", "--max-log-bytes", flag, "--out", "x"]).max_log_bytes == value
+
+
+def test_a_bad_run_flag_is_a_usage_error(capsys):
+    from runner_fsm.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["run", "--max-log-bytes", "lots", "--out", "x"])
+    assert exit_.value.code == 2 and "expected a byte count" in capsys.readouterr().err

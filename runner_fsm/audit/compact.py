@@ -64,6 +64,7 @@ _IDENTITY_KEYS = frozenset(IDENTITY_FIELDS)
 _OUTPUT_KEYS = {"digest", "tokens"}  # `checks.output_digest`
 _AGREED_KEYS = frozenset(AGREED_FIELDS) | {"step_id", "phase"}
 _NEW_STEP = object()  # no record yet in this segment: the next one starts a step
+_UNKNOWN = (None, None, None, None)  # a done whose enqueue was not read (a seek)
 _EVENT_FIELDS = {"transition": ("trigger", "src", "dst", "outcome"), "buffers": ("reason", "buffers"),
                  "collective": ("group", "op", "phase", "shapes", "pg_seq", "stage"), "graph": ("action",),
                  "fault": ("error", "message")}
@@ -266,54 +267,59 @@ class Expander:
     def __call__(self, record: dict) -> dict:
         """`record` in full but for the header fields its segment's `job` record holds
         (`schema`, `run_id`, `dp_rank`, `pcp_rank`: see `full`), filled in place: what replay
-        reads, per line, so it builds nothing it does not need."""
+        reads, per line, so it builds nothing it does not need (the most frequent first)."""
         if "event" in record:  # a record in full (the `job` record of the segment)
             return record
-        if "s" in record:
-            self.step, self.seq = record.pop("s"), record.pop("q")
+        step = record.pop("s", _NEW_STEP)
+        if step is not _NEW_STEP:
+            self.step, seq = step, record.pop("q")
             self._step_t = t_ns = self._step_t + record.pop("t") * 1000
         else:
+            step, seq = self.step, self.seq
             t_ns = self._step_t + record.pop("t", 0) * 1000
-        seq = self.seq
         self.seq = seq + 1
-        step = self.step
-        if "tr" in record:
-            edge = record.pop("tr")
-            if type(edge) is str:  # as the table says, from the last transition's dst
-                src = self.state if self.state is not None else _ONLY_SOURCE.get(edge)
-                edge = (edge, src, _DEST.get(edge))
-            self.state = edge[2]
-            record.update(event="transition", trigger=edge[0], src=edge[1], dst=edge[2],
-                          outcome=edge[3] if len(edge) > 3 else "ok")
-        elif "c" in record:
-            group, op, phase, pg_seq, shapes = record.pop("c")
-            self._open[group] = (op, phase, pg_seq, shapes)
-            if record:  # fields of its own: some are compact
-                self._dispatch(record, step, phase)
-            record.update(event="collective", group=group, op=op, phase=phase, shapes=shapes, pg_seq=pg_seq,
-                          stage="enqueue")
-        elif "d" in record:
-            done = record.pop("d")
+        record["seq"], record["t_ns"], record["step_id"] = seq, t_ns, step
+        done = record.pop("d", None)
+        if done is not None:
             if type(done) is list:
                 group, op, phase, pg_seq, shapes = done
             else:
                 group = done
-                op, phase, pg_seq, shapes = self._open.pop(group, (None, None, None, None))
-            if record:
+                op, phase, pg_seq, shapes = self._open.pop(group, _UNKNOWN)
+            if len(record) > 3:  # fields of its own: some are compact
                 self._dispatch(record, step, phase)
-            record.update(event="collective", group=group, op=op, phase=phase, shapes=shapes, pg_seq=pg_seq,
-                          stage="done")
+            record["event"], record["group"], record["op"], record["phase"] = "collective", group, op, phase
+            record["shapes"], record["pg_seq"], record["stage"] = shapes, pg_seq, "done"
+            return record
+        enqueue = record.pop("c", None)
+        if enqueue is not None:
+            group, op, phase, pg_seq, shapes = enqueue
+            self._open[group] = (op, phase, pg_seq, shapes)
+            if len(record) > 3:
+                self._dispatch(record, step, phase)
+            record["event"], record["group"], record["op"], record["phase"] = "collective", group, op, phase
+            record["shapes"], record["pg_seq"], record["stage"] = shapes, pg_seq, "enqueue"
+            return record
+        edge = record.pop("tr", None)
+        if edge is not None:
+            if type(edge) is str:  # as the table says, from the last transition's dst
+                src = self.state if self.state is not None else _ONLY_SOURCE.get(edge)
+                record["event"], record["trigger"], record["src"], record["dst"] = "transition", edge, src, _DEST.get(edge)
+                record["outcome"] = "ok"
+            else:
+                record["event"], record["trigger"], record["src"], record["dst"] = "transition", edge[0], edge[1], edge[2]
+                record["outcome"] = edge[3] if len(edge) > 3 else "ok"
+            self.state = record["dst"]
         elif "b" in record:
             buffers = self._buffers(record, step)
-            record.update(event="buffers", reason=record.pop("b"), buffers=buffers)
+            record["event"], record["reason"], record["buffers"] = "buffers", record.pop("b"), buffers
         elif "g" in record:
-            record.update(event="graph", action=record.pop("g"))
+            record["event"], record["action"] = "graph", record.pop("g")
         elif "f" in record:
-            error, message = record.pop("f")
-            record.update(event="fault", error=error, message=message)
+            record["error"], record["message"] = record.pop("f")
+            record["event"] = "fault"
         else:
             record["event"] = record.pop("e", None)
-        record["seq"], record["t_ns"], record["step_id"] = seq, t_ns, step
         return record
 
     def full(self, record: dict) -> dict:

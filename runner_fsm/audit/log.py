@@ -354,8 +354,7 @@ class AuditLog(_Records):
         with self._lock:
             step = records[0][2]
             if not self._closed and step is not None and step != self._compact.step:
-                self._file.close()
-                self._segments.switch(step, self._open_segment)
+                self._segments.switch(step, self._file.close, self._open_segment)
                 del self._write_all  # the plain write path again
         AuditLog._write_all(self, records)
 

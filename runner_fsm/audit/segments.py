@@ -119,6 +119,7 @@ class SegmentPolicy:
         self.pins: list[int] = []  # steps pinned (faults, `pin()`)
         self.dropped: list[tuple[int, int]] = []  # (first, last) steps deleted for pins, not yet reported
         self.switches: list[Switch] = []  # the last few, for checks
+        self.peak = 0  # the most the rank's files took at any switch (right before it: their fullest)
         self._companion_max = 0  # the largest a companion segment has been
 
     def path(self, index: int) -> Path:
@@ -130,10 +131,12 @@ class SegmentPolicy:
 
     # -- the switch
 
-    def switch(self, first_step: int, open_next: Callable[[int], None]) -> None:
-        """Close the current segment (its file closed by the caller) before `first_step`,
-        delete what must go, then `open_next(index)` the next one and move the companions."""
-        before = self.disk_bytes()
+    def switch(self, first_step: int, close_current: Callable[[], None], open_next: Callable[[int], None]) -> None:
+        """Close the current segment (`close_current`) before `first_step`, delete what must go,
+        then `open_next(index)` the next one and move the companions."""
+        before = self.disk_bytes()  # the fullest the files get: the open segment at its mapped size
+        self.peak = max(self.peak, before)
+        close_current()
         closed = self.path(self.current.index)
         index = stepindex.write(closed) if closed.exists() else None  # where each of its steps begins
         last = index.last_step if index is not None else None
@@ -219,7 +222,9 @@ class SegmentPolicy:
         """What the current segment's `job` record says of the segments (`audit.shape` extra)."""
         fields = {"segment": self.current.index, "max_log_bytes": self.cap}
         if self.current.first_step is not None:
-            fields["first_step"] = self.current.first_step
+            # where the segment begins, and what the rank's files took at this switch and at the
+            # fullest of any (a reader can check the cap from the newest segment alone)
+            fields.update(first_step=self.current.first_step, disk_bytes=self.disk_bytes(), disk_peak=self.peak)
         if self.dropped:
             fields["dropped"] = [list(span) for span in self.dropped]
             self.dropped = []
