@@ -28,8 +28,9 @@ venv: $(STAMP) $(NATIVE)
 test: $(STAMP) $(NATIVE)
 	$(PY) -m pytest -q
 
+# The slow tests that need vLLM (the served soak, tests/test_vllm_soak.py) run in test-vllm's V1 leg.
 test-slow: $(STAMP) $(NATIVE)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m "slow and not vllm"
 
 demo: $(STAMP) $(NATIVE)
 	$(VENV)/bin/runner-fsm demo
@@ -95,4 +96,4 @@ MRV2_ENV := VLLM_USE_V2_MODEL_RUNNER=1 TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR)/t
 .PHONY: test-vllm-mrv2
 test-vllm-mrv2: $(VLLM_STAMP) $(NATIVE)
 	$(MRV2_ENV) $(VLLM_PY) -c "from vllm.triton_utils import HAS_TRITON; assert HAS_TRITON, 'MRV2 needs the Triton stand-in'"
-	$(MRV2_ENV) $(VLLM_PY) -m pytest -q -m "vllm and not runner_independent" tests
+	$(MRV2_ENV) $(VLLM_PY) -m pytest -q -m "vllm and not runner_independent and not slow" tests

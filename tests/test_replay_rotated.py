@@ -85,8 +85,8 @@ def test_ranks_that_lost_different_steps_are_paired_on_the_steps_they_share(tmp_
 
 
 def test_a_fault_near_the_end_is_named_from_what_was_kept(tmp_path):
-    """Mutation: a fault record that does not pin its segment -> still named here (it is in
-    the newest segment); the pin itself is held by test_audit_segments."""
+    """The pin itself is held by test_audit_segments. Mutation: `read_segments` leaving out the
+    newest segment -> no fault named."""
     run = write_run(tmp_path, CAPPED, [Defect("fault", 1, 2990)])
     report = replay(run)
     faults = [v for v in report.verdicts if v.kind == "fault"]
@@ -152,6 +152,8 @@ def test_a_segment_rotated_away_while_replay_reads_is_skipped(tmp_path, monkeypa
 
 
 def test_the_cli_prints_the_rotated_range_and_judges_the_last_steps(tmp_path):
+    """Mutation: `resolve_window` counting the last N steps from the log's first step -> the
+    wrong window."""
     run = write_run(tmp_path, CAPPED)
     out = subprocess.run([sys.executable, "-m", "runner_fsm.cli", "replay", "--json", "--last", "100", str(run)],
                          capture_output=True, text=True, timeout=120)

@@ -101,7 +101,9 @@ def sound_line(window: tuple[int, int] | None, first: int | None, last: int | No
     """'SOUND: no findings', or, when the replay saw less than the whole run, for which steps."""
     if window is None and not rotated:
         return "SOUND: no findings"
-    seen = "no steps" if first is None else f"steps {first}..{last}"
+    if first is None:
+        return "NOTHING JUDGED: no step of the window is in the logs"
+    seen = f"steps {first}..{last}"
     unseen = "steps rotated away" if window is None else "steps outside the window"
     if window is not None and rotated:
         unseen += " and steps rotated away"
