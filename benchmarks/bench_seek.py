@@ -19,11 +19,9 @@ Rows:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -33,24 +31,6 @@ from runner_fsm.testing.synth import SynthSpec, write_run
 
 DP, PCP = 8, 8
 LAST = 1000
-_MEASURE = r"""
-import json, sys, time
-from runner_fsm.audit.replay import replay
-
-def peak_rss_mib():
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-
-run_dir, jobs, last = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-start = time.perf_counter()
-report = replay(run_dir, jobs=jobs, last=last or None)
-print(json.dumps({"seconds": time.perf_counter() - start, "records": report.summary.records, "sound": report.sound,
-                  "first": report.summary.first_step, "last": report.summary.last_step, "rss_mib": peak_rss_mib()}))
-"""
-
-
 def write_big_run(run_dir: Path, steps: int) -> int:
     """DP x PCP ranks of `steps` steps (see the module docstring); the bytes written."""
     spec = SynthSpec(dp_size=DP, pcp_size=PCP, steps=steps, compact=True, seed=3)
@@ -73,10 +53,11 @@ def _p0(log: bytes) -> bytes:
     return re.search(rb'"p0":\d+', log)[0]
 
 
-def measure(run_dir: Path, jobs: int, last: int = 0) -> dict:
-    out = subprocess.run([sys.executable, "-c", _MEASURE, str(run_dir), str(jobs), str(last)], check=True,
-                         capture_output=True, text=True).stdout
-    return json.loads(out)
+def measure(run_dir: Path, jobs: int, last: int | None = None) -> dict:
+    """A replay in a fresh process (its own peak memory): `bench_replay`'s measurement."""
+    from bench_replay import _measure
+
+    return _measure(run_dir, jobs, traced=False, last=last)
 
 
 def rows(quick: bool = False) -> list:

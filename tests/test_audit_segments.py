@@ -15,14 +15,14 @@ import pytest
 from runner_fsm.audit import AuditLog, read_records
 from runner_fsm.audit.segments import MIN_SEGMENT, SegmentPolicy, parse_bytes
 from runner_fsm.audit.shape import job_shape_fields
+from runner_fsm.testing.logs import files_bytes
 
 CAP = 6 * MIN_SEGMENT
 
 
 def disk_bytes(run_dir, rank: int = 0) -> int:
     """What the rank's files take now (st_size: an open segment's reserved tail included)."""
-    mine = re.compile(rf"^(rank-{rank}(\.\d+)?\.jsonl(\.idx)?|vllm-steps-{rank}(\.\d+)?\.jsonl|fr-rank-{rank}\.json)$")
-    return sum(os.stat(run_dir / name).st_size for name in os.listdir(run_dir) if mine.match(name))
+    return files_bytes(run_dir).get(rank, 0)
 
 
 @pytest.fixture

@@ -21,6 +21,7 @@ import vllm_dp_cases as c
 from runner_fsm.audit import read_records
 from runner_fsm.audit.replay import replay
 from runner_fsm.integrations.vllm.spmd import Job
+from runner_fsm.testing.logs import files_bytes
 from runner_fsm.testing.vllm_models import make_model
 
 pytestmark = pytest.mark.vllm
@@ -30,20 +31,6 @@ PINNED = 100
 FAULT_STEP = 1100
 # Per replica 24 requests of 470 new tokens, 8 at a time: three waves, about 1,400 steps.
 PER_RANK = [[(f"r{rank}-{i}", c.prompt(5 + i % 7, 3 * i + rank), 470) for i in range(24)] for rank in range(2)]
-
-
-def _files_bytes(run_dir) -> dict[int, int]:
-    out: dict[int, int] = {}
-    for name in os.listdir(run_dir):
-        match = re.match(r"^(?:rank-(\d+)(?:\.\d+)?\.jsonl(?:\.idx)?|vllm-steps-(\d+)(?:\.\d+)?\.jsonl|fr-rank-(\d+)\.json)$",
-                         name)
-        if match:
-            rank = int(next(g for g in match.groups() if g is not None))
-            try:
-                out[rank] = out.get(rank, 0) + os.stat(run_dir / name).st_size
-            except FileNotFoundError:  # rotated away while we looked
-                pass
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -62,7 +49,7 @@ def runs(tmp_path_factory):
         while not done.wait(0.02):
             for name, run_dir in dirs.items():
                 if run_dir.exists():
-                    peak[name] = max([peak[name], *_files_bytes(run_dir).values()])
+                    peak[name] = max([peak[name], *files_bytes(run_dir).values()])
 
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()

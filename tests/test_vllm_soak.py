@@ -26,6 +26,7 @@ from test_vllm_server import free_port, start_server, stop, wait_ready
 
 from runner_fsm.audit import read_records
 from runner_fsm.audit.replay import replay
+from runner_fsm.testing.logs import files_bytes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
@@ -33,23 +34,6 @@ STEPS = int(os.environ.get("RUNNER_FSM_SOAK_STEPS", "20000"))
 CAP = 2 << 20
 PINNED = 200
 CLIENTS = 4
-_FILES = re.compile(r"^(?:rank-(\d+)(?:\.\d+)?\.jsonl(?:\.idx)?|vllm-steps-(\d+)(?:\.\d+)?\.jsonl|fr-rank-(\d+)\.json)$")
-
-
-def files_bytes(run_dir) -> dict[int, int]:
-    """Each rank's files, in bytes, now."""
-    out: dict[int, int] = {}
-    for name in os.listdir(run_dir) if run_dir.exists() else ():
-        match = _FILES.match(name)
-        if match:
-            rank = int(next(g for g in match.groups() if g is not None))
-            try:
-                out[rank] = out.get(rank, 0) + os.stat(run_dir / name).st_size
-            except FileNotFoundError:  # rotated away while we looked
-                pass
-    return out
-
-
 def serve_until_it_stops(port: int, model: str, deadline: float) -> int:
     """Long greedy completions from `CLIENTS` threads until the server stops answering."""
     done, served = threading.Event(), [0]

@@ -280,25 +280,19 @@ class Expander:
         self.seq = seq + 1
         record["seq"], record["t_ns"], record["step_id"] = seq, t_ns, step
         done = record.pop("d", None)
-        if done is not None:
-            if type(done) is list:
-                group, op, phase, pg_seq, shapes = done
+        if done is not None or "c" in record:  # a collective: its done, or its enqueue
+            if done is None:
+                group, op, phase, pg_seq, shapes = record.pop("c")
+                self._open[group], stage = (op, phase, pg_seq, shapes), "enqueue"
+            elif type(done) is list:
+                (group, op, phase, pg_seq, shapes), stage = done, "done"
             else:
-                group = done
+                group, stage = done, "done"
                 op, phase, pg_seq, shapes = self._open.pop(group, _UNKNOWN)
             if len(record) > 3:  # fields of its own: some are compact
                 self._dispatch(record, step, phase)
             record["event"], record["group"], record["op"], record["phase"] = "collective", group, op, phase
-            record["shapes"], record["pg_seq"], record["stage"] = shapes, pg_seq, "done"
-            return record
-        enqueue = record.pop("c", None)
-        if enqueue is not None:
-            group, op, phase, pg_seq, shapes = enqueue
-            self._open[group] = (op, phase, pg_seq, shapes)
-            if len(record) > 3:
-                self._dispatch(record, step, phase)
-            record["event"], record["group"], record["op"], record["phase"] = "collective", group, op, phase
-            record["shapes"], record["pg_seq"], record["stage"] = shapes, pg_seq, "enqueue"
+            record["shapes"], record["pg_seq"], record["stage"] = shapes, pg_seq, stage
             return record
         edge = record.pop("tr", None)
         if edge is not None:

@@ -8,6 +8,7 @@ so a compact log edited this way stays a valid log.
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +16,25 @@ import orjson
 
 from runner_fsm.audit.compact import FORMAT_FIELD
 from runner_fsm.audit.records import read_records
+
+
+_RANK_FILES = re.compile(r"^(?:rank-(\d+)(?:\.\d+)?\.jsonl(?:\.idx)?|vllm-steps-(\d+)(?:\.\d+)?\.jsonl"
+                         r"|fr-rank-(\d+)\.json)$")
+
+
+def files_bytes(run_dir: str | os.PathLike[str]) -> dict[int, int]:
+    """{global rank: bytes its files take now}: its log's segments and their step indexes, its
+    vLLM step journal, its Flight Recorder dump (what `max_log_bytes` caps)."""
+    run_dir, out = Path(run_dir), {}
+    for name in os.listdir(run_dir) if run_dir.exists() else ():
+        match = _RANK_FILES.match(name)
+        if match:
+            rank = int(next(g for g in match.groups() if g is not None))
+            try:
+                out[rank] = out.get(rank, 0) + os.stat(run_dir / name).st_size
+            except FileNotFoundError:  # rotated away while we looked
+                pass
+    return out
 
 
 def records_of(path: str | os.PathLike[str]) -> list[dict]:
