@@ -20,6 +20,7 @@ import vllm_dp_cases as c
 
 from runner_fsm.audit import read_records
 from runner_fsm.audit.replay import replay
+from runner_fsm.audit.segments import flight_entries
 from runner_fsm.integrations.vllm.spmd import Job
 from runner_fsm.testing.logs import files_bytes
 from runner_fsm.testing.vllm_models import make_model
@@ -54,7 +55,9 @@ def runs(tmp_path_factory):
     poller = threading.Thread(target=poll, daemon=True)
     poller.start()
     try:
-        result = c.run(jobs, 2, root, timeout_s=1500)
+        # vLLM's in-process engine makes its process groups before the worker could size the Flight
+        # Recorder's ring to the cap (`flight_entries`): sized here, as docs/vllm.md says to
+        result = c.run(jobs, 2, root, timeout_s=1500, env={"TORCH_FR_BUFFER_SIZE": str(flight_entries(CAP))})
     finally:
         done.set()
         poller.join()
@@ -78,7 +81,7 @@ def test_a_capped_run_replays_sound_and_never_exceeds_its_cap(runs):
     assert "rotated away: steps 0.." in report.format()
     for rank in range(2):
         job = _newest_job(dirs["clean"], rank)
-        assert job["segment"] > 8 and job["max_log_bytes"] == CAP
+        assert job["segment"] >= 4 and job["max_log_bytes"] == CAP
         assert 0 < job["disk_peak"] <= CAP, job
     assert 0 < peak["clean"] <= CAP, peak
 

@@ -352,27 +352,29 @@ class Expander:
 
     @staticmethod
     def _dispatch(record: dict, step, phase) -> None:
-        for name in ("batch", "ctx"):
-            identity = record.get(name)
-            if type(identity) is dict and "step" not in identity:
-                record[name] = {"step": step, **identity}
-        if record.get("ctx") == SAME:
-            record["ctx"] = dict(record["batch"])
-        inputs = record.pop("in", None)
-        if inputs is not None:
-            record["inputs"] = dict(zip(INPUTS_FIELDS, inputs))
-        output = record.pop("out", None)
-        if output is not None:
-            record["output"] = {"digest": output[0], "tokens": output[1]}
-        sent = record.pop("sn", None)
-        if sent is not None:
-            record["sent"] = _unlist(sent, step, phase, SENT_FIELDS)
-        agreed = record.pop("ag", None)
-        if agreed is not None:
-            record["agreed"] = value = _unlist(agreed, step, phase, AGREED_FIELDS)
-            value["all_idle"] = bool(value["all_idle"])
-
-
-def _unlist(values: list, step, phase, fields: tuple[str, ...]) -> dict:
-    own = values[5:] if len(values) > 5 else (step, phase)
-    return {"step_id": own[0], "phase": own[1], **dict(zip(fields, values))}
+        """The compact fields of a collective back in full (a DP agreement's, then a forward's,
+        the most frequent first)."""
+        values = record.pop("ag", None)
+        if values is not None:
+            own = values[5:] if len(values) > 5 else (step, phase)
+            record["agreed"] = {"step_id": own[0], "phase": own[1], "num_tokens_across_dp": values[0],
+                                "graph_mode": values[1], "uniform_token_count": values[2], "num_reqs": values[3],
+                                "all_idle": bool(values[4])}
+        values = record.pop("sn", None)
+        if values is not None:
+            own = values[5:] if len(values) > 5 else (step, phase)
+            record["sent"] = {"step_id": own[0], "phase": own[1], "status": values[0], "num_tokens": values[1],
+                              "graph_mode": values[2], "uniform_token_count": values[3], "num_reqs": values[4]}
+        values = record.pop("in", None)
+        if values is not None:
+            record["inputs"] = dict(zip(INPUTS_FIELDS, values))
+        if "batch" in record:
+            for name in ("batch", "ctx"):
+                identity = record.get(name)
+                if type(identity) is dict and "step" not in identity:
+                    record[name] = {"step": step, **identity}
+            if record.get("ctx") == SAME:
+                record["ctx"] = dict(record["batch"])
+        values = record.pop("out", None)
+        if values is not None:
+            record["output"] = {"digest": values[0], "tokens": values[1]}

@@ -51,7 +51,7 @@ class RankScanner:
         self._dangling: tuple | None = None  # the collective of the last record, if an enqueue
         self._truncated = False
         self._line = 0
-        self._shapes: dict = {}  # group -> (shapes as logged, frozen): each group's repeat
+        self._shapes: dict = {}  # (group, phase) -> (shapes as logged, frozen): each repeats
         # stale-buffer bookkeeping: snapshots are the raw `buffers` dicts of the records
         self.buffers = BufferTracker()
         self.stopped = False  # the scan ended at `stop_step`, not at the end of the file
@@ -260,13 +260,13 @@ class RankScanner:
         if pg_seq is not None:
             self._last_pg[group] = pg_seq
         shapes = None
+        op, phase = record["op"], record["phase"]
         if group in SHAPE_MATCHED_GROUPS:
             shapes = record["shapes"]
-            cached = self._shapes.get(group)
-            if cached is None or cached[0] != shapes:  # shapes repeat: freeze a new value once
-                cached = self._shapes[group] = (shapes, _freeze(shapes))
+            cached = self._shapes.get((group, phase))
+            if cached is None or cached[0] != shapes:  # shapes repeat per phase: freeze a new value once
+                cached = self._shapes[(group, phase)] = (shapes, _freeze(shapes))
             shapes = cached[1]
-        op, phase = record["op"], record["phase"]
         step = self.current
         keys = step.keys.get(group)
         if keys is None:

@@ -38,7 +38,13 @@ from runner_fsm.audit.stepindex import index_path
 SEGMENTS = 16  # a cap is cut into about this many segments
 MIN_SEGMENT = 64 << 10  # smaller segments would be mostly `job` records
 DEFAULT_MAX_LOG_BYTES = 2 << 30  # per rank: audit log, step journal and Flight Recorder dump together
-DEFAULT_PINNED_STEPS = 1000  # kept before a fault, a pin, and before the current step (a hang)
+DEFAULT_PINNED_STEPS = 1000  # kept before a fault, a pin, and before the current step
+# The Flight Recorder's dump is rewritten whole at each dump, as large as its ring: under a cap
+# the ring is sized to take at most an eighth of it (`flight_entries`), and that much is kept
+# free for it at every switch (the end-of-run dump comes after the last one).
+FLIGHT_SHARE = 8
+FLIGHT_ENTRY_BYTES = 512  # a dumped entry, with the group names around it (measured: ~480)
+MAX_FLIGHT_ENTRIES = 2000  # torch's own default ring (a hang)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -59,6 +65,13 @@ def parse_bytes(text: str | int | None) -> int | None:
 def segment_name(stem: str, global_rank: int, index: int) -> str:
     """`<stem>-<rank>.jsonl` for segment 0, `<stem>-<rank>.<index>.jsonl` after it."""
     return f"{stem}-{int(global_rank)}.jsonl" if index == 0 else f"{stem}-{int(global_rank)}.{index}.jsonl"
+
+
+def flight_entries(max_log_bytes: int | None) -> int:
+    """Flight Recorder entries to record under `max_log_bytes` (its share of the cap)."""
+    if not max_log_bytes:
+        return MAX_FLIGHT_ENTRIES
+    return max(16, min(MAX_FLIGHT_ENTRIES, max_log_bytes // FLIGHT_SHARE // FLIGHT_ENTRY_BYTES))
 
 
 def segment_bytes(max_log_bytes: int) -> int:
@@ -113,6 +126,7 @@ class SegmentPolicy:
         self.chunk = chunk_bytes(self.cap)
         self.pinned_steps = int(pinned_steps)
         self.extra_files = tuple(extra_files) or (self.run_dir / f"fr-rank-{self.global_rank}.json",)
+        self.flight_reserve = flight_entries(self.cap) * FLIGHT_ENTRY_BYTES  # its dump, however large it gets
         self.companions: list[Companion] = []
         self.closed: list[Segment] = []
         self.current = Segment(0, None)
@@ -155,7 +169,8 @@ class SegmentPolicy:
     def _make_room(self, now: int) -> list[int]:
         """Delete closed segments until the kept ones and the next segment fit in the cap."""
         deleted = []
-        room = self.cap - self.segment_bytes - 2 * self.chunk - self._companion_max
+        dump = sum(self._size(f) for f in self.extra_files)  # the Flight Recorder's: it may grow to its share
+        room = self.cap - self.segment_bytes - 2 * self.chunk - self._companion_max - max(0, self.flight_reserve - dump)
         while self._kept_bytes() > room:
             victim = self._victim(now)
             if victim is None:

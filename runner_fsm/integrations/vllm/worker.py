@@ -31,6 +31,7 @@ import sys
 from typing import Any
 
 from runner_fsm.audit import AuditLog
+from runner_fsm.audit.segments import flight_entries
 from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.integrations.vllm import cpu_collectives, cpu_rope, schema
 from runner_fsm.integrations.vllm.dp_support import DPSupport
@@ -72,7 +73,8 @@ class FSMWorkerMixin:
     # -- start-up, in vLLM's order ------------------------------------------------------
 
     def init_device(self) -> None:
-        start_flight_recorder()  # before vLLM's init_distributed_environment (see flight.py)
+        # before vLLM's init_distributed_environment (see flight.py); its dump within the log cap
+        start_flight_recorder(flight_entries(self.fsm_options.max_log_bytes))
         super().init_device()
         # The platform worker built its model runner here (V1 or MRV2, vLLM's choice): its adapter
         # names every attribute of it that the worker, the probe and the DP support read.
