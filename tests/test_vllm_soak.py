@@ -94,7 +94,9 @@ def test_a_long_served_run_stays_under_its_cap_and_keeps_the_fault(vllm_models, 
     named = [(v.replica, v.step) for v in report.verdicts
              if v.kind in ("hang", "collective_mismatch", "missing_replica", "agreed_mismatch")]
     assert named and named[0] == (1, STEPS), report.format()
-    assert not [v for v in report.verdicts if v.kind in ("missing_rank", "gap", "illegal_transition")], report.format()
+    # (the culprit logs the agreement under the step it reported, one ahead: a `gap` there is the fault's own)
+    assert not [v for v in report.verdicts if v.kind in ("missing_rank", "missing_replica", "illegal_transition")
+                or (v.kind == "gap" and v.step < STEPS)], report.format()
     assert report.summary.rotated and all(span.last > STEPS // 2 for span in report.summary.rotated)
     for rank in range(2):
         names = [n for n in os.listdir(run_dir) if re.match(rf"^rank-{rank}(\.\d+)?\.jsonl$", n)]
