@@ -18,7 +18,7 @@ import sys
 
 import pytest
 
-from runner_fsm.audit import AuditLog
+from runner_fsm.audit import AuditLog, read_records
 from runner_fsm.audit import replay as replay_module
 from runner_fsm.audit.replay import replay
 from runner_fsm.audit.segments import MIN_SEGMENT
@@ -194,3 +194,29 @@ def test_a_bad_run_flag_is_a_usage_error(capsys):
     with pytest.raises(SystemExit) as exit_:
         main(["run", "--max-log-bytes", "lots", "--out", "x"])
     assert exit_.value.code == 2 and "expected a byte count" in capsys.readouterr().err
+
+
+def test_compressed_segments_replay_as_plain_ones(tmp_path):
+    """Closed segments gzip-compressed (one member per step-index entry): the same verdicts and
+    rotated steps as the same run kept plain, a window seeks into them, and `read_records`
+    reads them. Mutations: a segment read as following segment 0 when that one was cut to its
+    head (`ranklog.read_segments` going by numbers alone) -> a gap and missing_replica where it
+    was cut; `open_lines` ignoring a seek's member offset -> the window's findings differ."""
+    defects = [Defect("agreed_mismatch", 2, 2700)]
+    runs = {}
+    for compress in (False, True):
+        runs[compress] = write_run(tmp_path / str(compress), dataclasses.replace(CAPPED, compress_segments=compress),
+                                   defects)
+    gz = sorted(name for name in os.listdir(runs[True]) if name.endswith(".jsonl.gz"))
+    assert gz and not any(name.endswith(".jsonl") and name + ".gz" in gz for name in os.listdir(runs[True]))
+    plain_bytes = sum(p.stat().st_size for p in runs[False].glob("rank-*.jsonl"))
+    assert sum(p.stat().st_size for p in runs[True].glob("rank-*.jsonl*")) < plain_bytes
+    for window in (None, (2650, 2750)):
+        kept, packed = (replay(runs[c], steps=window) for c in (False, True))
+        assert kinds(packed) == kinds(kept) and ("agreed_mismatch", 2, 2700) in kinds(packed)
+        if window is None:  # compressed, the same cap holds more of the run
+            assert packed.summary.first_step < kept.summary.first_step
+        else:
+            assert packed.summary.records == kept.summary.records
+    first = sorted(gz)[0]
+    assert [r["event"] for r in read_records(runs[True] / first)][:2] == ["job", "collective"]

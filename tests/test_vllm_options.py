@@ -64,3 +64,8 @@ def test_the_log_cap(section, env, cap, pinned):
 def test_a_bad_log_cap_is_refused_by_name(section, message):
     with pytest.raises(ConfigError, match=message):
         WorkerOptions.from_vllm(config(section), {})
+
+
+def test_compressed_logs_are_opt_in():
+    assert WorkerOptions.from_vllm(config(), {}).compress_logs is False
+    assert WorkerOptions.from_vllm(config(), {"RUNNER_FSM_COMPRESS_LOGS": "1"}).compress_logs is True

@@ -186,12 +186,14 @@ class AuditLog(_Records):
         shape: Mapping[str, Any] | None = None,
         max_log_bytes: int | None = None,
         pinned_steps: int = DEFAULT_PINNED_STEPS,
+        compress_segments: bool = False,
     ):
         """`shape`: the job's shape (`audit.shape.job_shape_fields`), written as record 0 (of
         every segment) so that replay knows every rank the job has, whichever logs it finds;
         with it the records are compact on disk (`compact`). `max_log_bytes`: the cap of a
         segmented log (`segments`; it needs the shape), None for one file without a cap;
-        `pinned_steps`: the steps kept before a fault, a `pin` and the current step."""
+        `pinned_steps`: the steps kept before a fault, a `pin` and the current step;
+        `compress_segments`: closed segments gzip-compressed (`compress`)."""
         if shape is not None and shape.keys() & _RESERVED:
             raise ValueError(f"job record: fields {sorted(shape.keys() & _RESERVED)} are reserved")
         if max_log_bytes and shape is None:
@@ -204,8 +206,8 @@ class AuditLog(_Records):
         self._next_seq = 0
         self._closed = False
         self._plain = RecordRenderer(SCHEMA_VERSION, self._run_id, self._dp_rank, self._pcp_rank)
-        self._segments = SegmentPolicy(Path(run_dir), global_rank, max_log_bytes, pinned_steps=pinned_steps) \
-            if max_log_bytes else None
+        self._segments = SegmentPolicy(Path(run_dir), global_rank, max_log_bytes, pinned_steps=pinned_steps,
+                                       compress=compress_segments) if max_log_bytes else None
         self._compact: compact.CompactRenderer | None = None
         if shape is None:
             self._open_file(self.path)

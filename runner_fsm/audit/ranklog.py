@@ -18,8 +18,9 @@ import orjson
 
 from runner_fsm.audit import stepindex
 from runner_fsm.audit.compact import is_compact
+from runner_fsm.audit.compress import is_compressed, open_lines
 
-RANK_SEGMENT_PATTERN = r"^rank-(\d+)(?:\.(\d+))?\.jsonl$"
+RANK_SEGMENT_PATTERN = r"^rank-(\d+)(?:\.(\d+))?\.jsonl(?:\.gz)?$"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -31,6 +32,8 @@ class SegmentFile:
     first_step: int | None  # its job record's `first_step` (None: segment 0, or not said)
     compact: bool
     job: dict | None = dataclasses.field(default=None, compare=False, repr=False)
+    # it goes on where the kept segment before it ended (no step rotated away in between)
+    follows: bool = False
 
     @property
     def file(self) -> str:
@@ -38,24 +41,31 @@ class SegmentFile:
 
 
 def read_segments(numbered: list[tuple[int, Path]]) -> tuple[SegmentFile, ...]:
-    """The segments of one rank (`rundirs.ranked_segments`), each with its `job` record."""
-    out = []
+    """The segments of one rank (`rundirs.ranked_segments`), each with its `job` record and
+    whether it follows the one before it: the next one by number, and that one not cut (the
+    writer cuts segment 0 to its head when the rest of it goes)."""
+    out: list[SegmentFile] = []
     for index, path in numbered:
         job = first_record(path)
         compact = is_compact(job)
         first = job.get("first_step") if job is not None else None
-        out.append(SegmentFile(index, path, first if isinstance(first, int) else None, compact, job))
+        first = first if isinstance(first, int) else None
+        follows = False
+        if out and out[-1].index + 1 == index:
+            end = last_step(out[-1])
+            follows = first is None or end is None or end + 1 >= first
+        out.append(SegmentFile(index, path, first, compact, job, follows))
     return tuple(out)
 
 
 def first_record(path: Path) -> dict | None:
     """The first line of `path` as a record (a segment's `job` record), or None."""
     try:
-        with open(path, "rb") as lines:
+        with open_lines(path) as lines:
             for raw in islice(lines, 1):
                 record = orjson.loads(raw)
                 return record if isinstance(record, dict) else None
-    except (OSError, orjson.JSONDecodeError):
+    except (OSError, EOFError, orjson.JSONDecodeError):
         return None
     return None
 
@@ -65,6 +75,13 @@ def last_step(segment: SegmentFile) -> int | None:
     index = stepindex.read(segment.path) if segment.compact else None
     if index is not None:
         return index.last_step
+    if is_compressed(segment.path):  # compressed with its index: without one, read through
+        last = None
+        from runner_fsm.audit.records import lenient_records
+
+        for record in lenient_records(segment.path):
+            last = record.get("step_id") if isinstance(record.get("step_id"), int) else last
+        return last
     from runner_fsm.audit.seek import last_step_of  # the tail of a file, perhaps being written
 
     try:
@@ -79,7 +96,7 @@ def rotated_ranges(segments: tuple[SegmentFile, ...]) -> tuple[tuple[int, int], 
     if segments and segments[0].index > 0 and segments[0].first_step:  # segment 0 itself is gone
         out.append((0, segments[0].first_step - 1))
     for before, after in zip(segments, segments[1:]):
-        if after.index == before.index + 1 or after.first_step is None:
+        if after.follows or after.first_step is None:
             continue
         end = last_step(before)
         start = 0 if end is None or end < 0 else end + 1
@@ -88,6 +105,4 @@ def rotated_ranges(segments: tuple[SegmentFile, ...]) -> tuple[tuple[int, int], 
     return tuple(out)
 
 
-def blind_at(rotated: tuple[tuple[int, int], ...], step: int) -> bool:
-    """Whether `step` lies in one of the `rotated` ranges."""
-    return any(first <= step <= last for first, last in rotated)
+

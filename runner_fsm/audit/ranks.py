@@ -23,6 +23,7 @@ import re
 
 import orjson
 
+from runner_fsm.audit.compress import open_lines
 from runner_fsm.audit.ranklog import RANK_SEGMENT_PATTERN, SegmentFile, read_segments, rotated_ranges
 from runner_fsm.audit.report import ReplayInputError
 from runner_fsm.audit.rundirs import RunDirs, as_dirs, ranked_segments
@@ -105,7 +106,7 @@ def _probe(path: Path) -> _Probed:
     and, when the first line is a `job` record, the job's shape, the rank's groups and host
     (a log of a writer that logs no shape: None)."""
     try:
-        with open(path, "rb") as lines:
+        with open_lines(path) as lines:
             for line_no, raw in enumerate(islice(lines, _PROBE_LINES), 1):
                 try:
                     record = orjson.loads(raw)

@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from runner_fsm.audit.compact import Expander
+from runner_fsm.audit.compress import open_lines
 from runner_fsm.audit.ranklog import SegmentFile, last_step
 from runner_fsm.audit.ranks import RankInfo
 from runner_fsm.audit.read import RankStep
@@ -65,7 +66,7 @@ def scan_rank(info: RankInfo, verdicts: list[Verdict], counter: dict[int, int], 
                 if offset == 0 and previous is None and segment is segments[0]:
                     yield from _segment(scanner, segment, stop_step)  # the log from its first line
                 else:
-                    gap = previous is None or segment.index != previous.index + 1
+                    gap = previous is None or previous is not segments[i - 1] or not segment.follows
                     yield from _segment(scanner, segment, stop_step, offset=offset, line=line, resume=gap)
             except FileNotFoundError:
                 if i + 1 == len(segments) or vanished is None:
@@ -97,7 +98,7 @@ def _note_vanished(vanished: list, segment: SegmentFile, following: SegmentFile)
 
 def _read_head(scanner: RankScanner, segment: SegmentFile) -> None:
     """The records before step 0 (start-up, graph captures); then ready to resume elsewhere."""
-    with open(segment.path, "rb") as lines:
+    with open_lines(segment.path) as lines:
         scanner.file = segment.file
         for _ in scanner.scan(lines, stop_step=0, expand=_expander(segment)):
             pass
@@ -109,29 +110,21 @@ def _segment(scanner: RankScanner, segment: SegmentFile, stop_step: int | None, 
              line: int = 1, resume: bool = False) -> Iterator[RankStep]:
     """The steps of one segment from byte `offset` (its line `line`); `resume`: what came
     before is not this log's previous records (a seek, a rotation gap)."""
-    with open(segment.path, "rb") as lines:
+    with open_lines(segment.path, offset) as lines:
         scanner.file = segment.file
         if offset == 0 and line == 1 and not resume:
             yield from scanner.scan(lines, stop_step=stop_step, expand=_expander(segment))
             return
-        job = _job(lines, segment)
-        expand = job and Expander(job)
+        expand = Expander(segment.job) if segment.compact else None
         if resume:
             scanner.resume_mid_file()
             if expand is not None:
                 expand.resume()
-        if offset > 0:
-            lines.seek(offset)
-        else:
-            scanner.continue_with(job, resumed=resume)
+        if offset == 0:
+            lines.readline()  # the segment's `job` record: one of the log's records, not a step's
+            scanner.continue_with(segment.job, resumed=resume)
             line = 2
         yield from scanner.scan(lines, stop_step=stop_step, expand=expand, first_line=line)
-
-
-def _job(lines, segment: SegmentFile) -> dict | None:
-    """The segment's `job` record, its first line (read past)."""
-    lines.readline()
-    return segment.job if segment.compact else None
 
 
 def _expander(segment: SegmentFile) -> Expander | None:

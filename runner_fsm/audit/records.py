@@ -11,11 +11,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping
+from pathlib import Path
 from typing import Any
 
 import orjson
 
 from runner_fsm.audit.compact import Expander, is_compact
+from runner_fsm.audit.compress import open_lines
 from runner_fsm.audit.mapped import is_blank, rest_is_blank
 from runner_fsm.errors import RunnerError
 
@@ -32,7 +34,7 @@ def read_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
     bad line raises with file:line. The records end at a blank tail (a log still open, or
     whose process died: `audit.mapped`)."""
     expand = None
-    with open(path, "rb") as lines:
+    with open_lines(Path(path)) as lines:
         for line_no, line in enumerate(lines, start=1):
             if is_blank(line):
                 if rest_is_blank(lines):  # the unwritten tail of a log that was not closed
@@ -61,7 +63,7 @@ def lenient_records(path: str | os.PathLike[str], offset: int = 0) -> Iterator[d
     to its blank tail. From byte `offset` (> 0: from the first step that begins there on; a
     compact record's step and times are known from there only)."""
     loads, bad = orjson.loads, orjson.JSONDecodeError
-    with open(path, "rb") as lines:
+    with open_lines(Path(path)) as lines:
         expand = None
         try:
             first = loads(lines.readline())

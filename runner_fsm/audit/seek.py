@@ -105,6 +105,8 @@ def locate(path: Path, step: int, *, compact: bool = False) -> tuple[int, int]:
     (the end of its data when there is none): from the segment's step index where it has one
     for its size, else by bisection."""
     index = stepindex.read(path) if compact else None
+    if index is not None and index.members:  # compressed: from the member that holds the step on
+        return index.locate(step)
     if index is None:
         offset = seek_step(path, step)
         return offset, newlines_before(path, offset) + 1

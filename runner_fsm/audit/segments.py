@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Protocol
 
 from runner_fsm.audit import stepindex
+from runner_fsm.audit.compress import Compressor, compressed
 from runner_fsm.audit.mapped import CHUNK
 from runner_fsm.audit.stepindex import index_path
 
@@ -119,7 +120,8 @@ class SegmentPolicy:
     """Which segments to keep at each switch (see the module docstring); does the deleting."""
 
     def __init__(self, run_dir: Path, global_rank: int, max_log_bytes: int, *,
-                 pinned_steps: int = DEFAULT_PINNED_STEPS, extra_files: tuple[Path, ...] = ()):
+                 pinned_steps: int = DEFAULT_PINNED_STEPS, extra_files: tuple[Path, ...] = (), compress: bool = False):
+        """`compress`: closed segments (not segment 0) rewritten as gzip in a thread (`compress`)."""
         self.run_dir, self.global_rank = Path(run_dir), int(global_rank)
         self.cap = int(max_log_bytes)
         self.segment_bytes = segment_bytes(self.cap)
@@ -135,6 +137,7 @@ class SegmentPolicy:
         self.switches: list[Switch] = []  # the last few, for checks
         self.peak = 0  # the most the rank's files took at any switch (right before it: their fullest)
         self._companion_max = 0  # the largest a companion segment has been
+        self.compressor = Compressor() if compress else None
 
     def path(self, index: int) -> Path:
         return self.run_dir / segment_name("rank", self.global_rank, index)
@@ -156,6 +159,8 @@ class SegmentPolicy:
         last = index.last_step if index is not None else None
         self.current.last_step = last if last is not None else first_step - 1
         self.closed.append(self.current)
+        if self.compressor is not None and self.current.index > 0:
+            self.compressor.submit(closed)
         self._companion_max = max([self._companion_max] + [self._size(c.segment_path(self.current.index))
                                                              for c in self.companions])
         deleted = self._make_room(first_step)
@@ -171,6 +176,8 @@ class SegmentPolicy:
         deleted = []
         dump = sum(self._size(f) for f in self.extra_files)  # the Flight Recorder's: it may grow to its share
         room = self.cap - self.segment_bytes - 2 * self.chunk - self._companion_max - max(0, self.flight_reserve - dump)
+        if self.compressor is not None:  # a segment and its compressed form side by side, a while
+            room -= self.segment_bytes // 2
         while self._kept_bytes() > room:
             victim = self._victim(now)
             if victim is None:
@@ -204,6 +211,7 @@ class SegmentPolicy:
         for companion in self.companions:
             _unlink(companion.segment_path(segment.index))
         _unlink(index_path(self.path(segment.index)))
+        _unlink(compressed(self.path(segment.index)))
         if segment.pinned_head:  # cut to its head; the head stays
             segment.head_end = head_end(self.path(0))
             os.truncate(self.path(0), segment.head_end)
@@ -216,7 +224,8 @@ class SegmentPolicy:
     def _kept_bytes(self) -> int:
         total = sum(self._size(f) for f in self.extra_files)
         for segment in self.closed:
-            total += self._size(self.path(segment.index)) + self._size(index_path(self.path(segment.index)))
+            path = self.path(segment.index)
+            total += self._size(path) + self._size(compressed(path)) + self._size(index_path(path))
             total += sum(self._size(c.segment_path(segment.index)) for c in self.companions)
         return total
 

@@ -27,6 +27,9 @@ class StepIndex(NamedTuple):
     last_step: int | None
     size: int  # the bytes it indexes: a segment that changed since is indexed anew
     entries: tuple[tuple[int, int, int], ...]  # (step, byte offset, line number), by offset
+    # a compressed segment (`compress`): (byte offset in the text, offset of its gzip member)
+    members: tuple[tuple[int, int], ...] = ()
+    compressed_size: int | None = None
 
     def locate(self, step: int) -> tuple[int, int]:
         """(offset, line number) of an indexed step at or before `step`'s first record (the
@@ -40,7 +43,9 @@ class StepIndex(NamedTuple):
 
 
 def index_path(segment: Path) -> Path:
-    return segment.with_name(segment.name + ".idx")
+    """`<segment>.idx`, for a segment and for its compressed form alike."""
+    name = segment.name[:-3] if segment.name.endswith(".gz") else segment.name
+    return segment.with_name(name + ".idx")
 
 
 def build(path: Path) -> StepIndex:
@@ -74,24 +79,27 @@ def _step_at(data, offset: int) -> int | None:
         return None
 
 
-def write(path: Path) -> StepIndex:
-    """Index `path` and cache the index next to it (atomically: a reader sees all or none)."""
-    index = build(path)
+def write(path: Path, index: StepIndex | None = None, **compressed) -> StepIndex:
+    """Index `path` (or store `index`, with a compressed form's `members` and
+    `compressed_size`) next to it, atomically: a reader sees all of it or none."""
+    index = (index or build(path))._replace(**compressed)
     target = index_path(path)
     temporary = target.with_name(target.name + ".tmp")
-    temporary.write_text(json.dumps({"first_step": index.first_step, "last_step": index.last_step,
-                                     "size": index.size, "entries": index.entries}))
+    temporary.write_text(json.dumps(index._asdict()))
     os.replace(temporary, target)
     return index
 
 
 def read(path: Path) -> StepIndex | None:
-    """The cached index of `path`, when there is one for its current size; else None."""
+    """The cached index of `path` (a segment, or its compressed form), when there is one for
+    its current size; else None."""
     try:
         cached = json.loads(index_path(path).read_text())
-        if cached["size"] != os.stat(path).st_size:
+        size = cached["compressed_size"] if path.name.endswith(".gz") else cached["size"]
+        if size != os.stat(path).st_size:
             return None
         return StepIndex(cached["first_step"], cached["last_step"], cached["size"],
-                         tuple(tuple(e) for e in cached["entries"]))
+                         tuple(tuple(e) for e in cached["entries"]),
+                         tuple(tuple(m) for m in cached.get("members", ())), cached.get("compressed_size"))
     except (OSError, ValueError, KeyError, TypeError):
         return None

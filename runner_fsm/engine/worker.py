@@ -99,7 +99,7 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
     audit = AuditLog(cfg.run_dir, cfg.run_id, global_rank, dp_rank, pcp_rank,
                      shape=job_shape_fields(layout.dp_size, layout.pcp_size, dp_rank, pcp_rank,
                                             buffer_names=list(BUFFER_NAMES)),  # its buffers records, in order
-                     max_log_bytes=cfg.max_log_bytes)
+                     max_log_bytes=cfg.max_log_bytes, compress_segments=cfg.compress_logs)
     model, drafter = _model_and_drafter(cfg, groups)
     replica = Replica(
         rc, dp_rank=dp_rank, pcp_rank=pcp_rank, model=model, drafter=drafter,

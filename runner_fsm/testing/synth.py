@@ -52,6 +52,7 @@ class SynthSpec:
     compact: bool = False  # records as the runner writes them now (`audit.compact`); False: in full
     max_log_bytes: int | None = None  # written through AuditLog under this cap (`audit.segments`)
     pinned_steps: int = 1000
+    compress_segments: bool = False  # under the cap, closed segments gzip-compressed (`audit.compress`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -357,7 +358,8 @@ def _write_capped(run_dir: Path, spec: SynthSpec, writer: _RankWriter) -> Path:
         for event, step_id, fields in records:
             if event == "job":
                 log = AuditLog(run_dir, spec.run_id, writer.global_rank, writer.dp_rank, writer.pcp_rank,
-                               shape=fields, max_log_bytes=spec.max_log_bytes, pinned_steps=spec.pinned_steps)
+                               shape=fields, max_log_bytes=spec.max_log_bytes, pinned_steps=spec.pinned_steps,
+                               compress_segments=spec.compress_segments)
                 continue
             fields = dict(fields)
             if event == "transition":
@@ -374,4 +376,6 @@ def _write_capped(run_dir: Path, spec: SynthSpec, writer: _RankWriter) -> Path:
     if log is None:
         raise ValueError("a capped synthetic log needs the job's shape (job_shape=True)")
     log.close()
+    if log.segments.compressor is not None:
+        log.segments.compressor.drain()  # every closed segment compressed: the run is whole
     return log.path

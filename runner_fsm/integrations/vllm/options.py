@@ -13,6 +13,7 @@ else from `RUNNER_FSM_*` environment variables, else the defaults:
 | fast_pcp_layout       | RUNNER_FSM_FAST_PCP_LAYOUT       | false (true: MRV2's PCP layout vectorised, `pcp_layout`) |
 | max_log_bytes         | RUNNER_FSM_MAX_LOG_BYTES         | 2G per rank (audit log, step journal, Flight Recorder dump; 0: no cap; `audit.segments`) |
 | pinned_steps          | RUNNER_FSM_PINNED_STEPS          | 1000 (steps kept before a fault, an injected fault, and the current step) |
+| compress_logs         | RUNNER_FSM_COMPRESS_LOGS         | false (true: closed segments gzip-compressed, `audit.compress`) |
 
 Everything else (graphs, capture sizes, speculation, limits) is vLLM's own configuration.
 Duck-typed on vLLM's config objects (no vLLM import).
@@ -44,6 +45,7 @@ class WorkerOptions:
     fast_pcp_layout: bool = False
     max_log_bytes: int | None = DEFAULT_MAX_LOG_BYTES  # None: one file, no cap
     pinned_steps: int = DEFAULT_PINNED_STEPS
+    compress_logs: bool = False
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, environ: Mapping[str, str] = os.environ) -> "WorkerOptions":
@@ -72,7 +74,8 @@ class WorkerOptions:
         return cls(run_dir=_opt_str(pick("run_dir")), run_id=_opt_str(pick("run_id")),
                    collective_timeout_s=timeout_s, inject=_opt_str(inject), audit=audit,
                    fast_pcp_layout=_flag("fast_pcp_layout", pick("fast_pcp_layout")),
-                   max_log_bytes=_log_cap(pick("max_log_bytes")), pinned_steps=_count("pinned_steps", pick("pinned_steps")))
+                   max_log_bytes=_log_cap(pick("max_log_bytes")), pinned_steps=_count("pinned_steps", pick("pinned_steps")),
+                   compress_logs=_flag("compress_logs", pick("compress_logs")))
 
 
 def _flag(name: str, value: Any) -> bool:

@@ -84,7 +84,7 @@ class FSMWorkerMixin:
         run_dir = run.run_dir
         audit = AuditLog(run_dir, run.run_id, self.global_rank, self.dp_rank, self.pcp_rank,
                          shape=self._job_shape(run.hosts), max_log_bytes=opts.max_log_bytes,
-                         pinned_steps=opts.pinned_steps)
+                         pinned_steps=opts.pinned_steps, compress_segments=opts.compress_logs)
         self.run_dir = run_dir
         self.flight = WorkerFlight(run_dir, self.global_rank, self.parallel_config)
         journal = Journal(run_dir, self.global_rank)
