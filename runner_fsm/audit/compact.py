@@ -62,6 +62,7 @@ _SENT_KEYS = frozenset(SENT_FIELDS) | {"step_id", "phase"}
 _INPUTS_KEYS = (set(INPUTS_FIELDS[:4]), set(INPUTS_FIELDS))  # replicated decodes, or each decode too
 _IDENTITY_KEYS = frozenset(IDENTITY_FIELDS)
 _OUTPUT_KEYS = {"digest", "tokens"}  # `checks.output_digest`
+_COLLECTIVE_FIELDS = frozenset({"group", "op", "phase", "shapes", "pg_seq", "stage"})
 _AGREED_KEYS = frozenset(AGREED_FIELDS) | {"step_id", "phase"}
 _NEW_STEP = object()  # no record yet in this segment: the next one starts a step
 _UNKNOWN = (None, None, None, None)  # a done whose enqueue was not read (a seek)
@@ -174,27 +175,26 @@ class CompactRenderer:
         return dumps_record({"e": event, **fields})
 
     def _collective(self, step_id, fields: dict) -> bytes:
-        group, op, phase, pg_seq, shapes = (fields.pop("group"), fields.pop("op"), fields.pop("phase"),
-                                            fields.pop("pg_seq"), fields.pop("shapes"))
-        stage = fields.pop("stage")
+        group, op, phase, pg_seq, stage = (fields["group"], fields["op"], fields["phase"], fields["pg_seq"],
+                                           fields["stage"])
         if stage == "enqueue":
             self._open[group] = (op, phase, pg_seq)
-            head: dict = {"c": [group, op, phase, pg_seq, shapes]}
+            head: dict = {"c": [group, op, phase, pg_seq, fields["shapes"]]}
+        elif self._open.get(group) == (op, phase, pg_seq):  # closes the group's last enqueue
+            del self._open[group]
+            head = {"d": group}
         else:
-            closes = self._open.get(group) == (op, phase, pg_seq)
-            if closes:
-                del self._open[group]
-            head = {"d": group if closes else [group, op, phase, pg_seq, shapes]}
-        if "sent" in fields:
-            sent = _dispatch(fields["sent"], step_id, phase, SENT_FIELDS, _SENT_KEYS)
-            if sent is not None:
-                del fields["sent"]
-                head["sn"] = sent
-        if "agreed" in fields:
-            agreed = _dispatch(fields["agreed"], step_id, phase, AGREED_FIELDS, _AGREED_KEYS)
-            if agreed is not None:
-                del fields["agreed"]
-                head["ag"] = agreed
+            head = {"d": [group, op, phase, pg_seq, fields["shapes"]]}
+        if len(fields) == 6:  # nothing of its own (most of a vLLM step's): no more to look at
+            return dumps_record(head)
+        fields = {key: value for key, value in fields.items() if key not in _COLLECTIVE_FIELDS}
+        for name, key, field_names, keys in (("sent", "sn", SENT_FIELDS, _SENT_KEYS),
+                                             ("agreed", "ag", AGREED_FIELDS, _AGREED_KEYS)):
+            if name in fields:
+                value = _dispatch(fields[name], step_id, phase, field_names, keys)
+                if value is not None:
+                    del fields[name]
+                    head[key] = value
         if "inputs" in fields and type(fields["inputs"]) is dict and fields["inputs"].keys() in _INPUTS_KEYS:
             inputs = fields.pop("inputs")
             head["in"] = [inputs[name] for name in INPUTS_FIELDS if name in inputs]
