@@ -194,3 +194,32 @@ def test_byte_counts(text, value):
 def test_byte_counts_refused(text):
     with pytest.raises(ValueError):
         parse_bytes(text)
+
+
+def test_a_closed_segments_step_index_points_at_its_steps(tmp_path):
+    """Each entry's offset and line number are where its step begins, and a seek through the
+    index lands where reading the segment from its start would. Mutation: counting the line
+    numbers from the previous entry's line instead of its newline (`stepindex.build`) -> off."""
+    from runner_fsm.audit import stepindex
+    from runner_fsm.audit.seek import locate
+
+    with capped_log(tmp_path) as log:
+        start(log)
+        for s in range(3000):
+            step(log, s)
+    closed = tmp_path / segment_files(tmp_path)[1][1]
+    index = stepindex.read(closed)
+    assert index is not None and len(index.entries) > 3
+    data = closed.read_bytes()
+    lines = data.splitlines(keepends=True)
+    starts = {}  # step -> (offset, line number) of its first record, read from the start
+    offset = 0
+    for number, line in enumerate(lines, 1):
+        if line.startswith(b'{"s":'):
+            starts.setdefault(int(line[5:line.index(b",")]), (offset, number))
+        offset += len(line)
+    for step_id, at, number in index.entries:
+        assert starts[step_id] == (at, number)
+    assert (index.first_step, index.last_step, index.size) == (min(starts), max(starts), len(data))
+    for step_id in (index.first_step, index.first_step + 17, (index.first_step + index.last_step) // 2, index.last_step):
+        assert locate(closed, step_id, compact=True) == starts[step_id]

@@ -18,7 +18,7 @@ from typing import NamedTuple
 
 from runner_fsm.audit.mapped import data_end
 
-STRIDE = 1 << 16
+STRIDE = 1 << 16  # at most this far apart (a small segment's entries: a 64th of it apart)
 _STEP_LINE = b'\n{"s":'
 
 
@@ -53,6 +53,7 @@ def build(path: Path) -> StepIndex:
     size = data_end(path)
     if size == 0:
         return StepIndex(None, None, 0, ())
+    stride = max(4096, min(STRIDE, size // 64))
     with open(path, "rb") as handle, mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ) as data:
         entries, lines, counted = [], 1, 0
         position = 0
@@ -63,7 +64,7 @@ def build(path: Path) -> StepIndex:
             lines += data[counted:found + 1].count(b"\n")  # a stride at a time: memory stays small
             counted = found + 1
             entries.append((_step_at(data, found + 1), found + 1, lines))
-            position = max(found + 1, (found + 1) // STRIDE * STRIDE + STRIDE)
+            position = max(found + 1, (found + 1) // stride * stride + stride)
         last = data.rfind(_STEP_LINE, 0, size)
         last_step = _step_at(data, last + 1) if last >= 0 else None
     steps = [e for e in entries if e[0] is not None]
