@@ -20,7 +20,6 @@ import re
 import threading
 import time
 
-import httpx
 import pytest
 from test_vllm_server import free_port, start_server, stop, wait_ready
 
@@ -36,6 +35,8 @@ PINNED = 200
 CLIENTS = 4
 def serve_until_it_stops(port: int, model: str, deadline: float) -> int:
     """Long greedy completions from `CLIENTS` threads until the server stops answering."""
+    import httpx  # in the vLLM venv only, as the server tests'
+
     done, served = threading.Event(), [0]
 
     def client(seed: int) -> None:
