@@ -15,7 +15,8 @@ Benchmarks owned elsewhere join through hooks, when their files exist:
   with `--steps 1000 --no-traced` and its `SUITE_ROW {json}` lines, or its two result lines
   (1x, 10x), become rows;
 - benchmarks/bench_vllm_worker.py, only when .venv-vllm exists: run with .venv-vllm's Python
-  and `--repeats 3`; its `SUITE_ROW {json}` lines, or its closing JSON summary, become rows.
+  and `--repeats 3`; its `SUITE_ROW {json}` lines, or its closing JSON summary, become rows;
+- benchmarks/bench_vllm_mtp.py, likewise (MTP drafts under DP=2 x PCP=2 on MRV2): its `SUITE_ROW` lines.
 Whatever cannot be read that way is shown as it is under the table.
 A `SUITE_ROW` line holds one JSON object with the fields of `common.Row`.
 
@@ -62,6 +63,8 @@ SUITE = {
     "replay": None,  # hook: benchmarks/bench_replay.py (owned elsewhere)
     "vllm": None,  # hook: benchmarks/bench_vllm_worker.py with .venv-vllm (owned elsewhere)
     "vllm-mrv2": None,  # the same on vLLM's Model Runner V2 (Triton's interpreter on the CPU)
+    "vllm-tp2": None,  # FSMWorker vs vLLM's default worker at tensor_parallel_size 2 (V1, a Mixtral)
+    "vllm-mtp": None,  # hook: benchmarks/bench_vllm_mtp.py, MTP under DP=2 x PCP=2 vs DP=1 x PCP=2 (MRV2)
 }
 HOOK_TIMEOUT_S = 150
 
@@ -147,9 +150,10 @@ def _replay_rows(quick: bool, extra: list[str]) -> list[Row]:
     return _script_rows("runner-fsm replay", cmd, extra, _parse_replay)
 
 
-def _vllm_rows(quick: bool, extra: list[str], runner: str = "v1") -> list[Row]:
+def _vllm_rows(quick: bool, extra: list[str], runner: str = "v1", tp: int = 1) -> list[Row]:
     script, python = HERE / "bench_vllm_worker.py", REPO / ".venv-vllm" / "bin" / "python"
-    name = "FSMWorker in vLLM vs default CPU worker" + ("" if runner == "v1" else " (MRV2)")
+    name = "FSMWorker in vLLM vs default CPU worker" + ("" if runner == "v1" else " (MRV2)") + \
+        (f", TP={tp}" if tp > 1 else "")
     if not python.exists() or not script.exists():
         missing = ".venv-vllm" if not python.exists() else "benchmarks/bench_vllm_worker.py"
         return [Row(name, "-", "-", "-", "report the ratio", "n/a", note=f"hook: {missing} not present")]
@@ -160,7 +164,17 @@ def _vllm_rows(quick: bool, extra: list[str], runner: str = "v1") -> list[Row]:
     cmd = [str(python), str(script), "--repeats", "3", "--runner", runner]
     if runner == "mrv2":
         cmd += ["--requests", "16", "--max-new", "16"]
-    return _script_rows(name, cmd, extra, _parse_vllm, timeout_s=480 if runner == "v1" else 1200)
+    if tp > 1:  # two worker processes per measurement: a MoE model, a workload of about a minute
+        cmd += ["--tp", str(tp), "--arch", "mixtral"]
+    return _script_rows(name, cmd, extra, _parse_vllm, timeout_s=480 if runner == "v1" and tp == 1 else 1200)
+
+
+def _vllm_mtp_rows(extra: list[str]) -> list[Row]:
+    script, python = HERE / "bench_vllm_mtp.py", REPO / ".venv-vllm" / "bin" / "python"
+    name = "FSMWorker MTP (K=1), DP=2 x PCP=2 vs DP=1 x PCP=2 (MRV2)"
+    if not python.exists() or not script.exists():
+        return [Row(name, "-", "-", "-", "report", "n/a", note="hook: .venv-vllm not present")]
+    return _script_rows(name, [str(python), str(script)], extra, timeout_s=900)
 
 
 def _machine() -> dict[str, str]:
@@ -186,15 +200,18 @@ def run(names: list[str], quick: bool) -> tuple[list[Row], list[str], bool]:
         try:
             if name == "replay":
                 got = _replay_rows(quick, extra)
-            elif name in ("vllm", "vllm-mrv2"):
-                got = _vllm_rows(quick, extra, runner="v1" if name == "vllm" else "mrv2")
+            elif name in ("vllm", "vllm-mrv2", "vllm-tp2"):
+                got = _vllm_rows(quick, extra, runner="mrv2" if name == "vllm-mrv2" else "v1",
+                                 tp=2 if name == "vllm-tp2" else 1)
+            elif name == "vllm-mtp":
+                got = _vllm_mtp_rows(extra)
             else:
                 got = importlib.import_module(SUITE[name]).rows(quick=quick)
         except Exception as exc:  # a wrong output or a crash: report it, keep going
             traceback.print_exc()
             ok = False
             got = [Row(name, "-", "-", "-", "-", "error", note=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])]
-        ok = ok and all(r.status != "error" for r in got if name not in ("replay", "vllm", "vllm-mrv2"))
+        ok = ok and all(r.status != "error" for r in got if name not in ("replay", "vllm", "vllm-mrv2", "vllm-tp2", "vllm-mtp"))
         rows.extend(got)
         print(f"[bench] {name} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return rows, extra, ok

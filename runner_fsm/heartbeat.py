@@ -4,6 +4,8 @@ gloo cannot say which member of a group never joined a collective. So each rank 
 its position (step, and the collective it is entering, or that it is between collectives)
 into the c10d store that the process group already runs. When a collective times out,
 the rank reads every position and names the replica that is not where its peers are:
+- a replica waiting in a collective of a phase past the last of a step (when the drafter's K
+  is known: `audit.order`, rule 0) ran a draft pass its peers never run;
 - a replica outside any collective while its peers wait inside one never arrived (it hung,
   faulted or died);
 - when every replica waits, the rule of `audit.order` (shared with `dp.agree` and replay)
@@ -17,7 +19,7 @@ from __future__ import annotations
 import dataclasses
 import datetime
 
-from runner_fsm.audit.order import out_of_order
+from runner_fsm.audit.order import out_of_order, past_last_phase
 from runner_fsm.config import ParallelLayout
 
 _KEY = "runner_fsm/position/{rank}"
@@ -49,10 +51,11 @@ class Position:
 class Heartbeat:
     """Writes this rank's position; on a timeout, reads everyone's and names the culprit."""
 
-    def __init__(self, store, layout: ParallelLayout, global_rank: int):
+    def __init__(self, store, layout: ParallelLayout, global_rank: int, *, last_phase: int | None = None):
         self.store = store
         self.layout = layout
         self.rank = global_rank
+        self.last_phase = last_phase  # the last phase of a step, when the drafter's K is known
 
     def beat(self, step: int, phase: int = 0, collective: str = "") -> None:
         self.store.set(_KEY.format(rank=self.rank), Position(self.rank, step, phase, collective).encode())
@@ -76,10 +79,11 @@ class Heartbeat:
             replica = self.layout.coords(0)[0]
             return (f"culprit: replica {replica} (the job's store, held by rank 0, is unreachable:"
                     f" rank 0 is gone; {type(exc).__name__}: {exc})")
-        return describe_positions(positions, self.layout)
+        return describe_positions(positions, self.layout, last_phase=self.last_phase)
 
 
-def describe_positions(positions: dict[int, Position], layout: ParallelLayout) -> str:
+def describe_positions(positions: dict[int, Position], layout: ParallelLayout, *,
+                       last_phase: int | None = None) -> str:
     per_replica = {}
     for pos in positions.values():
         per_replica.setdefault(layout.coords(pos.rank)[0], []).append(pos)
@@ -88,23 +92,27 @@ def describe_positions(positions: dict[int, Position], layout: ParallelLayout) -
                                      for p in sorted(ps, key=lambda p: p.rank))
         for d, ps in sorted(per_replica.items()))
     silent = sorted(set(range(layout.dp_size)) - set(per_replica))
-    culprits = sorted(set(silent) | set(_culprits(positions, layout)))
+    culprits = sorted(set(silent) | set(_culprits(positions, layout, last_phase)))
     verdict = (f"culprit: replica {', '.join(map(str, culprits))}" if culprits
                else "no replica stands out")
     return f"{verdict} ({seen})"
 
 
-def _culprits(positions: dict[int, Position], layout: ParallelLayout) -> list[int]:
-    """Replicas outside any collective while others wait in one; else, when every replica
-    waits, the ones out of order (`audit.order`)."""
-    outside, furthest = set(), {}
+def _culprits(positions: dict[int, Position], layout: ParallelLayout, last_phase: int | None = None) -> list[int]:
+    """Replicas waiting in a phase past the step's last; else replicas outside any collective
+    while others wait in one; else, when every replica waits, the ones out of order (`audit.order`)."""
+    outside, furthest, beyond = set(), {}, set()
     for p in positions.values():
         replica = layout.coords(p.rank)[0]
         furthest[replica] = max(furthest.get(replica, p.order), p.order)
         if not p.collective:
             outside.add(replica)
+        elif past_last_phase(p.phase, last_phase):
+            beyond.add(replica)
     if not furthest or len(outside) == len(furthest):
         return []
+    if beyond and len(beyond) < len(furthest):
+        return sorted(beyond)
     if outside:
         return sorted(outside)
     # Every replica waits: the rule the DP agreement names its culprit by (`audit.order`),

@@ -39,6 +39,18 @@ def test_three_replicas_the_majority_decides_even_behind(culprit):
     assert describe_positions(_positions(layout, where), layout).startswith(f"culprit: replica {culprit} (")
 
 
+@pytest.mark.parametrize("culprit", [0, 1])
+def test_a_replica_waiting_in_a_phase_past_the_steps_last_is_named(culprit):
+    """K = 1 (the last phase DRAFT_PREFILL): the culprit waits in a DRAFT_DECODE agreement its
+    extra draft step entered, its peer finished the step and waits outside the worker.
+    Mutation: drop the `beyond` rule from `_culprits` -> the peer, outside, is named."""
+    layout = ParallelLayout(2, 2)
+    where = {culprit: (4, 3, AGREE), 1 - culprit: (4, 2, "")}
+    named = describe_positions(_positions(layout, where), layout, last_phase=2)
+    assert named.startswith(f"culprit: replica {culprit} ("), named
+    assert describe_positions(_positions(layout, where), layout).startswith(f"culprit: replica {1 - culprit} (")
+
+
 def test_three_positions_without_majority_name_nobody():
     layout = ParallelLayout(3, 1)
     where = {0: (4, 1, AGREE), 1: (4, 1, FORWARD), 2: (4, 2, AGREE)}

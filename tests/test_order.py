@@ -1,5 +1,6 @@
 """The one rule that names the replica out of order in a DP agreement (`audit.order`), and
-`dp.agree` raising with it: a majority decides, else the side ahead in (step, phase, sequence)
+`dp.agree` raising with it: a phase past the last a step of the job has names its sender (when
+the drafter's K is known), else a majority decides, else the side ahead in (step, phase, sequence)
 order, else it is a tie and nobody is named."""
 
 from __future__ import annotations
@@ -8,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from runner_fsm.audit.order import AHEAD, MAJORITY, TIE, out_of_order
+from runner_fsm.audit.order import AHEAD, BEYOND, MAJORITY, TIE, last_phase, out_of_order
 from runner_fsm.dp import DRAFT_DECODE, DRAFT_PREFILL, TARGET, LocalDispatch, agree
 from runner_fsm.errors import DesyncError
 
@@ -89,3 +90,26 @@ def test_agree_reports_a_tie_without_a_culprit():
         agree(columns)
     assert caught.value.culprits == () and caught.value.culprit_step is None
     assert "odd one" not in str(caught.value)
+
+
+def test_the_last_phase_of_a_step_follows_from_k():
+    assert [last_phase(k) for k in (0, 1, 2, 5)] == [TARGET, DRAFT_PREFILL, DRAFT_DECODE, DRAFT_DECODE]
+
+
+@pytest.mark.parametrize("culprit", [0, 1])
+def test_an_extra_draft_pass_is_named_by_the_phase_past_the_steps_last(culprit):
+    """Mutation: drop rule 0 (`_beyond`) from `out_of_order` -> the peer is named (AHEAD)."""
+    # K = 1: the culprit ran a draft decode pass at step 5 (vllm-ascend #12036) and met its
+    # peer's step-6 TARGET; the peer is ahead, yet it did nothing wrong
+    sent = {culprit: (5, DRAFT_DECODE, 11), 1 - culprit: (6, TARGET, 11)}
+    found = out_of_order(sent, last_phase=DRAFT_PREFILL)
+    assert (found.culprits, found.step, found.basis) == ((culprit,), 5, BEYOND)
+    assert found.describe().startswith(f"culprit: replica {culprit} at step 5 (it sent step 5 DRAFT_DECODE seq 11")
+    assert out_of_order(sent).culprits == (1 - culprit,)  # the order alone bets on a skip
+
+
+def test_rule_zero_needs_a_phase_past_the_last_on_some_replicas_only():
+    sent = {0: (5, DRAFT_DECODE), 1: (6, TARGET)}
+    assert out_of_order(sent, last_phase=DRAFT_DECODE).basis == AHEAD  # K > 1: DRAFT_DECODE is a step's own
+    both = {0: (5, DRAFT_DECODE), 1: (5, DRAFT_DECODE, 3)}
+    assert out_of_order(both, last_phase=DRAFT_PREFILL).basis == AHEAD  # every replica past it: no odd one

@@ -32,6 +32,17 @@ def test_desync_names_culprit_and_step(columns, culprit, step):
     assert (err.value.culprits, err.value.culprit_step) == ((culprit,), step)
 
 
+@pytest.mark.parametrize("culprit", [0, 1])
+def test_an_extra_draft_agreement_names_its_sender_from_k(culprit):
+    """K = 1 (the last phase DRAFT_PREFILL): the replica that entered a DRAFT_DECODE agreement
+    ran a draft step its peers do not (draft-steps-mismatch), though its peer is ahead.
+    Mutation: `check_columns` ignores `last_phase` -> the peer is named."""
+    columns = [None, None]
+    columns[culprit], columns[1 - culprit] = (5, dp.DRAFT_DECODE, 11, 1, 0), (6, dp.TARGET, 11, 0, 0)
+    with pytest.raises(DesyncError, match=rf"^culprit: replica {culprit} at step 5 \(it sent step 5 DRAFT_DECODE"):
+        check_columns(rows(*columns), [2, 2], [0, 0], last_phase=dp.DRAFT_PREFILL)
+
+
 def test_abort_status_stops_every_replica_naming_sender():
     with pytest.raises(ReplicaFault, match="replica 1 aborted step 4") as err:
         check_columns(rows((4, 1, 9, 0, 0), (4, 1, 9, 1, dp.STATUS_FAULT)), [1, 1], [0, 0])
@@ -40,6 +51,7 @@ def test_abort_status_stops_every_replica_naming_sender():
 
 def test_inject_syntax():
     assert inject.parse("skip-draft-sync@replica=1,step=5").kind == "skip-draft-sync"
+    assert inject.parse("draft-steps-mismatch@replica=0,step=2").kind == "draft-steps-mismatch"
     assert (inject.parse(" desync@replica=0,step=12 ").replica, inject.parse("desync@replica=0,step=12").step) == (0, 12)
     for bad in ("crash@replica=1,step=5", "desync@replica=1", "desync"):
         with pytest.raises(ConfigError):

@@ -114,6 +114,19 @@ def _child(rank: int, init: str, out_dir: str) -> None:
                 result["abort"] = [type(exc).__name__, exc.replica, str(exc)]
         undo()
         result["restored"] = dp_utils.dist is dist
+        # K = 1: replica 1's idle step runs one draft pass more (a DRAFT_DECODE agreement) while
+        # replica 0 goes on to its next step: the phase past the step's last names replica 1.
+        extra = AgreementTap(rank, 2)
+        extra.last_phase = dp.DRAFT_PREFILL
+        undo = mrv2_sync.install(extra)
+        extra.begin_step(5 if rank == 1 else 6, dummy=rank == 1)
+        try:
+            with extra.tagged(dp.DRAFT_DECODE if rank == 1 else dp.TARGET):
+                _case(*args, tokens, 1)
+            result["extra_draft"] = None
+        except Exception as exc:
+            result["extra_draft"] = [type(exc).__name__, list(exc.culprits), exc.culprit_step]
+        undo()
         audit.close()
         result["collectives"] = _cpu_collectives(rank)
         dist.destroy_process_group()
@@ -165,6 +178,8 @@ def test_mrv2_sync_carries_agreement_and_detects_desync(gloo_run):
         assert res["schema_problems"] == ["dp_utils._run_ar takes ['tensor', 'group'], the replacement"
                                           " ['should_ubatch', 'orig_num_tokens_per_ubatch',"
                                           " 'padded_num_tokens_per_ubatch', 'cudagraph_mode', 'parallel_config']"]
+    # Mutation: `exchange` without `last_phase` -> replica 0, ahead in step order, is named.
+    assert [res["extra_draft"] for res in results] == [["DesyncError", [1], 5]] * 2
     # Replica 1 failed before step 3's agreement: its abort status stops replica 0 in it.
     assert results[1]["abort"] == [True, False]
     assert results[0]["abort"][:2] == ["ReplicaFault", 1]

@@ -15,7 +15,6 @@ two minutes alone on the 2-core box.
 
 from __future__ import annotations
 
-import shutil
 import threading
 import time
 from pathlib import Path
@@ -26,7 +25,6 @@ from vllm_checks import mrv2_env
 
 from runner_fsm.integrations.vllm import harness as h
 from runner_fsm.integrations.vllm.spmd import Job
-from runner_fsm.testing.logs import rewrite_in_full
 from runner_fsm.testing.vllm_models import MLA_BLOCK_SIZE, make_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
@@ -122,21 +120,11 @@ def test_idle_replicas_dummies_carry_pcp_evidence_built_for_the_dummy(runs):
         assert any("inputs" in r for r in records if r["event"] == "collective" and r["group"] == "dp")
 
 
-def _stripped(run_dir: Path) -> Path:
-    """A copy of the run's logs without a single `fault` record: replay must find the fault in
-    the evidence, not in what the worker said of it."""
-    copy = run_dir.parent / (run_dir.name + "-stripped")
-    shutil.copytree(run_dir, copy, dirs_exist_ok=True)
-    for path in copy.glob("rank-*.jsonl"):
-        rewrite_in_full(path, lambda records: [r for r in records if r["event"] != "fault"])
-    return copy
-
-
 @pytest.mark.parametrize("label", list(INJECTED))
 def test_replay_names_the_injected_pcp_fault_from_the_evidence(runs, label):
     result, run_dir, _ = runs[label]
     kind, replica, step = INJECTED[label]
-    stripped = _stripped(run_dir)
+    stripped = c.stripped(run_dir)
     assert not any(r["event"] == "fault" for rank in range(2 * PCP) for r in _records(stripped, rank))
     code, verdicts = c.replay_json(stripped)
     print(f"\n{label}: codes {result.codes}; replay: " + "; ".join(

@@ -91,7 +91,8 @@ def test_a_runner_without_a_persistent_buffer_is_refused():
     runner = SimpleNamespace(model=object(), input_ids=object(), positions=object(), query_start_loc=object(),
                              max_num_reqs=8, input_batch=SimpleNamespace(num_reqs=0, block_table=[table]),
                              parallel_config=object(), _determine_batch_execution_and_padding=print,
-                             _dummy_run=print, _prepare_inputs=print)
+                             _dummy_run=print, _prepare_inputs=print, intermediate_tensors=None,
+                             max_num_tokens=64, model_config=object(), device="cpu")
     adapter = V1Runner(runner)
     assert adapter.problems() == ["SimpleNamespace.seq_lens is missing (v1 runner)"]
     with pytest.raises(VLLMSchemaError, match=r"SimpleNamespace.seq_lens is missing \(v1 runner\)"):

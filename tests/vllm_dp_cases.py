@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
+
 from runner_fsm.audit import read_records
+from runner_fsm.testing.logs import rewrite_in_full
 from runner_fsm.integrations.vllm import harness as h
 from runner_fsm.integrations.vllm.spmd import Job, launch_dp
 from runner_fsm.testing.vllm_models import make_model
@@ -49,3 +52,13 @@ def replay_json(run_dir: Path) -> tuple[int, list[dict]]:
                          capture_output=True, text=True, timeout=300)
     data = json.loads(out.stdout) if out.stdout.strip() else {}
     return out.returncode, data.get("verdicts", data if isinstance(data, list) else [])
+
+
+def stripped(run_dir: Path) -> Path:
+    """A copy of the run's logs without a single `fault` record: replay must find the fault in
+    the evidence, not in what the worker said of it."""
+    copy = run_dir.parent / (run_dir.name + "-stripped")
+    shutil.copytree(run_dir, copy, dirs_exist_ok=True)
+    for path in copy.glob("rank-*.jsonl"):  # in full, whatever the encoding on disk
+        rewrite_in_full(path, lambda records: [r for r in records if r["event"] != "fault"])
+    return copy

@@ -264,8 +264,9 @@ def op_difference_verdict(view: GroupView, seq: int, entries: dict[int, FlightEn
 
 def flight_only(run_dir: RunDirs) -> bool:
     """Directories of Flight Recorder dumps and no audit log: a plain PyTorch job."""
-    return bool(dump_paths(run_dir)) and not any(d.is_dir() and any(d.glob("rank-*.jsonl"))
-                                                 for d in as_dirs(run_dir))
+    if any(d.is_dir() and any(d.glob("rank-*.jsonl")) for d in as_dirs(run_dir)):
+        return False  # audit logs: `discover` reads them (and refuses a rank found twice first)
+    return bool(dump_paths(run_dir))
 
 
 NO_MEMBERSHIP_NOTE = ("the dumps record no group membership (torch's gloo backend leaves pg_config empty):"

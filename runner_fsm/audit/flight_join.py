@@ -27,8 +27,9 @@ from collections.abc import Iterable
 
 from runner_fsm.audit.flight import RankDump, describe, group_views, in_flight, named_ranks, read_dumps
 from runner_fsm.audit.mapped import data_end
+from runner_fsm.audit.order import past_last_phase
+from runner_fsm.audit.ranks import RankInfo, discover, job_last_phase
 from runner_fsm.audit.records import lenient_records
-from runner_fsm.audit.ranks import RankInfo, discover
 from runner_fsm.audit.rundirs import RunDirs
 from runner_fsm.audit.report import ReplayReport, Verdict, sort_verdicts
 
@@ -146,13 +147,21 @@ def _annotate_hang(verdicts, dumps, view, name, seq, tails, steps, audit_seq: st
             detail = (f"{verdict.detail}; flight recorder: {describe(dumps, view, seq)}{audit_seq};"
                       f" audit log: {where}")
             verdict = dataclasses.replace(verdict, detail=detail, evidence=BOTH)
-            if behind and not behind & set(verdict.ranks):
+            if behind and not behind & set(verdict.ranks) and not _extra_draft_pass(verdict, name, seq, tails):
                 out.append(Verdict("source_disagreement", verdict.replica, verdict.step,
                                    f"the audit log blames rank(s) {_ids(verdict.ranks)} for the hang in group"
                                    f" {name}, the Flight Recorder shows rank(s) {_ids(sorted(behind))} never"
                                    f" started #{seq}", tuple(sorted(behind)), evidence=BOTH))
         out.append(verdict)
     return out
+
+
+def _extra_draft_pass(verdict, name, seq: int, tails) -> bool:
+    """The hang's blamed ranks wait at `seq` in a phase past the last of any step (`audit.order`,
+    rule 0): the members the Flight Recorder shows never starting it rightly did not."""
+    last = job_last_phase(tail.info for tail in tails.values())
+    waits = [tails[r].collectives.get((name, seq - 1)) for r in verdict.ranks if r in tails]
+    return bool(waits) and all(rec is not None and past_last_phase(rec.get("phase"), last) for rec in waits)
 
 
 def _annotate_rematched(verdicts, dumps, view, name, tails) -> list[Verdict]:

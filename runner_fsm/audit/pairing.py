@@ -61,7 +61,7 @@ class AgreementPairs:
 
     def _judge(self, sent: dict[int, tuple]) -> None:
         by_replica = {self.groups.replica(rank): key for rank, key in sent.items()}
-        found = out_of_order(by_replica)
+        found = out_of_order(by_replica, last_phase=self.groups.last_phase)
         if found is None:
             return
         each = ", ".join(f"replica {replica} sent {key_text(key)}" for replica, key in found.sent)

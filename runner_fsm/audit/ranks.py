@@ -25,6 +25,7 @@ import orjson
 
 from runner_fsm.audit.compress import open_lines
 from runner_fsm.audit.ranklog import RANK_SEGMENT_PATTERN, SegmentFile, read_segments, rotated_ranges
+from runner_fsm.audit.order import last_phase
 from runner_fsm.audit.report import ReplayInputError
 from runner_fsm.audit.rundirs import RunDirs, as_dirs, ranked_segments
 from runner_fsm.audit.shape import DIMENSIONS, JOB_EVENT, Coords, JobShape
@@ -48,6 +49,9 @@ class RankInfo:
     groups: tuple[tuple[str, tuple[int, ...]], ...] = ()
     host: str | None = None  # where the process ran, as its `job` record says
     hosts: dict | None = dataclasses.field(default=None, compare=False)  # the job's {host: [ranks]}, if gathered
+    # K, the drafter's tokens per step, where the `job` record names it (`num_speculative_tokens`,
+    # the vLLM worker's): it bounds the phases of a step (`audit.order`, rule 0).
+    spec_tokens: int | None = None
     # its log's kept segments, in order (one: a log without a cap), and the steps rotated away
     segments: tuple[SegmentFile, ...] = dataclasses.field(default=(), compare=False)
     rotated: tuple[tuple[int, int], ...] = ()
@@ -87,8 +91,10 @@ def discover(run_dir: RunDirs) -> list[RankInfo]:
         if coords is None:
             coords = Coords(*divmod(rank, pcp_size))
         hosts = found.job.get("hosts") if found.job is not None else None
+        k = found.job.get("num_speculative_tokens") if found.job is not None else None
         infos.append(RankInfo(rank, coords.dp, coords.pcp, path, found.shape, coords.tp, coords.pp,
                               found.groups, found.host, hosts if isinstance(hosts, dict) else None,
+                              k if isinstance(k, int) and not isinstance(k, bool) and k >= 0 else None,
                               segments[rank], rotated_ranges(segments[rank])))
     return infos
 
@@ -148,6 +154,13 @@ def _job_coords(record: dict, shape: JobShape) -> Coords:
     return coords
 
 
+def job_last_phase(infos) -> int | None:
+    """The last phase of a step (`audit.order.last_phase`), when every log names the same
+    drafter K; None (unknown) otherwise."""
+    ks = {info.spec_tokens for info in infos}
+    return last_phase(ks.pop()) if len(ks) == 1 and None not in ks else None
+
+
 def layout_of(infos: list[RankInfo]) -> Coords:
     """The (dp, pp, pcp, tp) sizes: as the job's shape declares them, else as the rank files show them."""
     shape = next((i.shape for i in infos if i.shape is not None), None)
@@ -197,6 +210,10 @@ class Groups:
 
     def replica(self, rank: int) -> int:
         return self.infos[rank].dp_rank
+
+    @property
+    def last_phase(self) -> int | None:
+        return job_last_phase(self.infos.values())
 
     def replicas_text(self, ranks) -> str:
         """'replica 1 (ranks 2, 3)' for a set of ranks, grouped by replica."""

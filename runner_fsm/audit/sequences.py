@@ -28,6 +28,7 @@ from typing import Callable
 import collections
 import dataclasses
 
+from runner_fsm.audit.order import past_last_phase
 from runner_fsm.audit.ranks import Groups
 from runner_fsm.audit.read import RankStep, StepMerger
 from runner_fsm.audit.report import RELAYED_FAULTS, Verdict, key_label, label, phase_label, sequence_label
@@ -231,6 +232,9 @@ def _add_waiter(hangs, step, rank, summary: RankStep, present, groups: Groups, m
     hang = hangs.setdefault((group, op, phase, occurrence), _Hang(group, op, phase, occurrence))
     hang.waiting[rank] = pg_seq
     hang.timed_out |= summary.hang_timed_out
+    if past_last_phase(phase, groups.last_phase):  # `audit.order`, rule 0: its own extra draft pass
+        hang.blamed[rank] = "it waits in a phase past the last of any step of this job: a draft pass its peers do not run"
+        return
     for peer in groups.members(group, groups.instance(group, rank)):
         if peer != rank:
             _place_peer(hang, rank, summary, peer, present.get(peer), step, merger)

@@ -26,7 +26,7 @@ from runner_fsm.pcp.buffers import BUFFER_NAMES
 
 DEFECTS = ("gap", "missing_replica", "agreed_mismatch", "pg_seq", "collective_mismatch",
            "skip_dummy_forward", "illegal_transition", "stale_buffer_replay", "moved_buffer", "hang",
-           "deadlock", "truncated", "fault")
+           "deadlock", "truncated", "fault", "extra_draft_pass")
 CAPTURE_SIZES = (1, 2, 4, 8)
 _SHAPES = {"query_start_loc": [33], "seq_lens": [32], "block_tables": [32, 64]}
 
@@ -48,6 +48,7 @@ class SynthSpec:
     seed: int = 0
     run_id: str = "synth"
     job_shape: bool = True  # each log begins with the job's shape, as the runner's do
+    job_names_k: bool = False  # ... and names K (`num_speculative_tokens`), as the vLLM worker's does
     hosts: tuple[str, ...] = ()  # each global rank's host (a job on several machines); () : all "synth"
     compact: bool = False  # records as the runner writes them now (`audit.compact`); False: in full
     max_log_bytes: int | None = None  # written through AuditLog under this cap (`audit.segments`)
@@ -57,7 +58,10 @@ class SynthSpec:
 
 @dataclasses.dataclass(frozen=True)
 class Defect:
-    """One injected defect: `kind` (one of DEFECTS) on replica `replica` at step `step`."""
+    """One injected defect: `kind` (one of DEFECTS) on replica `replica` at step `step`.
+    `extra_draft_pass` (K = 1): the replica enters a DRAFT_DECODE agreement no step has after
+    its draft (vllm-ascend #12036) and waits there; its peers finish the step and wait outside
+    the log (vLLM's engine loop), so every log ends in that step."""
 
     kind: str
     replica: int
@@ -179,11 +183,12 @@ class _RankWriter:
         if self.spec.job_shape:
             hosts = self.spec.hosts
             by_host = {h: [r for r, on in enumerate(hosts) if on == h] for h in hosts} if hosts else None
+            named_k = {"num_speculative_tokens": self.spec.spec_tokens} if self.spec.job_names_k else {}
             self._add("job", None, **job_shape_fields(self.spec.dp_size, self.spec.pcp_size, self.dp_rank,
                                                       self.pcp_rank, tp_size=self.spec.tp_size,
                                                       tp_rank=self.tp_rank,
                                                       host=hosts[self.global_rank] if hosts else "synth",
-                                                      hosts=by_host))
+                                                      hosts=by_host, **named_k))
         if self.spec.graphs:
             for size in CAPTURE_SIZES:
                 self._add("graph", -1, action="capture", num_tokens=size, backend="static")
@@ -224,8 +229,11 @@ class _RankWriter:
             self._draft(step, sent, all_idle)
             self._transition(step, "draft", state, "draft_sync")
             state = "draft_sync"
+        if self.has("extra_draft_pass", step):
+            self._agreement(step, 3, 1, 0, None, done=False)
+            return False
         self._transition(step, "finish", state, "ready")
-        return True
+        return not self.has_any("extra_draft_pass", step)
 
     def _forward(self, step, kind, rows, graph) -> None:
         if not self.has("stale_buffer_replay", step):

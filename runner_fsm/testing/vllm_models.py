@@ -4,7 +4,8 @@ Made with `transformers` (no network): a dense Llama, a Mixtral and a Qwen3-MoE,
 vocabulary 512, head size 32 (vLLM's CPU attention needs at least 32), with a word-level
 tokenizer over the vocabulary so that the HTTP server can decode text. Same seed, same weights.
 `ARCHITECTURES` are the three every FSMWorker test runs; `MLA_ARCHITECTURES` adds a DeepSeek-V2
-(MLA and MoE), for the tests that need MLA only.
+(MLA and MoE), for the tests that need MLA only. `make_mtp_model` writes a DeepSeek-V3 (MLA) with
+one multi-token-prediction layer, MoE or dense, for vLLM's `speculative_config={"method": "mtp"}`.
 """
 
 from __future__ import annotations
@@ -29,6 +30,17 @@ DEEPSEEK_V2 = dict(kv_lora_rank=512, qk_rope_head_dim=64, qk_nope_head_dim=32, v
                    n_group=1, topk_group=1,  # vLLM always routes by groups: one group of all experts
                    norm_topk_prob=False, routed_scaling_factor=1.0)
 MLA_BLOCK_SIZE = 16
+# DeepSeek-V3 as vLLM loads it with its MTP layer: the router is "noaux_tc" with sigmoid scores
+# and a correction bias (HF's DeepSeek-V3 router; without these two fields vLLM's loader stops on
+# `e_score_correction_bias`). `MTP_DENSE_LAYERS` makes every layer dense, the MTP layer included
+# (vLLM's default CPU worker can then run it under DP: no MoE exchange collectives needed).
+DEEPSEEK_V3 = dict(DEEPSEEK_V2, topk_method="noaux_tc", scoring_func="sigmoid")
+MTP_LAYERS = 2  # target layers; the MTP layer is layer MTP_LAYERS
+MTP_DENSE_LAYERS = MTP_LAYERS + 1
+# The tensors of vLLM's DeepSeek MTP layer beyond a decoder layer's (vllm/model_executor/models/
+# deepseek_mtp.py: DeepSeekMultiTokenPredictorLayer, SharedHead, DeepSeekMultiTokenPredictor).
+MTP_EXTRA = ("enorm.weight", "hnorm.weight", "eh_proj.weight", "shared_head.norm.weight",
+             "shared_head.head.weight", "embed_tokens.weight")
 
 
 def _config(arch: str, **overrides):
@@ -45,6 +57,9 @@ def _config(arch: str, **overrides):
     if arch == "deepseek_v2":
         common.pop("head_dim")  # DeepSeek-V2 derives its head sizes from the MLA fields
         return tf.DeepseekV2Config(**{**common, **DEEPSEEK_V2, **overrides})
+    if arch == "deepseek_v3":
+        common.pop("head_dim")
+        return tf.DeepseekV3Config(**{**common, **DEEPSEEK_V3, **overrides})
     raise ValueError(f"unknown architecture {arch!r}; known: {ARCHITECTURES + MLA_ARCHITECTURES}")
 
 
@@ -77,4 +92,41 @@ def make_model(path: str | Path, arch: str, seed: int = 0, **overrides) -> str:
     model.save_pretrained(str(path), safe_serialization=True)
     write_tokenizer(path)
     json.loads((path / "config.json").read_text())  # written whole
+    return str(path)
+
+
+def make_mtp_model(path: str | Path, *, moe: bool = True, seed: int = 0) -> str:
+    """A DeepSeek-V3 with MTP_LAYERS layers and one MTP layer, from random weights.
+
+    Saved as a model of MTP_LAYERS + 1 layers (the last is the MTP layer's decoder block), plus
+    the MTP layer's own tensors (MTP_EXTRA) under `model.layers.{MTP_LAYERS}`; config.json then
+    says MTP_LAYERS layers and `num_nextn_predict_layers: 1`. HF transformers loads the first
+    MTP_LAYERS layers and ignores the rest: its greedy tokens are the reference (MTP drafts never
+    change greedy tokens). `moe=False`: every layer dense (`first_k_dense_replace` past them all).
+    """
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    dense = {} if moe else {"first_k_dense_replace": MTP_DENSE_LAYERS}
+    make_model(path, "deepseek_v3", seed=seed, num_hidden_layers=MTP_LAYERS + 1, **dense)
+    files = sorted(path.glob("*.safetensors"))
+    if len(files) != 1:
+        raise RuntimeError(f"expected one safetensors file in {path}, found {[f.name for f in files]}")
+    tensors = load_file(str(files[0]))
+    hidden = int(tensors["model.embed_tokens.weight"].shape[1])
+    generator = torch.Generator().manual_seed(seed + 1)
+    prefix = f"model.layers.{MTP_LAYERS}."
+    for name in MTP_EXTRA:
+        if name.endswith("norm.weight"):
+            tensor = torch.ones(hidden)
+        elif name == "eh_proj.weight":
+            tensor = torch.randn(hidden, 2 * hidden, generator=generator) * 0.2
+        else:  # the MTP layer's own head and embedding, [vocab, hidden]
+            tensor = torch.randn(VOCAB, hidden, generator=generator) * 0.2
+        tensors[prefix + name] = tensor.contiguous()
+    save_file(tensors, str(files[0]), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config.update(num_hidden_layers=MTP_LAYERS, num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
     return str(path)

@@ -49,10 +49,12 @@ class AgreementRows:
         return (self.step_id, self.phase, self.seq, self.kind, self.status)
 
 
-def check_columns(ours: list[list[int]], num_tokens: list[int], graph_modes: list[int]) -> dp.DPSyncState:
+def check_columns(ours: list[list[int]], num_tokens: list[int], graph_modes: list[int], *,
+                  last_phase: int | None = None) -> dp.DPSyncState:
     """The project's agreement rule over gathered columns: `ours` are the AGREEMENT_ROWS,
     `num_tokens` and `graph_modes` the rows of vLLM's tensor that hold each replica's dispatch
-    count and graph mode (0 = eager).
+    count and graph mode (0 = eager); `last_phase`, the last phase of a step (from K, the same on
+    every replica), names a replica that ran a draft pass no step has (`audit.order`, rule 0).
 
     `dp.agree` judges status, step and phase; a sequence mismatch (same step and phase, but one
     replica issued an extra or skipped agreement) is a desync too. A desync names its culprit
@@ -66,18 +68,19 @@ def check_columns(ours: list[list[int]], num_tokens: list[int], graph_modes: lis
     try:
         agreed = dp.agree(columns)
     except DesyncError as exc:
-        raise _named(exc, list(zip(step, phase, seq))) from None
+        raise _named(exc, list(zip(step, phase, seq)), last_phase) from None
     if min(seq) != max(seq):
         raise _named(DesyncError(f"DP desync: replicas agree on step {step[0]} {dp.phase_name(phase[0])}"
                                  f" but not on the agreement sequence number (sent {seq})",
-                                 sent=dict(enumerate(zip(step, phase)))), list(zip(step, phase, seq)))
+                                 sent=dict(enumerate(zip(step, phase)))), list(zip(step, phase, seq)), last_phase)
     return agreed
 
 
-def _named(exc: DesyncError, sent: list[tuple[int, int, int]]) -> DesyncError:
+def _named(exc: DesyncError, sent: list[tuple[int, int, int]], last_phase: int | None = None) -> DesyncError:
     """`exc` with its culprit named by the rule the embedded engine and replay apply
-    (`audit.order`: a majority, else the replica ahead in (step, phase, sequence), else a tie)."""
-    found = out_of_order(dict(enumerate(sent)))
+    (`audit.order`: a phase past the step's last, a majority, else the replica ahead in
+    (step, phase, sequence), else a tie)."""
+    found = out_of_order(dict(enumerate(sent)), last_phase=last_phase)
     each = ", ".join(f"replica {r} sent step {s} {dp.phase_name(p)} seq {q}" for r, (s, p, q) in enumerate(sent))
     message = f"{found.describe()} (DP desync in vLLM's DP all-reduce: {each}). {exc}"
     return DesyncError(message, sent=getattr(exc, "sent", None), culprits=found.culprits, culprit_step=found.step)
@@ -107,6 +110,7 @@ class AgreementTap:
         self.seq = 0
         self.draft_syncs = 0  # drafter syncs in this step: the first is DRAFT_PREFILL
         self.joined_target = NO_STEP  # the last step whose TARGET agreement this replica entered
+        self.last_phase: int | None = None  # the last phase of a step, when the drafter's K is known
         self._status = dp.STATUS_OK
 
     def begin_step(self, step_id: int, *, dummy: bool) -> None:
@@ -186,7 +190,8 @@ class AgreementTap:
         dist.all_reduce(carried, group=group)
         gathered = carried.cpu().tolist()
         vllm_rows = gathered[:n]
-        agreed = check_columns(gathered[n:], vllm_rows[num_tokens_row], vllm_rows[graph_row])  # raises alike everywhere
+        agreed = check_columns(gathered[n:], vllm_rows[num_tokens_row], vllm_rows[graph_row],
+                               last_phase=self.last_phase)  # raises alike everywhere
         self._record(logged, rows, "done", [[n + len(AGREEMENT_ROWS), self.dp_size]],
                      agreed=dataclasses.asdict(agreed))
         return carried[:n].clone()

@@ -20,6 +20,7 @@ import itertools
 import torch.distributed as dist
 
 from runner_fsm import dp
+from runner_fsm.audit.order import last_phase
 from runner_fsm.config import ParallelLayout
 from runner_fsm.errors import BatchError
 from runner_fsm.heartbeat import Heartbeat
@@ -31,16 +32,21 @@ from runner_fsm.integrations.vllm.watchdog import Watchdog
 
 
 class DPSupport:
-    def __init__(self, recorder, *, dp_rank: int, dp_size: int, timeout_s: float, injection=None, flight=None):
+    def __init__(self, recorder, *, dp_rank: int, dp_size: int, timeout_s: float, injection=None, flight=None,
+                 last_phase: int | None = None):
         self.recorder, self.dp_rank, self.audit = recorder, dp_rank, recorder.audit
         self.flight = flight  # the worker's WorkerFlight: dumped when the watchdog fires
         self.injector = VLLMInjector(injection, dp_rank, on_fire=self.audit.pin)
         store = dist.distributed_c10d._get_default_store()  # the job's store, as the embedded engine uses
-        heartbeat = Heartbeat(store, ParallelLayout(dp_size=dp_size, pcp_size=1).validate(), dp_rank)
+        # `last_phase` (from the drafter's K, the same on every replica) lets the agreement and the
+        # watchdog name a replica that runs a draft pass no step has (`audit.order`, rule 0).
+        heartbeat = Heartbeat(store, ParallelLayout(dp_size=dp_size, pcp_size=1).validate(), dp_rank,
+                              last_phase=last_phase)
         self.watchdog = Watchdog(heartbeat, timeout_s, dp_rank=dp_rank, on_fault=self._log_fault).start()
         self.tap = dp_agreement.AgreementTap(dp_rank, dp_size, audit=self.audit, beat=self.watchdog.beat,
                                              rows_hook=self._rows_hook, position=self._position,
                                              enqueue_extra=self._agreement_extra)
+        self.tap.last_phase = last_phase
         self.drafts = DraftLedger(dp_rank)
         self.adapter: RunnerAdapter | None = None
         self._undo = lambda: None
@@ -57,9 +63,11 @@ class DPSupport:
             return None
         dp_schema.check_dp_hooks(mrv2=worker.runner_adapter.name != "v1")
         opts = worker.fsm_options
+        spec = worker.vllm_config.speculative_config
         return cls(worker.recorder, dp_rank=int(par.data_parallel_rank), dp_size=int(par.data_parallel_size),
                    timeout_s=opts.collective_timeout_s, injection=inject.parse(opts.inject) if opts.inject else None,
-                   flight=worker.flight)
+                   flight=worker.flight,
+                   last_phase=last_phase(int(spec.num_speculative_tokens) if spec is not None else 0))
 
     def attach(self, adapter: RunnerAdapter) -> None:
         """Once vLLM's model runner (and drafter) are loaded: agreement, phase tags, forwards, faults."""
@@ -73,7 +81,9 @@ class DPSupport:
             self._hooks += [draft.register_forward_pre_hook(self._before_draft_forward, with_kwargs=True),
                             draft.register_forward_hook(self._after_forward)]
         if self.injector.injection is not None:
-            adapter.install_faults(skip_dummy_forward=self._skip_dummy_forward, skip_draft_sync=self._skip_draft_sync,
+            adapter.install_faults(skip_dummy_forward=self._skip_dummy_forward,
+                                   skip_draft_sync=lambda: self._draft_fault("skip-draft-sync"),
+                                   draft_steps_mismatch=lambda: self._draft_fault("draft-steps-mismatch"),
                                    pcp_fault=self._pcp_fault)
 
     def _position(self) -> tuple[int, bool]:
@@ -170,11 +180,11 @@ class DPSupport:
         tap = self.tap
         return tap.kind == dp_agreement.KIND_DUMMY and self.injector.due("skip-dummy-forward", tap.step_id)
 
-    def _skip_draft_sync(self) -> bool:
+    def _draft_fault(self, kind: str) -> bool:
         """Asked where the idle replica's drafter would run its dummy pass (and its syncs)."""
         tap = self.tap
         tap.follow()
-        return tap.kind == dp_agreement.KIND_DUMMY and self.injector.due("skip-draft-sync", tap.step_id)
+        return tap.kind == dp_agreement.KIND_DUMMY and self.injector.due(kind, tap.step_id)
 
     def _log_fault(self, step, error: BaseException) -> None:
         """The watchdog's report (a collective timeout), from its thread, before the process exits."""

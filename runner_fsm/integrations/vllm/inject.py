@@ -19,6 +19,7 @@ from runner_fsm.faults import Injection
 KINDS = (
     "skip-dummy-forward",  # the idle replica agrees, then returns without its dummy forward
     "skip-draft-sync",  # the idle replica skips the drafter's dummy run (vLLM issue #35294)
+    "draft-steps-mismatch",  # the idle replica's drafter runs one draft step more (vllm-ascend #12036)
     "desync",  # the replica reports the next step id in its agreement rows
     # MRV2's PCP manager (`pcp_evidence`), the hand-off bugs vLLM-Ascend's "Adapt PCP for DP" fixed:
     "stale-pcp-context",  # the idle replica's dummy reads the last real batch's PCP slot mappings
@@ -38,7 +39,8 @@ def parse(text: str) -> Injection:
 
 
 # Kinds that act on the idle replica's dummy step only.
-DUMMY_ONLY = frozenset({"skip-dummy-forward", "skip-draft-sync", "stale-pcp-context", "skip-buffer-refresh"})
+DUMMY_ONLY = frozenset({"skip-dummy-forward", "skip-draft-sync", "draft-steps-mismatch", "stale-pcp-context",
+                        "skip-buffer-refresh"})
 
 
 class InjectionNeverFired(ConfigError):

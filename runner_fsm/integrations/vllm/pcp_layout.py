@@ -16,7 +16,6 @@ not pinned on: a manager whose `shard_decode_requests` is not vLLM's rule (`dcp 
 
 from __future__ import annotations
 
-import hashlib
 import inspect
 import types
 from collections.abc import Sequence
@@ -25,6 +24,7 @@ from typing import Any
 import numpy as np
 
 from runner_fsm.errors import BatchError
+from runner_fsm.integrations.vllm.pinning import source_digest
 from runner_fsm.pcp import layout, rows
 from runner_fsm.pcp.plan import _validate, num_tokens_for_dispatch
 
@@ -56,10 +56,6 @@ PINNED: dict[str, tuple[str, str]] = {
 SEGMENT_FIELDS = ("global_batch_req_idx", "global_batch_slice", "rank_local_batch_slice")
 INSTANCE_ATTRS = ("pcp_world_size", "shard_decode_requests", "dcp_world_size", "device")
 _MARK = "_runner_fsm_fast_pcp_layout"
-
-
-def source_digest(function: Any) -> str:
-    return hashlib.sha256(inspect.getsource(function).encode()).hexdigest()[:16]
 
 
 def schema_problems(manager_cls: type, version: str) -> list[str]:

@@ -19,7 +19,7 @@ import os
 import socket
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from runner_fsm.audit.shape import DIMENSIONS, Coords, coords_of, layout_groups
 from runner_fsm.errors import ConfigError
@@ -94,16 +94,18 @@ def default_run_name() -> str:
     return f"vllm-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}"
 
 
-def agree_run(run_dir: str | None, run_id: str | None, *, root: str = "runs") -> AgreedRun:
+def agree_run(run_dir: str | None, run_id: str | None, *, root: str = "runs",
+              gather: Callable[[tuple], list[tuple]] | None = None) -> AgreedRun:
     """One run for the whole job, agreed over vLLM's world group (once, before any step).
 
     `run_dir`: this rank's choice (a node may write into its own directory), else rank 0's
     fresh `runs/vllm-<time>-<pid>`. `run_id`: the user's, which must then be the same on every
     rank (ConfigError naming the ranks and hosts that differ), else rank 0's generated name
-    (never a node's directory name, so the directories of one job replay as one run)."""
+    (never a node's directory name, so the directories of one job replay as one run).
+    `gather`: every rank's entry in global rank order (default: over vLLM's world group)."""
     host = socket.gethostname()
     mine = (run_id, default_run_name(), host)
-    entries = _gather_over_world(mine)
+    entries = (gather or _gather_over_world)(mine)
     given = {entry[0] for entry in entries}
     if len(given) > 1:
         by_id: dict[Any, list[str]] = {}

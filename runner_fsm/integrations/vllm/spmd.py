@@ -15,6 +15,7 @@ same processes, so that model loading and imports are paid once per process;
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import socket
@@ -34,10 +35,14 @@ def free_port() -> int:
 
 @dataclasses.dataclass
 class Job:
-    """One `LLM(**llm)` serving `per_rank[r]` (lists of (req_id, prompt, max_new_tokens)) on rank r."""
+    """One `LLM(**llm)` serving `per_rank[r]` on rank r: lists of (req_id, prompt, max_new_tokens)
+    or (req_id, prompt, max_new_tokens, seed) (`harness.Req`: greedy without a seed).
+    `run`: "module:function" of `function(llm, requests) -> (outputs, seconds, extra)` to serve
+    them instead of `harness.generate` (a benchmark's timed runs); `extra` (JSON) is kept."""
 
     llm: dict
     per_rank: list
+    run: str | None = None
 
 
 @dataclasses.dataclass
@@ -49,13 +54,14 @@ class DPRun:
     logs: list[str]
     outputs: list[list[dict | None]]  # [job][rank] -> {req_id: tokens}, None when not reached
     job_s: list[list[float | None]]  # [job][rank] -> seconds that job's generate took
+    extra: list[list[dict | None]] = dataclasses.field(default_factory=list)  # [job][rank] -> a `run`'s extra
 
 
 def launch_dp(jobs: Sequence[Job], *, dp_size: int, cwd: str | None = None, timeout_s: float = 600.0,
               env: dict | None = None) -> DPRun:
     work = Path(tempfile.mkdtemp(prefix="fsm-dp-"))
-    spec = [{"llm": j.llm, "per_rank": [[list(r[:3]) for r in reqs] for reqs in j.per_rank],
-             "port": free_port()} for j in jobs]
+    spec = [{"llm": j.llm, "per_rank": [[list(r[:4]) for r in reqs] for reqs in j.per_rank],
+             "port": free_port(), "run": j.run} for j in jobs]
     (work / "spec.json").write_text(json.dumps(spec))
     procs, start = [], time.monotonic()
     for rank in range(dp_size):
@@ -83,14 +89,15 @@ def launch_dp(jobs: Sequence[Job], *, dp_size: int, cwd: str | None = None, time
                 proc.kill()
                 proc.wait()
             log.close()
-    outputs, job_s = [], []
+    outputs, job_s, extra = [], [], []
     for j in range(len(jobs)):
         files = [work / f"out-{j}-{rank}.json" for rank in range(dp_size)]
         got = [json.loads(f.read_text()) if f.exists() else None for f in files]
         outputs.append([g["outputs"] if g else None for g in got])
         job_s.append([g["seconds"] if g else None for g in got])
+        extra.append([g.get("extra") if g else None for g in got])
     logs = [(work / f"rank-{rank}.log").read_text() for rank in range(dp_size)]
-    return DPRun(codes, ended, ended_at, logs, outputs, job_s)
+    return DPRun(codes, ended, ended_at, logs, outputs, job_s, extra)
 
 
 def _child(spec_path: str, rank: int) -> None:
@@ -101,11 +108,16 @@ def _child(spec_path: str, rank: int) -> None:
 
     for j, job in enumerate(spec):
         os.environ["VLLM_DP_MASTER_PORT"] = str(job["port"])
-        requests = [Req(rid, tuple(prompt), n) for rid, prompt, n in job["per_rank"][rank]]
+        requests = [Req(rid, tuple(prompt), *rest) for rid, prompt, *rest in job["per_rank"][rank]]
         llm = LLM(**job["llm"])
-        outputs, seconds = generate(llm, requests)
+        extra = None
+        if job.get("run"):
+            module, _, name = job["run"].partition(":")
+            outputs, seconds, extra = getattr(importlib.import_module(module), name)(llm, requests)
+        else:
+            outputs, seconds = generate(llm, requests)
         close_llm(llm)
-        out = {"outputs": outputs, "seconds": seconds}
+        out = {"outputs": outputs, "seconds": seconds, "extra": extra}
         (Path(spec_path).parent / f"out-{j}-{rank}.json").write_text(json.dumps(out))
 
 

@@ -80,7 +80,8 @@ class Watchdog:
             positions = self.heartbeat.positions()
         except Exception:  # noqa: BLE001 - the heartbeat says why in its own words
             return self.heartbeat.describe()
-        sentence = describe_positions(positions, self.heartbeat.layout)
+        sentence = describe_positions(positions, self.heartbeat.layout,
+                                      last_phase=getattr(self.heartbeat, "last_phase", None))
         named = re.match(r"culprit: replica ([\d, ]+)", sentence)
         if named is None:
             return sentence

@@ -54,6 +54,7 @@ class FSMWorkerMixin:
     runner_adapter: RunnerAdapter | None = None
     rope_verdict: cpu_rope.RopeSelfTest | None = None  # the CPU rotary op's self-test (CPU only)
     rope_installed: str | None = None  # what install_stride_safe_rope did (None: nothing)
+    supplies_pp_buffers = False  # a later pipeline stage's intermediate tensors (see `lacks_pp_buffers`)
     flight: WorkerFlight = WorkerFlight()  # no run dir yet: dumps nothing
 
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
@@ -101,6 +102,9 @@ class FSMWorkerMixin:
         if place.sizes.dp > 1 and str(self.device_config.device_type) == "cpu":
             cpu_collectives.install()  # DP with an MoE model needs them; a vLLM that has them keeps its own
             supplied += [f"CpuCommunicator.{name}" for name in cpu_collectives.supplied()]
+        self.supplies_pp_buffers = self.runner_adapter.lacks_pp_buffers(self.vllm_config)
+        if self.supplies_pp_buffers:
+            supplied.append("GPUModelRunner.intermediate_tensors (a later pipeline stage, eager on the CPU)")
         # vLLM's DP agreement and its naive DP MoE exchange both run over the DP group: the
         # ranks at this rank's (pp, pcp, tp) coordinates in every replica.
         groups = {name: ranks for name, ranks in place_in_groups(place).items()
@@ -115,6 +119,9 @@ class FSMWorkerMixin:
                                               if self.rope_verdict.defective else "none: vLLM's own op kept")}
         if self.fsm_options.fast_pcp_layout:  # opt-in: a change of vLLM behaviour (DESIGN section 10)
             changed["fast_pcp_layout"] = self.runner_adapter.install_fast_pcp_layout()
+        if self.drafting:  # not opt-in: installed only where vLLM's own draft path is known to fail
+            changed["draft_dp_sync"] = self.runner_adapter.install_draft_dp_sync(place.sizes.dp, place.sizes.pcp)
+            changed["num_speculative_tokens"] = int(self.vllm_config.speculative_config.num_speculative_tokens)
         sizes, coords = place.sizes, place.coords
         return job_shape_fields(sizes.dp, sizes.pcp, coords.dp, coords.pcp, tp_size=sizes.tp, tp_rank=coords.tp,
                                 pp_size=sizes.pp, pp_rank=coords.pp, dcp_size=place.dcp_size, groups=groups,
@@ -145,6 +152,8 @@ class FSMWorkerMixin:
     def compile_or_warm_up_model(self):
         schema.check_runner(self.runner_adapter, kv_cache=True)  # the KV cache exists now
         self.runner_adapter.attach_kv()
+        if self.supplies_pp_buffers:
+            self.runner_adapter.supply_pp_buffers()
         self.recorder.start_capture()
         times = super().compile_or_warm_up_model()
         self.recorder.end_capture()

@@ -10,7 +10,8 @@ section 10):
   collective, phases tagged), returning the undo;
 - `dp_group()`: the (device, group) of that collective, for an abort sent from outside it;
 - `install_faults(...)`: where the injected DP faults act (skip the dummy forward, skip the
-  drafter's dummy run);
+  drafter's dummy run, run it with one draft step more);
+- `install_draft_dp_sync(...)`: the drafter's own DP syncs where vLLM's are known wrong;
 - `draft_model()`: the drafter's model, whose forwards are collectives of their own where the
   drafter joins no DP sync (MRV2's draft-model speculator reuses the target's agreement);
 - `problems()`: every name above that the live runner (not only vLLM's base class) lacks.
@@ -128,8 +129,9 @@ class RunnerAdapter:
     def dp_group(self) -> tuple[Any, Any]:
         raise NotImplementedError
 
-    def install_faults(self, *, skip_dummy_forward: Callable[[], bool],
-                       skip_draft_sync: Callable[[], bool], pcp_fault: Callable[[str], bool] | None = None) -> None:
+    def install_faults(self, *, skip_dummy_forward: Callable[[], bool], skip_draft_sync: Callable[[], bool],
+                       draft_steps_mismatch: Callable[[], bool] | None = None,
+                       pcp_fault: Callable[[str], bool] | None = None) -> None:
         raise NotImplementedError
 
     def draft_model(self) -> torch.nn.Module | None:
@@ -137,9 +139,22 @@ class RunnerAdapter:
         the drafter's DP syncs already carry the agreement)."""
         return None
 
+    def lacks_pp_buffers(self, vllm_config: Any) -> bool:
+        """Whether this rank's runner will lack the buffers a later pipeline stage receives into
+        (the worker then supplies them once the model exists: `supply_pp_buffers`)."""
+        return False
+
+    def supply_pp_buffers(self) -> bool:
+        return False
+
     def install_fast_pcp_layout(self) -> dict:
         """The `fast_pcp_layout` option: what was installed, or why not (recorded as is)."""
         return {"installed": False, "reason": f"the {self.name} runner has no PCP manager to speed up"}
+
+    def install_draft_dp_sync(self, dp_size: int, pcp_size: int) -> dict:
+        """The drafter's own DP syncs where the runner's reuse of the target's is known to fail
+        (`draft_dp_sync`): what was installed, or why not (recorded as is)."""
+        return {"installed": False, "reason": f"the {self.name} runner runs no PCP draft prefill"}
 
     def describe(self) -> dict:
         """For the log's first record: which runner and adapter."""

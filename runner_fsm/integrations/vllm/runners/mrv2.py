@@ -138,8 +138,9 @@ class MRV2Runner(RunnerAdapter):
 
         return "cpu", get_dp_group().cpu_group  # where sync_cudagraph_and_dp_padding all-reduces
 
-    def install_faults(self, *, skip_dummy_forward: Callable[[], bool],
-                       skip_draft_sync: Callable[[], bool], pcp_fault: Callable[[str], bool] | None = None) -> None:
+    def install_faults(self, *, skip_dummy_forward: Callable[[], bool], skip_draft_sync: Callable[[], bool],
+                       draft_steps_mismatch: Callable[[], bool] | None = None,
+                       pcp_fault: Callable[[str], bool] | None = None) -> None:
         runner = self.runner
         self._pcp_fault = pcp_fault  # the PCP manager's faults act there (`pcp_evidence`), once it exists
 
@@ -152,17 +153,30 @@ class MRV2Runner(RunnerAdapter):
         wrap_method(runner, "_dummy_run", skipping_dummy)
         speculator = runner.speculator
         if speculator is not None:
-            def propose_unless_skipped(propose, args, kwargs):
-                if kwargs.get("dummy_run") and skip_draft_sync():
-                    return None
+            def faulty_dummy_propose(propose, args, kwargs):
+                if kwargs.get("dummy_run"):  # the idle replica's draft (vLLM's _dummy_run passes keywords)
+                    if skip_draft_sync():
+                        return None
+                    if draft_steps_mismatch is not None and draft_steps_mismatch():
+                        # vLLM's own multi-step path, one draft step more than its peers run
+                        kwargs["num_speculative_tokens"] = int(speculator.num_speculative_steps) + 1
                 return propose(*args, **kwargs)
-            wrap_method(speculator, "propose", propose_unless_skipped)
+            wrap_method(speculator, "propose", faulty_dummy_propose)
 
     def install_fast_pcp_layout(self) -> dict:
         """Into the PCP manager class this runner builds (`pcp_manager_cls`), before it is built."""
         from runner_fsm.integrations.vllm.pcp_layout import install_fast_pcp_layout
 
         return install_fast_pcp_layout(self.runner.pcp_manager_cls)
+
+    def install_draft_dp_sync(self, dp_size: int, pcp_size: int) -> dict:
+        """Under DP x PCP the speculator's reuse of the target's DP sync fails in vLLM 0.32 (`draft_dp_sync`)."""
+        from runner_fsm.integrations.vllm import draft_dp_sync, schema
+
+        spec = self.runner.speculator
+        if spec is None:
+            return {"installed": False, "reason": "no speculator"}
+        return draft_dp_sync.install(spec, dp_size=dp_size, pcp_size=pcp_size, version=schema.installed_version())
 
     def draft_model(self) -> torch.nn.Module | None:
         spec = self.runner.speculator
