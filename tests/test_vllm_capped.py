@@ -25,7 +25,7 @@ from runner_fsm.integrations.vllm.spmd import Job
 from runner_fsm.testing.logs import files_bytes
 from runner_fsm.testing.vllm_models import make_model
 
-# slow: about 2,500 engine steps (2.5 min here); run in make test-vllm's V1 leg, not again on MRV2
+# slow: about 2,500 engine steps (2.5 min here): make test-vllm-slow (V1), not again on MRV2
 # (Triton's interpreter), where the format and the cap are the same code.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 

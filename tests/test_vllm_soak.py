@@ -1,4 +1,4 @@
-"""A served DP=2 job under a small log cap, for many steps (slow tier, vLLM's own HTTP server).
+"""A served DP=2 job under a small log cap, for many steps (make test-vllm-slow; vLLM's HTTP server).
 
 vLLM's OpenAI server with FSMWorker and `--data-parallel-size 2` (tiny Mixtral) serves a stream
 of long completions until a desync injected at step `STEPS` stops it, with `max_log_bytes` of
