@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from runner_fsm.audit.compact import Expander
+from runner_fsm.audit.expand import Expander
 from runner_fsm.audit.compress import open_lines
 from runner_fsm.audit.ranklog import SegmentFile, last_step
 from runner_fsm.audit.ranks import RankInfo

@@ -73,7 +73,7 @@ class RankScanner:
         """Every step of `lines` (a binary file), sealed when the next one starts; the last
         one comes from `finish()`, unless a record of `stop_step` or later ends the scan
         first (`self.stopped`): the steps from there on belong to another range. `expand`:
-        the segment's `compact.Expander` (None: records in full); `first_line`: the line
+        the segment's `expand.Expander` (None: records in full); `first_line`: the line
         number of the first line read."""
         # The hot path of the whole checker, about ten lines per step and rank: the loop and
         # the header checks are inlined here; each event goes to one handler, rare cases to helpers.
