@@ -15,7 +15,6 @@ between the two before anything is reported.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 import tempfile
@@ -58,15 +57,17 @@ def _rank_main(groups, root: str, repeats: int) -> list[dict]:
 
 
 def bytes_per_step(run_dir: Path) -> dict[int, dict[str, int]]:
-    """step -> summed `exchange_bytes` and `allgather_bytes` of every rank's target forwards."""
+    """step -> summed bytes sent and bytes an all-gather would send (the `exchange` field:
+    [mode, sent, all-gather, layers]) of every rank's target forwards."""
+    from runner_fsm.audit import read_records
+
     steps: dict[int, dict[str, int]] = {}
     for path in sorted(run_dir.glob("rank-*.jsonl")):
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
+        for rec in read_records(path):
             if rec.get("event") == "collective" and rec.get("op") == "forward" and rec.get("stage") == "done":
                 entry = steps.setdefault(rec["step_id"], {"sent": 0, "allgather": 0})
-                entry["sent"] += rec["exchange_bytes"]
-                entry["allgather"] += rec["allgather_bytes"]
+                entry["sent"] += rec["exchange"][1]
+                entry["allgather"] += rec["exchange"][2]
     return steps
 
 

@@ -52,21 +52,24 @@ def peak_rss_mib():
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 run_dir, jobs, traced = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+last = int(sys.argv[4]) if len(sys.argv) > 4 else None  # replay --last N
 if traced:
     tracemalloc.start()
 start = time.perf_counter()
-report = replay(run_dir, jobs=jobs)
+report = replay(run_dir, jobs=jobs, last=last)
 seconds = time.perf_counter() - start
 peak = tracemalloc.get_traced_memory()[1] if traced else None
 print(json.dumps({"seconds": seconds, "records": report.summary.records, "sound": report.sound,
+                  "first": report.summary.first_step, "last": report.summary.last_step,
                   "rss_mib": peak_rss_mib(),
                   "traced_mib": peak / 2**20 if traced else None}))
 """
 
 
-def _measure(run_dir: Path, jobs: int, traced: bool) -> dict:
-    out = subprocess.run([sys.executable, "-c", _MEASURE, str(run_dir), str(jobs), "1" if traced else "0"],
-                         check=True, capture_output=True, text=True).stdout
+def _measure(run_dir: Path, jobs: int, traced: bool, last: int | None = None) -> dict:
+    """One replay in a fresh process (`last`: of the last N steps only)."""
+    out = subprocess.run([sys.executable, "-c", _MEASURE, str(run_dir), str(jobs), "1" if traced else "0",
+                          *([str(last)] if last else [])], check=True, capture_output=True, text=True).stdout
     return json.loads(out)
 
 

@@ -41,12 +41,14 @@ def write_real_run(run_dir: Path, *, dp: int = 4, pcp: int = 2, requests: int = 
 
 
 def per_step(run_dir: Path) -> dict:
-    """Records and bytes per step and rank, over the steps of the run (capture excluded)."""
+    """Records and bytes per step and rank, over the steps of the run (capture excluded): each
+    record's line on disk (compact, `runner_fsm.audit.compact`), its step read in full."""
+    from runner_fsm.audit import read_records
+
     records = size = 0
     steps = set()
     for path in sorted(run_dir.glob("rank-*.jsonl")):
-        for line in path.read_bytes().splitlines():
-            record = orjson.loads(line)
+        for line, record in zip(path.read_bytes().splitlines(), read_records(path)):
             if isinstance(record["step_id"], int) and record["step_id"] >= 0:
                 records += 1
                 size += len(line) + 1
@@ -68,10 +70,15 @@ def _shift_steps(record: dict, delta: int) -> None:
 
 
 def tile_run(source: Path, into: Path, steps: int) -> None:
-    """`into`: the run of `source` with its complete steps repeated up to `steps` steps."""
+    """`into`: the run of `source` with its complete steps repeated up to `steps` steps (its
+    records read in full, `read_records`, and written in full: a log replay reads as any)."""
+    from runner_fsm.audit import read_records
+    from runner_fsm.audit.compact import FORMAT_FIELD
+
     into.mkdir(parents=True)
     for path in sorted(source.glob("rank-*.jsonl")):
-        lines = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+        lines = [r for r in read_records(path)]
+        lines[0].pop(FORMAT_FIELD, None)
         last = max(r["step_id"] for r in lines if isinstance(r["step_id"], int))
         head = [r for r in lines if not isinstance(r["step_id"], int) or r["step_id"] < 0]
         body = [r for r in lines if isinstance(r["step_id"], int) and 0 <= r["step_id"] < last]

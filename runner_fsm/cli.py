@@ -131,16 +131,35 @@ def _add_replay(sub) -> None:
                         " dumps name no group members): every rank below N must have left a dump")
     p.add_argument("--perfetto", metavar="TRACE.json",
                    help="also write the run as a trace for ui.perfetto.dev / chrome://tracing")
+    window = p.add_mutually_exclusive_group()
+    window.add_argument("--last", type=int, metavar="N",
+                        help="judge the last N steps only (seeks: the logs are not read from the start)")
+    window.add_argument("--steps", type=_step_range, metavar="A:B", help="judge steps A..B only (both included)")
     p.set_defaults(func=_cmd_replay)
 
 
+def _step_range(text: str) -> tuple[int, int]:
+    from runner_fsm.audit.coverage import parse_steps
+
+    try:
+        return parse_steps(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+
+
 def _cmd_replay(args) -> int:
+    from runner_fsm.audit.progress import TerminalProgress
     from runner_fsm.audit.replay import replay, replay_with_plot
 
-    if args.plot:
-        report = replay_with_plot(args.run_dir, args.plot, jobs=args.jobs)
-    else:
-        report = replay(args.run_dir, jobs=args.jobs, world_size=args.world_size)
+    window = {"steps": args.steps, "last": args.last}
+    progress = TerminalProgress()  # on stderr, only when it is a terminal
+    try:
+        if args.plot:
+            report = replay_with_plot(args.run_dir, args.plot, jobs=args.jobs, **window)
+        else:
+            report = replay(args.run_dir, jobs=args.jobs, world_size=args.world_size, progress=progress, **window)
+    finally:
+        progress.close()
     if args.perfetto:  # the same verdicts, as instants on the ranks' timelines
         from runner_fsm.audit.perfetto import export_perfetto
 

@@ -103,7 +103,7 @@ class GraphRunner:
             self._audit.buffers(step_id, "replay", now)
         check_replay(self._captured[size], since, now, step_id=step_id, last_real=last_real)
         if self._audit is not None:
-            self._audit.graph(step_id, "replay", num_tokens=size, backend=self.backend)
+            self._audit.graph(step_id, "replay", num_tokens=size)  # the backend: its capture's record
         if self.backend == "static":
             return self._forward(size)
         for run_on_host in self._host_steps[size]:

@@ -267,8 +267,8 @@ class Replica:
         return await self.collectives.run(
             "expert", "forward", self._checked_forward, run, ctx_id, batch_id,
             step_id=self.step_id, phase=dp.TARGET, shapes=[(step.num_rows,)],
-            enqueue_extra={"rows": step.num_rows, "dispatch_count": step.dispatch_count,
-                           "graph": step.agreed.use_graph, "ctx": ctx_id, "batch": batch_id},
+            # Its rows are its shapes', its dispatch count the agreement's (`sent`): not repeated.
+            enqueue_extra={"graph": step.agreed.use_graph, "ctx": ctx_id, "batch": batch_id},
             done_extra=self._exchange_stats)
 
     def _checked_forward(self, run, ctx_id: dict, batch_id: dict):
@@ -296,8 +296,7 @@ class Replica:
         gathered = await self.collectives.run(
             "pcp", "all_gather", evidence.gather_output_digests, self.pcp_group, self.step_id, digest,
             step_id=self.step_id, phase=dp.TARGET, shapes=[(2,)],
-            enqueue_extra={"output": {"digest": digest, "tokens": count}},
-            done_extra=lambda got: {"outputs": [d for _, d in got]})
+            enqueue_extra={"output": {"digest": digest, "tokens": count}})  # each peer logs its own
         if len({d for _, d in gathered}) > 1 or any(s != self.step_id for s, _ in gathered):
             raise DesyncError(f"replica {self.dp_rank}, step {self.step_id}: its PCP ranks sampled"
                               f" different tokens (output digest per PCP rank {[d for _, d in gathered]})")

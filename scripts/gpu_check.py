@@ -18,7 +18,6 @@ on the CPU (static graph back-end, gloo) so CI can run the script itself.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -58,9 +57,11 @@ def config(model_dir: str, run_dir: Path, dp: int, graph: bool, device: str, inj
 
 
 def records(run_dir: Path) -> list[dict]:
+    from runner_fsm.audit import read_records
+
     out = []
     for path in sorted(run_dir.glob("rank-*.jsonl")):
-        out += [json.loads(line) for line in path.read_text().splitlines()]
+        out += list(read_records(path))  # in full, whatever the encoding on disk
     return out
 
 

@@ -1,12 +1,12 @@
 """Admission control: a request that can never fit is refused at submission (no step runs),
 and a scheduler that cannot progress stops with an error instead of idling for ever."""
 
-import json
 import subprocess
 import sys
 
 import pytest
 
+from runner_fsm.audit import read_records
 from runner_fsm.audit.replay import replay
 from runner_fsm.cli import main
 from runner_fsm.engine import preflight, scheduler
@@ -64,7 +64,7 @@ def test_a_stalled_run_exits_non_zero_and_its_log_ends_with_the_fault(tmp_path, 
     assert main(["run", "--kv-blocks", "2", "--requests", "3", "--out", str(out)]) == 1
     assert "SchedulerStalled: step 0: request 'r0' needs 3 KV blocks" in capsys.readouterr().out
     assert not (out / "outputs.jsonl").exists()
-    records = [json.loads(line) for line in (out / "rank-0.jsonl").read_text().splitlines()]
+    records = list(read_records(out / "rank-0.jsonl"))
     assert [r["event"] for r in records[-2:]] == ["fault", "transition"]
     assert records[-2]["error"] == "SchedulerStalled"
     assert records[-1]["dst"] == "faulted"

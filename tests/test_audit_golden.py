@@ -1,9 +1,12 @@
 """Golden audit log: a fixed scripted run must write the records stored in
 tests/golden/scripted-rank-0.jsonl, record for record.
 
-Only fields that legitimately vary between runs are left out of the comparison: `t_ns` (a
-monotonic clock), each buffer's `ptr` (where the allocator put it), and the `job` record's `host`
-and `pid` (checked for their types, then fixed). Addresses are compared
+The file holds the records as they are on disk: the `job` record in full, every other record
+compact (`runner_fsm.audit.compact`), so it pins the encoding as well as the content.
+Only fields that legitimately vary between runs are left out of the comparison: `t_ns` and `t`
+(a monotonic clock), each buffer's `ptr` (where the allocator put it; compact: `p0` plus its
+offset), and the `job` record's
+`host` and `pid` (checked for their types, then fixed). Addresses are compared
 by identity instead: each distinct `ptr` is replaced by the order in which it first appears,
 so a buffer whose storage moved still differs. The run id is fixed by the script ("golden").
 Everything else (seq, event, step, every field, content digests) must be equal.
@@ -23,13 +26,14 @@ from runner_fsm.config import GraphMode, ParallelLayout, RunnerConfig
 from runner_fsm.events import Capture, DummyStep, RealStep, Shutdown
 from runner_fsm.testing.fakes import ScriptedPeers, busy_peer
 from runner_fsm import dp
+from runner_fsm.audit import read_records
 from runner_fsm.testing.harness import decode_batch, make_runner, prefill_batch
 
 pytestmark = pytest.mark.asyncio
 
 GOLDEN = Path(__file__).parent / "golden" / "scripted-rank-0.jsonl"
 REGENERATE = os.environ.get("RUNNER_FSM_REGENERATE_GOLDEN") == "1"
-VARYING = ("t_ns",)  # besides `ptr`, normalised below
+VARYING = ("t_ns", "t")  # besides `ptr`, normalised below
 
 
 async def _scripted_run(run_dir):
@@ -50,12 +54,14 @@ def _normalised(lines):
     for line in lines:
         rec = json.loads(line)
         for name in VARYING:
-            rec.pop(name)
-        if rec["event"] == "job":
+            rec.pop(name, None)
+        if rec.get("event") == "job":
             assert isinstance(rec.pop("host"), str) and isinstance(rec.pop("pid"), int)
             rec.update(host="<host>", pid=0)
-        for fp in rec.get("buffers", {}).values():
-            fp["ptr"] = ptrs.setdefault(fp["ptr"], len(ptrs))
+        base = rec.pop("p0", 0)  # compact: ptr less the record's lowest ptr, `p0`
+        entries = rec.get("buf")  # {name: entry}, or the entries in the job's `buffer_names` order
+        for fp in (entries.values() if isinstance(entries, dict) else entries if isinstance(entries, list) else ()):
+            fp[0] = ptrs.setdefault(base + fp[0], len(ptrs))
         out.append(rec)
     return out
 
@@ -70,13 +76,15 @@ async def test_the_scripted_run_writes_the_golden_log(tmp_path):
     for index, (want, have) in enumerate(zip(golden, got)):
         assert have == want, f"record {index} (seq {want.get('seq')}) differs from {GOLDEN.name}"
     assert len(got) == len(golden), f"{len(got)} records, the golden log has {len(golden)}"
-    assert {rec["event"] for rec in golden} == {"job", "transition", "collective", "buffers", "graph"}
+    read_back = list(read_records(tmp_path / "a" / "rank-0.jsonl"))
+    assert {rec["event"] for rec in read_back} == {"job", "transition", "collective", "buffers", "graph"}
+    assert [rec["seq"] for rec in read_back] == list(range(len(golden)))
 
 
 async def test_the_comparison_sees_a_changed_field(tmp_path):
     lines = await _scripted_run(tmp_path / "a")
     record = json.loads(lines[5])
-    record["step_id"] = 99
+    record["num_tokens"] = 99  # a graph capture's size
     lines[5] = json.dumps(record)
     golden = [json.loads(line) for line in GOLDEN.read_text().splitlines()]
     assert _normalised(lines) != golden

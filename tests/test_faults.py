@@ -17,7 +17,6 @@ replica 1) plus a few cases on both ends and at DP=3; `make test-slow` runs the 
 
 import time
 
-import orjson
 import pytest
 
 from runner_fsm.audit.replay import replay
@@ -25,6 +24,7 @@ from runner_fsm.config import ParallelLayout
 from runner_fsm.engine.api import run_engine
 from runner_fsm.engine.config import EngineConfig
 from runner_fsm.engine.requests import Request
+from runner_fsm.testing.logs import records_of, rewrite_in_full, write_in_full
 
 pytestmark = pytest.mark.multiproc
 
@@ -106,13 +106,14 @@ def check_fault(models, tmp_path, kind, dp_size, pcp_size, culprit):
 def _check_context_evidence_missing(culprit, step, run_dir):
     """Without the context identity on the culprit's forward, replay cannot judge the context:
     no `stale_context`, but a `gap` naming the replica and step, never SOUND."""
-    for path in run_dir.glob("rank-*.jsonl"):
-        records = [orjson.loads(line) for line in path.read_bytes().splitlines()]
+    def without_ctx(records):
         for record in records:
             if record["event"] == "collective" and record["op"] == "forward" and record["dp_rank"] == culprit \
                     and record["step_id"] == step:
                 del record["ctx"]
-        path.write_bytes(b"".join(orjson.dumps(record) + b"\n" for record in records))
+        return records
+    for path in run_dir.glob("rank-*.jsonl"):
+        rewrite_in_full(path, without_ctx)
     report = replay(run_dir)
     assert report.exit_code == 1 and not [v for v in report.verdicts if v.kind == "stale_context"], report.format()
     gaps = [v for v in report.verdicts if v.kind == "gap" and v.replica == culprit and v.step == step]
@@ -194,14 +195,11 @@ def strip_runner_verdicts(run_dir, into) -> int:
     removed = 0
     for path in sorted(run_dir.glob("rank-*.jsonl")):
         kept = []
-        for line in path.read_bytes().splitlines():
-            if not line.strip():  # the blank tail of a log its process never closed
-                continue
-            record = orjson.loads(line)
+        for record in records_of(path):  # in full, whatever the encoding on disk
             if record["event"] == "fault" or record.get("reason") == "refused":
                 removed += 1
                 continue
             record["seq"] = len(kept)
-            kept.append(orjson.dumps(record))
-        (into / path.name).write_bytes(b"".join(line + b"\n" for line in kept))
+            kept.append(record)
+        write_in_full(into / path.name, kept)
     return removed

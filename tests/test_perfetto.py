@@ -91,7 +91,8 @@ def test_states_and_collectives_carry_their_args(trace):
         args = e["args"]
         assert args["completed"] and args["sent"]["step_id"] == args["step"] == args["agreed"]["step_id"]
     forwards = [e for e in trace if e["name"] == "expert forward TARGET"]
-    assert forwards and all("rows" in e["args"] for e in forwards)
+    # a forward's rows: its shapes (and its batch's identity), the record does not repeat them
+    assert forwards and all(e["args"]["shapes"] == [[e["args"]["batch"]["rows"]]] for e in forwards)
     # the idle replica's steps are idle_dummy slices on both of its ranks
     idle = collections.Counter(e["tid"] for e in trace if e["name"] == "idle_dummy")
     assert idle[2] == idle[3] > 0

@@ -163,7 +163,7 @@ def test_ranges_of_steps_judged_side_by_side_give_the_same_report(tmp_path, defe
 def test_seek_step_finds_the_first_line_of_a_step_by_bisection(tmp_path):
     import json as _json
 
-    from runner_fsm.audit.ranges import last_step_of, newlines_before, seek_step
+    from runner_fsm.audit.seek import last_step_of, newlines_before, seek_step
 
     run = write_run(tmp_path / "run", SynthSpec(dp_size=2, pcp_size=1, steps=400))
     path = run / "rank-1.jsonl"

@@ -1,11 +1,11 @@
 """Two replicas x two PCP ranks on gloo: the real runner, the fake model, real agreements."""
 
 import collections
-import json
 from pathlib import Path
 
 import pytest
 
+from runner_fsm.audit import read_records
 from runner_fsm.engine.launch import spawn
 from runner_fsm.testing.scenarios import HANDOFF_LAYOUT, HANDOFF_SCRIPT, run_script
 
@@ -19,8 +19,7 @@ def _dp_collectives_per_step(run_dir: Path) -> dict[int, dict[int, list]]:
     per_rank = {}
     for path in sorted(run_dir.glob("rank-*.jsonl")):
         steps = collections.defaultdict(list)
-        for line in path.read_text().splitlines():
-            rec = json.loads(line)
+        for rec in read_records(path):
             if rec["event"] == "collective" and rec["group"] == "dp":
                 steps[rec["step_id"]].append((rec["phase"], rec["stage"]))
         per_rank[int(path.stem.split("-")[1])] = dict(steps)

@@ -11,12 +11,12 @@ The onset is the hung replica's last audit record before the step it hangs at; a
 records carry `time.monotonic_ns()`, the same clock as `time.monotonic()` here.
 """
 
-import json
 import multiprocessing
 import time
 
 import pytest
 
+from runner_fsm.audit import read_records
 from runner_fsm.config import ParallelLayout
 from runner_fsm.engine.api import run_engine
 from runner_fsm.engine.config import EngineConfig
@@ -34,7 +34,7 @@ WORKLOAD = [
 
 
 def _records(run_dir, rank):
-    return [json.loads(line) for line in (run_dir / f"rank-{rank}.jsonl").read_text().splitlines()]
+    return list(read_records(run_dir / f"rank-{rank}.jsonl"))
 
 
 def test_a_hang_ends_the_whole_run_within_the_timeout_plus_a_small_bound(models, tmp_path):

@@ -79,7 +79,8 @@ def test_idle_replica_runs_dummy_steps_and_replay_is_sound(suite, case):
     # Every agreement of a dummy step is tagged dummy, carried in vLLM's own DP all-reduce: V1's
     # [4, 2] tensor (`_run_ar`), MRV2's [6, 2] (`sync_cudagraph_and_dp_padding`), plus 5 rows.
     agreements = [r for r in idle if r["event"] == "collective" and r["group"] == "dp" and r["stage"] == "done"]
-    assert {r["kind"] for r in agreements if r["step_id"] in dummies} == {"dummy"}
+    enqueued = [r for r in idle if r["event"] == "collective" and r["group"] == "dp" and r["stage"] == "enqueue"]
+    assert {r.get("kind") for r in enqueued if r["step_id"] in dummies} == {"dummy"}
     rows = {"v1": 4, "mrv2": 6}[EXPECTED_RUNNER] + 5
     assert all(r["shapes"] == [[rows, 2]] and r["agreed"]["step_id"] == r["step_id"] for r in agreements)
     sent = [r for r in idle if r["event"] == "collective" and r["group"] == "dp" and r["stage"] == "enqueue"]

@@ -188,7 +188,10 @@ def test_every_replica_joins_its_own_draft_agreement_each_step(runs):
         idle = {r["step_id"] for r in records if r["event"] == "transition" and r["trigger"] == "idle"}
         drafted = {r["step_id"] for r in records if r["event"] == "transition" and r["trigger"] == "draft"
                    and r["dst"] == "draft_sync"}
-        dummy_drafts = {r["step_id"] for r in dp_done if r["phase"] == 2 and r["kind"] == "dummy"}
+        # a dummy step's agreements say so on their enqueue (`kind: dummy`; a real step's say nothing)
+        dp_enqueued = [r for r in records if r["event"] == "collective" and r["group"] == "dp"
+                       and r["stage"] == "enqueue"]
+        dummy_drafts = {r["step_id"] for r in dp_enqueued if r["phase"] == 2 and r.get("kind") == "dummy"}
         assert len(idle) >= 8 and idle <= drafted and idle == dummy_drafts, (idle, drafted, dummy_drafts)
         assert min(idle) == IDLE_FROM
 

@@ -46,3 +46,26 @@ def test_fast_pcp_layout_is_opt_in(section, env, expected):
 def test_a_fast_pcp_layout_that_is_no_flag_is_refused():
     with pytest.raises(ConfigError, match=r"fast_pcp_layout must be true or false, got 'sometimes'"):
         WorkerOptions.from_vllm(config({"fast_pcp_layout": "sometimes"}), {})
+
+
+@pytest.mark.parametrize("section, env, cap, pinned", [
+    ({}, {}, 2 << 30, 1000),  # the default cap (audit log, journal, Flight Recorder dump)
+    ({"max_log_bytes": "64M", "pinned_steps": 50}, {"RUNNER_FSM_MAX_LOG_BYTES": "1G"}, 64 << 20, 50),
+    ({}, {"RUNNER_FSM_MAX_LOG_BYTES": "0", "RUNNER_FSM_PINNED_STEPS": "7"}, None, 7),  # 0: one file, no cap
+    ({"max_log_bytes": 1 << 20}, {}, 1 << 20, 1000)])
+def test_the_log_cap(section, env, cap, pinned):
+    opts = WorkerOptions.from_vllm(config(section), env)
+    assert (opts.max_log_bytes, opts.pinned_steps) == (cap, pinned)
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"max_log_bytes": "lots"}, r"max_log_bytes: expected a byte count such as 2G"),
+    ({"pinned_steps": -1}, r"pinned_steps must be a number of steps >= 0, got -1")])
+def test_a_bad_log_cap_is_refused_by_name(section, message):
+    with pytest.raises(ConfigError, match=message):
+        WorkerOptions.from_vllm(config(section), {})
+
+
+def test_compressed_logs_are_opt_in():
+    assert WorkerOptions.from_vllm(config(), {}).compress_logs is False
+    assert WorkerOptions.from_vllm(config(), {"RUNNER_FSM_COMPRESS_LOGS": "1"}).compress_logs is True

@@ -35,8 +35,9 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model: str, run_dir: str, port: int, log, *extra: str) -> subprocess.Popen:
-    options = json.dumps({"runner_fsm": {"run_dir": run_dir}})
+def start_server(model: str, run_dir: str, port: int, log, *extra: str, options: dict | None = None) -> subprocess.Popen:
+    """vLLM's OpenAI server with FSMWorker; `options`: more of the worker's (`runner_fsm`) options."""
+    options = json.dumps({"runner_fsm": {"run_dir": run_dir, **(options or {})}})
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
            "--block-size", "32", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",

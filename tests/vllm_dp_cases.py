@@ -8,9 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import orjson
 
 from runner_fsm.audit import read_records
+from runner_fsm.testing.logs import rewrite_in_full
 from runner_fsm.integrations.vllm import harness as h
 from runner_fsm.integrations.vllm.spmd import Job, launch_dp
 from runner_fsm.testing.vllm_models import make_model
@@ -59,8 +59,6 @@ def stripped(run_dir: Path) -> Path:
     the evidence, not in what the worker said of it."""
     copy = run_dir.parent / (run_dir.name + "-stripped")
     shutil.copytree(run_dir, copy, dirs_exist_ok=True)
-    for path in copy.glob("rank-*.jsonl"):
-        kept = [line for line in path.read_bytes().splitlines(keepends=True)
-                if line.strip() and orjson.loads(line).get("event") != "fault"]
-        path.write_bytes(b"".join(kept))
+    for path in copy.glob("rank-*.jsonl"):  # in full, whatever the encoding on disk
+        rewrite_in_full(path, lambda records: [r for r in records if r["event"] != "fault"])
     return copy

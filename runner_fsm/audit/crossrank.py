@@ -61,6 +61,9 @@ class CrossRankChecker:
         self._open: dict[int, MissedSteps] = {}
 
     def check(self, step: int, present: dict[int, RankStep]) -> None:
+        for rank, summary in present.items():
+            if summary.resumed:  # back after a jump (steps rotated away): its counters moved on
+                self.sequences.mark_out_of_step(rank)
         if len(present) < len(self.ranks):
             self._note_absent(step, present)
         if self._open:
@@ -85,7 +88,7 @@ class CrossRankChecker:
         if not agreed_by:
             return
         for rank in self.ranks:
-            if rank in present:
+            if rank in present or self.merger.blind(rank, step):  # rotated away: not seen, not missed
                 continue
             self.sequences.mark_out_of_step(rank)
             self.pairs.forget(rank)

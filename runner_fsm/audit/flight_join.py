@@ -24,12 +24,12 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-import orjson
 
 from runner_fsm.audit.flight import RankDump, describe, group_views, in_flight, named_ranks, read_dumps
 from runner_fsm.audit.mapped import data_end
 from runner_fsm.audit.order import past_last_phase
 from runner_fsm.audit.ranks import RankInfo, discover, job_last_phase
+from runner_fsm.audit.records import lenient_records
 from runner_fsm.audit.rundirs import RunDirs
 from runner_fsm.audit.report import ReplayReport, Verdict, sort_verdicts
 
@@ -63,18 +63,11 @@ class AuditTail:
 
 def read_tail(info: RankInfo) -> AuditTail:
     tail = AuditTail(info)
-    size = data_end(info.path)  # without the blank tail of a log that was not closed
-    with open(info.path, "rb") as handle:
-        handle.seek(max(0, size - _TAIL_BYTES))
-        lines = handle.read(size - max(0, size - _TAIL_BYTES)).splitlines()
-    if size > _TAIL_BYTES:
-        lines = lines[1:]  # the first one starts mid-line
-    for raw in lines:
-        try:
-            record = orjson.loads(raw)
-            event = record["event"]
-        except (orjson.JSONDecodeError, KeyError, TypeError):
-            continue
+    segment = info.segments[-1] if info.segments else None
+    path = segment.path if segment is not None else info.path
+    size = data_end(path)  # without the blank tail of a log that was not closed
+    for record in lenient_records(path, max(0, size - _TAIL_BYTES)):
+        event = record.get("event")
         if event == "transition":
             if record.get("trigger") != "fault":  # the fault edge says nothing of where it was
                 tail.last_transition = record

@@ -10,11 +10,15 @@ logs once its forward is over): each keeps its own `seq` and the time it was mad
 batch goes out as complete lines in one write when `write()` is called, nothing held back
 after that call. Per write, not per line, is what a hot loop pays for: the lock, the structlog
 logger and the copy into the map each cost microseconds when the CPU caches are cold.
+
+A log written with the job's shape (the runner's, the vLLM worker's) is compact on disk
+(`compact`: the `job` record in full, every other record in short keys); `read_records` gives
+every record back in full. With `max_log_bytes` it is a sequence of segments under that cap
+(`segments`). A log without a shape is written in full, as schema 2 first was.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
@@ -26,15 +30,17 @@ from typing import Any
 import structlog
 
 from runner_fsm.errors import RunnerError
-from runner_fsm.audit.mapped import MappedFile, is_blank, rest_is_blank
-from runner_fsm.audit.render import RecordRenderer, cached_body, fingerprint_fields
+from runner_fsm.audit import compact
+from runner_fsm.audit.mapped import MappedFile
+from runner_fsm.audit.records import AuditLogFormatError, TIME_FIELDS, plain_fields, read_records, strip_times  # noqa: F401
+from runner_fsm.audit.render import RecordRenderer, fingerprint_fields
+from runner_fsm.audit.segments import DEFAULT_PINNED_STEPS, Companion, SegmentPolicy
 
 # 2: the `job` record names every parallel dimension (TP, PP), the rank's coordinates and host
 # (`audit.shape`); schema-1 logs still replay.
 SCHEMA_VERSION = 2
 HEADER_FIELDS = ("schema", "run_id", "seq", "t_ns", "dp_rank", "pcp_rank", "event", "step_id")
-_RESERVED = frozenset(HEADER_FIELDS)
-TIME_FIELDS = ("t_ns",)
+_RESERVED = frozenset(HEADER_FIELDS) | compact.KEYS
 COLLECTIVE_STAGES = ("enqueue", "done")
 GRAPH_ACTIONS = ("capture", "replay")
 # `job`: the job's shape, the first record of a log (`audit.shape`); the others as DESIGN section 7.
@@ -47,10 +53,6 @@ class AuditLogClosedError(RunnerError):
     """A record was written to an audit log after `close()`."""
 
 
-class AuditLogFormatError(RunnerError, ValueError):
-    """An audit log line is not a JSON object."""
-
-
 def log_path(run_dir: str | os.PathLike[str], global_rank: int) -> Path:
     """Where the audit log of the process with this global rank lives."""
     return Path(run_dir) / f"rank-{int(global_rank)}.jsonl"
@@ -59,11 +61,11 @@ def log_path(run_dir: str | os.PathLike[str], global_rank: int) -> Path:
 # ---------------------------------------------------------------- the file
 
 
-def _open_exclusive(path: Path) -> MappedFile:
+def _open_exclusive(path: Path, **options: Any) -> MappedFile:
     # Exclusive create: `seq` must run gapless from 0 in the file, so appending to an old
     # run would break it, and truncating would destroy its evidence.
     try:
-        return MappedFile(path)
+        return MappedFile(path, **options)
     except FileExistsError as err:
         raise FileExistsError(f"audit log {path} already exists; start each run in a fresh run_dir") from err
 
@@ -84,15 +86,22 @@ class _Records:
     def _emit(self, event: str, step_id: int | None, fields: dict[str, Any] | bytes) -> None:
         raise NotImplementedError
 
-    def transition(self, step_id: int | None, trigger: str, src: str, dst: str, outcome: str) -> None:
-        key = (trigger, src, dst, outcome)
-        self._emit("transition", step_id, cached_body(
-            _TRANSITION_BODIES, key, {"trigger": trigger, "src": src, "dst": dst, "outcome": outcome}))
+    def _pin(self, step_id: int | None) -> None:
+        raise NotImplementedError
 
-    # `rendered(event, step_id, body)`: a record of `event` whose fields are rendered already
-    # (`body` is one JSON object made by `render`'s templates, the same bytes as the record's
-    # builder would render). Each subclass writes it without the `_emit` hop: it runs two or
-    # three times a vLLM step, each right after vLLM evicted the CPU caches.
+    def transition(self, step_id: int | None, trigger: str, src: str, dst: str, outcome: str) -> None:
+        body = _TRANSITION_BODIES.get((trigger, src, dst, outcome))
+        if body is None:
+            body = compact.transition_body(trigger, src, dst, outcome)
+            if len(_TRANSITION_BODIES) < 4096:
+                _TRANSITION_BODIES[(trigger, src, dst, outcome)] = body
+        self._emit("transition", step_id, body)
+
+    # `rendered(event, step_id, body)`: a record of `event` whose fields are rendered already, in
+    # the compact encoding (`body` is one JSON object made by `compact.transition_body` or
+    # `render.BuffersTemplate`, read back as the record its builder writes). Each
+    # subclass writes it without the `_emit` hop: it runs two or three times a vLLM step, each
+    # right after vLLM evicted the CPU caches.
 
     def collective(
         self,
@@ -129,6 +138,7 @@ class _Records:
     def fault(self, step_id: int | None, error: str | BaseException, message: str) -> None:
         error_name = type(error).__name__ if isinstance(error, BaseException) else str(error)
         self._emit("fault", step_id, {"error": error_name, "message": str(message)})
+        self._pin(step_id)  # a capped log keeps the segments that hold it, and the steps before it
 
 
 class AuditBatch(_Records):
@@ -155,6 +165,9 @@ class AuditBatch(_Records):
         if pending:
             self._log._write_all(pending)
 
+    def _pin(self, step_id: int | None) -> None:
+        self._log.pin(step_id)
+
 
 # ---------------------------------------------------------------- the log
 
@@ -171,28 +184,62 @@ class AuditLog(_Records):
         pcp_rank: int,
         *,
         shape: Mapping[str, Any] | None = None,
+        max_log_bytes: int | None = None,
+        pinned_steps: int = DEFAULT_PINNED_STEPS,
+        compress_segments: bool = False,
     ):
-        """`shape`: the job's shape (`audit.shape.job_shape_fields`), written as record 0 so
-        that replay knows every rank the job has, whichever logs it finds."""
+        """`shape`: the job's shape (`audit.shape.job_shape_fields`), written as record 0 (of
+        every segment) so that replay knows every rank the job has, whichever logs it finds;
+        with it the records are compact on disk (`compact`). `max_log_bytes`: the cap of a
+        segmented log (`segments`; it needs the shape), None for one file without a cap;
+        `pinned_steps`: the steps kept before a fault, a `pin` and the current step;
+        `compress_segments`: closed segments gzip-compressed (`compress`)."""
         if shape is not None and shape.keys() & _RESERVED:
             raise ValueError(f"job record: fields {sorted(shape.keys() & _RESERVED)} are reserved")
+        if max_log_bytes and shape is None:
+            raise ValueError("a log under max_log_bytes needs the job's shape: each segment begins with it")
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.path = log_path(run_dir, global_rank)
-        self._file = _open_exclusive(self.path)
+        self._run_id, self._dp_rank, self._pcp_rank = str(run_id), int(dp_rank), int(pcp_rank)
+        # seq and the file order must agree, so numbering and writing share one lock.
+        self._lock = threading.Lock()
+        self._next_seq = 0
+        self._closed = False
+        self._plain = RecordRenderer(SCHEMA_VERSION, self._run_id, self._dp_rank, self._pcp_rank)
+        self._segments = SegmentPolicy(Path(run_dir), global_rank, max_log_bytes, pinned_steps=pinned_steps,
+                                       compress=compress_segments) if max_log_bytes else None
+        self._compact: compact.CompactRenderer | None = None
+        if shape is None:
+            self._open_file(self.path)
+            self._render_lines = _plain_lines(self._plain)
+        else:
+            self._shape = {**shape, compact.FORMAT_FIELD: compact.FORMAT}
+            self._open_segment(0)
+
+    def _open_file(self, path: Path) -> None:
+        segments = self._segments
+        if segments is None:
+            self._file = _open_exclusive(path)
+        else:
+            self._file = _open_exclusive(path, chunk=segments.chunk, full_at=segments.segment_bytes,
+                                         on_full=self._segment_full)
         # structlog's BytesLogger writes each rendered line (or batch of lines) into the mapped
         # file before returning. Records are rendered here, not by a processor chain around it: the
         # chain held only this renderer, and its per-call context copy and dispatch cost more
         # than the encoding, on a path taken two or three times a step. The global structlog
         # configuration (the human-readable console) is never touched.
         self._logger = structlog.BytesLogger(self._file)
-        self._run_id, self._dp_rank, self._pcp_rank = str(run_id), int(dp_rank), int(pcp_rank)
-        # seq and the file order must agree, so numbering and writing share one lock.
-        self._lock = threading.Lock()
-        self._next_seq = 0
-        self._closed = False
-        self._render_lines = RecordRenderer(SCHEMA_VERSION, self._run_id, self._dp_rank, self._pcp_rank).lines
-        if shape is not None:
-            self._emit("job", None, dict(shape))
+
+    def _open_segment(self, index: int) -> None:
+        """Open segment `index` (the only one without a cap) and write its `job` record."""
+        segments = self._segments
+        self._open_file(self.path if segments is None else segments.path(index))
+        fields = self._shape if segments is None else {**self._shape, **segments.job_fields()}
+        t0 = time.monotonic_ns()
+        self._logger.msg(self._plain.line(self._next_seq, t0, "job", None, fields))
+        self._next_seq += 1
+        self._compact = compact.CompactRenderer(t0, self._shape.get(compact.NAMES_FIELD))
+        self._render_lines = self._compact.lines
 
     @property
     def next_seq(self) -> int:
@@ -202,6 +249,31 @@ class AuditLog(_Records):
     @property
     def closed(self) -> bool:
         return self._closed
+
+    @property
+    def segments(self) -> SegmentPolicy | None:
+        """The segments of a capped log (None: one file, no cap)."""
+        return self._segments
+
+    @property
+    def current_path(self) -> Path:
+        """The file records go to now (the last segment of a capped log)."""
+        return self._file.path
+
+    def add_companion(self, companion: Companion) -> None:
+        """A file that goes with the segments (the vLLM step journal); nothing without a cap."""
+        if self._segments is not None:
+            self._segments.companions.append(companion)
+
+    def pin(self, step_id: int | None, reason: str | None = None) -> None:
+        """Keep the segment holding `step_id` (None: the current step) and the `pinned_steps`
+        before it, whatever the cap (a fault pins itself; e.g. an injected fault firing)."""
+        if self._segments is not None:
+            with self._lock:
+                current = self._compact.step if self._compact is not None else None
+                self._segments.pin(step_id if step_id is not None else current)
+
+    _pin = pin
 
     # -- records
 
@@ -273,30 +345,26 @@ class AuditLog(_Records):
             self._logger.msg(self._render_lines(self._next_seq, records, time.monotonic_ns()))
             self._next_seq += len(records)
 
+    # -- segments: the write path while a full segment waits for its step to end
 
-# ---------------------------------------------------------------- reading back
+    def _segment_full(self) -> None:
+        """The current segment filled (called from inside a write): until the next step begins,
+        each write looks for that step's first record and switches segments before it."""
+        self._write_all = self._write_watching
 
-
-def read_records(path: str | os.PathLike[str]) -> Iterator[dict[str, Any]]:
-    """Yield each record of one audit file; strict: any bad line raises with file:line. The
-    records end at a blank tail (a log still open, or whose process died: `audit.mapped`)."""
-    with open(path, "rb") as lines:
-        for line_no, line in enumerate(lines, start=1):
-            if is_blank(line):
-                if rest_is_blank(lines):  # the unwritten tail of a log that was not closed
-                    return
-                raise AuditLogFormatError(f"{path}:{line_no}: blank line inside the audit log")
-            try:
-                record = json.loads(line)
-            except ValueError as err:
-                raise AuditLogFormatError(f"{path}:{line_no}: unparsable audit line: {err}") from err
-            if not isinstance(record, dict):
-                raise AuditLogFormatError(
-                    f"{path}:{line_no}: audit line is a {type(record).__name__}, expected an object"
-                )
-            yield record
+    def _write_watching(self, records) -> None:
+        with self._lock:
+            step = records[0][2]
+            if not self._closed and step is not None and step != self._compact.step:
+                self._segments.switch(step, self._file.close, self._open_segment)
+                del self._write_all  # the plain write path again
+        AuditLog._write_all(self, records)
 
 
-def strip_times(record: Mapping[str, Any]) -> dict[str, Any]:
-    """A copy without wall-clock fields, for comparing runs against a golden file."""
-    return {key: value for key, value in record.items() if key not in TIME_FIELDS}
+def _plain_lines(renderer: RecordRenderer):
+    """`renderer.lines` for a log written in full: compact bodies (`rendered`) in full first."""
+
+    def lines(seq: int, records, now: int) -> bytes:
+        return renderer.lines(seq, [(t, event, step, plain_fields(event, fields) if type(fields) is bytes else fields)
+                                    for t, event, step, fields in records], now)
+    return lines

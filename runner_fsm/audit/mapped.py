@@ -66,8 +66,14 @@ class MappedFile:
     object for structlog's `BytesLogger` (`write`, `flush`, `close`, `closed`). One process
     writes it: a forked child writing its inherited copy would write over the parent's lines."""
 
-    def __init__(self, path: str | os.PathLike[str]):
+    def __init__(self, path: str | os.PathLike[str], *, chunk: int = CHUNK, full_at: int | None = None,
+                 on_full=None):
+        """`full_at`, `on_full`: `on_full()` is called once, from the write that grows the file
+        past `full_at` bytes (a capped log's segment is full: `audit.segments`). The check rides
+        on the growth a write needs anyway, so a write costs nothing more for it."""
         self.path = Path(path)
+        self._chunk = int(chunk)
+        self._full_at, self._on_full = full_at, on_full
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
         self._pid = os.getpid()  # the writer: a forked child never cuts the file under it
         self._end = 0  # bytes written
@@ -110,8 +116,17 @@ class MappedFile:
             os.close(self._fd)
             self._fd = -1
 
+    @property
+    def size(self) -> int:
+        """Bytes written so far."""
+        return self._end
+
     def _grow(self, needed: int) -> None:
-        size = max(self._size + CHUNK, -(-needed // CHUNK) * CHUNK)  # whole chunks
+        if self._full_at is not None and self._size >= self._full_at:
+            self._full_at = None
+            self._on_full()
+        chunk = self._chunk
+        size = max(self._size + chunk, -(-needed // chunk) * chunk)  # whole chunks
         allocate = getattr(os, "posix_fallocate", None)
         if allocate is not None:
             allocate(self._fd, self._size, size - self._size)  # ENOSPC now, not SIGBUS later

@@ -25,8 +25,8 @@ from pathlib import Path
 
 import orjson
 
-from runner_fsm.audit.mapped import is_blank
 from runner_fsm.audit.ranks import Groups, RankInfo, discover
+from runner_fsm.audit.records import lenient_records
 from runner_fsm.audit.rundirs import RunDirs, label
 from runner_fsm.audit.read import StepMerger
 from runner_fsm.audit.report import ReplayReport, Verdict
@@ -167,36 +167,36 @@ class _StepRecords:
 
 
 def _rank_steps(info: RankInfo) -> Iterator[_StepRecords]:
-    """One rank's log, step by step; unreadable lines are skipped (replay reports them); a
-    record without a step belongs to the step around it."""
-    loads, bad = orjson.loads, orjson.JSONDecodeError
+    """One rank's log (every kept segment, in full: `records.lenient_records`), step by step;
+    unreadable lines are skipped (replay reports them); a record without a step belongs to the
+    step around it."""
     step, records = None, []
-    with open(info.path, "rb") as lines:
-        for raw in lines:
-            if is_blank(raw):
-                break  # the blank tail of a log that was not closed (audit.mapped)
-            try:
-                rec = loads(raw)
-                current = rec["step_id"]
-                int(rec["t_ns"])
-            except (bad, KeyError, TypeError, ValueError):
-                continue
-            if isinstance(current, int) and current != step:
-                if records:
-                    yield _StepRecords(step if step is not None else current, records)
-                step, records = current, []
-            records.append(rec)
+    for rec in _records(info):
+        try:
+            current = rec["step_id"]
+            int(rec["t_ns"])
+        except (KeyError, TypeError, ValueError):
+            continue
+        if isinstance(current, int) and current != step:
+            if records:
+                yield _StepRecords(step if step is not None else current, records)
+            step, records = current, []
+        records.append(rec)
     if records:
         yield _StepRecords(step if step is not None else -1, records)
 
 
+def _records(info: RankInfo) -> Iterator[dict]:
+    for segment in info.segments or ():
+        yield from lenient_records(segment.path)
+
+
 def _first_t(info: RankInfo) -> int | None:
-    with open(info.path, "rb") as lines:
-        for raw in itertools.islice(lines, 64):
-            try:
-                return int(orjson.loads(raw)["t_ns"])
-            except (orjson.JSONDecodeError, KeyError, TypeError, ValueError):
-                continue
+    for rec in itertools.islice(_records(info), 64):
+        try:
+            return int(rec["t_ns"])
+        except (KeyError, TypeError, ValueError):
+            continue
     return None
 
 

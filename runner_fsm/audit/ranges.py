@@ -1,7 +1,7 @@
 """Judge a run in ranges of steps, one process per range, all streaming.
 
-Each rank's file is ordered by step, so the byte offset where any step starts is found by
-bisection, and a process can judge steps [lo, hi) of every rank alone: it starts a few steps
+Each rank's log is ordered by step, so where any step starts is found without reading from
+the start (`seek`), and a process can judge steps [lo, hi) of every rank alone (`rankscan`): it starts a few steps
 early (`WARMUP_STEPS`: the previous buffers snapshot, the transition state, the collective
 template) and keeps only the findings from `lo` on. No step crosses a pipe, so the processes
 never wait on each other; each one's memory is that of a single-process replay.
@@ -13,20 +13,14 @@ import dataclasses
 import multiprocessing
 import os
 import traceback
-from collections.abc import Iterator
-from pathlib import Path
-
-import orjson
 
 from runner_fsm.audit.crossrank import CrossRankChecker, MissedSteps
-from runner_fsm.audit.mapped import data_end, is_blank
 from runner_fsm.audit.ranks import Groups, RankInfo
-from runner_fsm.audit.read import RankStep, StepMerger
+from runner_fsm.audit.rankscan import log_last_step, scan_rank
+from runner_fsm.audit.read import StepMerger
 from runner_fsm.audit.report import ReplayInputError, Verdict
-from runner_fsm.audit.scan import RankScanner
 
 WARMUP_STEPS = 8
-_TAIL = 1 << 16
 
 
 @dataclasses.dataclass
@@ -41,64 +35,37 @@ class RangeResult:
     # the last step in which some rank did work, not only log its shutdown (vLLM's worker logs
     # `shutdown` under the step number after its last step)
     last_work_step: int | None
-
-
-def scan_rank(info: RankInfo, verdicts: list[Verdict], counter: dict[int, int], cut: set[int] | None = None,
-              *, offset: int = 0, count_from: int | None = None, stop_step: int | None = None
-              ) -> Iterator[RankStep]:
-    """The steps of one rank's log, in order; `counter[rank]` ends as its record count.
-
-    A range of steps (see `ranges`): from byte `offset` (a line start past the head) up to
-    `stop_step`; a rank stopped there goes into `cut` (its log goes on, in another range).
-    The captures at the head of the file are read first, since every replay is checked
-    against them. Line numbers in verdicts count from `offset`; `counter` counts the records
-    of steps from `count_from` on (earlier ones, read to warm up, are another range's)."""
-    scanner = RankScanner(info, verdicts)
-    scanner.count_from = count_from
-    try:
-        with open(info.path, "rb") as lines:
-            if offset > 0:
-                for _ in scanner.scan(lines, stop_step=0):  # the head: captures at step -1
-                    pass
-                scanner.resume_mid_file()
-                lines.seek(offset)
-            scanner.stopped = False
-            yield from scanner.scan(lines, stop_step=stop_step)
-    except OSError as err:
-        raise ReplayInputError(f"cannot read {info.path}: {err}") from err
-    if scanner.stopped:
-        if cut is not None:
-            cut.add(info.global_rank)
-        counter[info.global_rank] = scanner.records_counted
-        return
-    last = scanner.finish()
-    counter[info.global_rank] = scanner.records_counted
-    if last is not None:
-        yield last
+    # per rank, the steps its capped log no longer held (found so, or rotated away while read)
+    rotated: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
 
 def judge_range(infos: list[RankInfo], lo: int | None = None, hi: int | None = None, *,
-                timeline=None) -> RangeResult:
-    """Judge steps [lo, hi) of every rank (None: from the start, to the end)."""
+                timeline=None, progress=None) -> RangeResult:
+    """Judge steps [lo, hi) of every rank (None: from the start, to the end); `progress(step)`
+    now and then."""
     verdicts: list[Verdict] = []
     counts: dict[int, int] = {}
     cut: set[int] = set()
-    streams, ended_before, offsets = {}, {}, {}
+    streams, ended_before = {}, {}
+    rotated = {info.global_rank: list(info.rotated) for info in infos}  # and what vanishes meanwhile
     for info in infos:
-        offset = 0 if lo is None else seek_step(info.path, lo - WARMUP_STEPS)
-        if lo is not None and offset >= data_end(info.path):
-            ended_before[info.global_rank] = last_step_of(info.path)  # nothing left in this range
-            continue
-        offsets[info.global_rank] = offset
-        streams[info.global_rank] = scan_rank(info, verdicts, counts, cut, offset=offset, count_from=lo,
-                                              stop_step=hi)
-    merger = StepMerger(streams, ended_before=ended_before, cut=cut)
+        if lo is not None:
+            last = log_last_step(info)
+            if last is None or last < lo - WARMUP_STEPS:
+                ended_before[info.global_rank] = last  # nothing left in this range
+                continue
+        streams[info.global_rank] = scan_rank(info, verdicts, counts, cut, count_from=lo, stop_step=hi,
+                                              start=None if lo is None else lo - WARMUP_STEPS,
+                                              vanished=rotated[info.global_rank])
+    merger = StepMerger(streams, ended_before=ended_before, cut=cut, rotated=rotated)
     checker = CrossRankChecker(Groups(infos), merger, verdicts)
     first = last = last_work = None
     for step, present in merger:
         checker.check(step, present)
         if timeline is not None:
             timeline.add(step, present)
+        if progress is not None and not step & 0xFF:
+            progress(step)
         if lo is None or step >= lo:
             first = step if first is None else first
             last = step
@@ -106,26 +73,9 @@ def judge_range(infos: list[RankInfo], lo: int | None = None, hi: int | None = N
                 last_work = step
     missed = checker.finish()
     if lo is not None:
-        verdicts = _own_verdicts(verdicts, lo, infos, offsets)
+        verdicts = [v for v in verdicts if v.step is not None and v.step >= lo]  # earlier: another range's
         missed = _own_missed(missed, lo)
-    return RangeResult(verdicts, missed, sum(counts.values()), first, last, last_work)
-
-
-def _own_verdicts(verdicts: list[Verdict], lo: int, infos, offsets) -> list[Verdict]:
-    """The findings of steps from `lo` on (earlier ones are the previous range's), with line
-    numbers counted from the start of the file again."""
-    kept = [v for v in verdicts if v.step is not None and v.step >= lo]
-    by_file = {info.file: info for info in infos}
-    bases: dict[str, int] = {}
-    fixed = []
-    for verdict in kept:
-        info = by_file.get(verdict.file)
-        if info is not None and verdict.line and offsets.get(info.global_rank):
-            if verdict.file not in bases:
-                bases[verdict.file] = newlines_before(info.path, offsets[info.global_rank])
-            verdict = dataclasses.replace(verdict, line=verdict.line + bases[verdict.file])
-        fixed.append(verdict)
-    return fixed
+    return RangeResult(verdicts, missed, sum(counts.values()), first, last, last_work, rotated)
 
 
 def _own_missed(missed: list[MissedSteps], lo: int) -> list[MissedSteps]:
@@ -139,99 +89,20 @@ def _own_missed(missed: list[MissedSteps], lo: int) -> list[MissedSteps]:
     return own
 
 
-# ---------------------------------------------------------------- finding steps in files
+def split_steps(infos: list[RankInfo], parts: int, lo: int | None = None, hi: int | None = None) -> list[int]:
+    """Step ids that cut steps [lo, hi) (None: what the logs hold) into `parts` about equal
+    ranges (a step's records take about the same bytes all run long)."""
+    first = lo if lo is not None else min((first_kept_step(info) for info in infos), default=0)
+    last = hi - 1 if hi is not None else max((log_last_step(info) or 0 for info in infos), default=0)
+    bounds = [first + (last - first + 1) * part // parts for part in range(1, parts)]
+    return sorted({bound for bound in bounds if first < bound <= last})
 
 
-def _step_of(raw: bytes):
-    try:
-        step = orjson.loads(raw)["step_id"]
-    except (orjson.JSONDecodeError, KeyError, TypeError):
-        return None
-    return step if isinstance(step, int) else None
-
-
-def _first_step_from(handle, position: int) -> tuple[int, int | None]:
-    """(start of the first whole line at or after `position` that has a step, that step);
-    (end of file, None) when there is none."""
-    handle.seek(position)
-    if position:
-        handle.readline()  # the rest of a line that started earlier
-    while True:
-        start = handle.tell()
-        raw = handle.readline()
-        if not raw or is_blank(raw):  # the end, or the blank tail of an unclosed log
-            return start, None
-        step = _step_of(raw)
-        if step is not None:
-            return start, step
-
-
-def seek_step(path: Path, step: int) -> int:
-    """Byte offset of the first line of `path` whose step is `step` or later (the end of its
-    data when there is none), by bisection: the file is ordered by step."""
-    with open(path, "rb") as handle:
-        low, high = 0, data_end(path)
-        while high - low > _TAIL:
-            middle = (low + high) // 2
-            start, found = _first_step_from(handle, middle)
-            if found is None or found >= step:
-                if start >= high:
-                    break
-                high = start
-            else:
-                low = middle
-        handle.seek(low)
-        if low:
-            handle.readline()  # the rest of a line that started before `low`
-        while True:
-            start = handle.tell()
-            raw = handle.readline()
-            found = _step_of(raw) if raw else None
-            if not raw or is_blank(raw) or (found is not None and found >= step):
-                return start
-
-
-def last_step_of(path: Path) -> int | None:
-    """The step of the last readable record of `path` (None when it has none)."""
-    size = data_end(path)  # without the blank tail of a log that was not closed
-    with open(path, "rb") as handle:
-        span = _TAIL
-        while True:
-            handle.seek(max(0, size - span))
-            lines = handle.read(size - max(0, size - span)).splitlines()
-            for raw in reversed(lines[1:] if size > span else lines):
-                step = _step_of(raw)
-                if step is not None:
-                    return step
-            if span >= size:
-                return None
-            span *= 4
-
-
-def newlines_before(path: Path, offset: int) -> int:
-    count = 0
-    with open(path, "rb") as handle:
-        while offset > 0:
-            chunk = handle.read(min(offset, 1 << 20))
-            if not chunk:
-                break
-            count += chunk.count(b"\n")
-            offset -= len(chunk)
-    return count
-
-
-def split_steps(infos: list[RankInfo], parts: int) -> list[int]:
-    """Step ids that cut the largest file into `parts` about equal byte ranges."""
-    ends = {info.global_rank: data_end(info.path) for info in infos}
-    biggest = max(infos, key=lambda info: ends[info.global_rank])
-    size = ends[biggest.global_rank]
-    bounds: list[int] = []
-    with open(biggest.path, "rb") as handle:
-        for part in range(1, parts):
-            _, step = _first_step_from(handle, size * part // parts)
-            if step is not None and step > max(bounds, default=0):
-                bounds.append(step)
-    return bounds
+def first_kept_step(info: RankInfo) -> int:
+    """The first step the rank's kept segments hold after rotation (0 for a log that kept its start)."""
+    if not info.rotated:
+        return 0
+    return info.rotated[0][1] + 1 if info.rotated[0][0] <= 0 else 0
 
 
 # ---------------------------------------------------------------- processes
@@ -248,11 +119,12 @@ def _judge_in_child(infos, lo, hi, conn) -> None:
         conn.close()
 
 
-def judge_in_ranges(infos: list[RankInfo], jobs: int) -> RangeResult:
-    """`judge_range` over `jobs` ranges of steps: the first in this process, the others in
-    child processes started at once, so that all run side by side."""
-    bounds = split_steps(infos, jobs)
-    ranges = list(zip([None, *bounds], [*bounds, None]))
+def judge_in_ranges(infos: list[RankInfo], jobs: int, lo: int | None = None, hi: int | None = None, *,
+                    progress=None) -> RangeResult:
+    """`judge_range` of steps [lo, hi) in `jobs` ranges of steps: the first in this process,
+    the others in child processes started at once, so that all run side by side."""
+    bounds = split_steps(infos, jobs, lo, hi)
+    ranges = list(zip([lo, *bounds], [*bounds, hi]))
     methods = multiprocessing.get_all_start_methods()
     # fork starts at once and imports nothing; children touch only files and Python objects.
     context = multiprocessing.get_context("fork" if "fork" in methods else "spawn")
@@ -265,7 +137,7 @@ def judge_in_ranges(infos: list[RankInfo], jobs: int) -> RangeResult:
         send.close()
         children.append((process, receive))
     try:
-        results = [judge_range(infos, *ranges[0])]
+        results = [judge_range(infos, *ranges[0], progress=progress)]
         results += [_result_of(process, receive) for process, receive in children]
     finally:
         for process, _ in children:
@@ -291,9 +163,14 @@ def _combined(results: list[RangeResult]) -> RangeResult:
     firsts = [r.first_step for r in results if r.first_step is not None]
     lasts = [r.last_step for r in results if r.last_step is not None]
     works = [r.last_work_step for r in results if r.last_work_step is not None]
+    rotated: dict[int, list] = {}
+    for r in results:
+        for rank, spans in r.rotated.items():
+            rotated.setdefault(rank, [])
+            rotated[rank] += [span for span in spans if span not in rotated[rank]]
     return RangeResult([v for r in results for v in r.verdicts], [m for r in results for m in r.missed],
                        sum(r.records for r in results), min(firsts, default=None), max(lasts, default=None),
-                       max(works, default=None))
+                       max(works, default=None), rotated)
 
 
 def cpu_count() -> int:

@@ -1,6 +1,7 @@
 """The ranks of a run: their log files, coordinates, groups and hosts.
 
-- `discover`: each `rank-<global_rank>.jsonl` with its coordinates and groups, taken from the
+- `discover`: each rank's log (`rank-<global_rank>.jsonl`, and the segments of a capped log,
+  `rank-<global_rank>.<k>.jsonl`: `ranklog`) with its coordinates and groups, taken from the
   `job` record it begins with (`audit.shape`), else from its records' header (`dp_rank`,
   `pcp_rank`; TP and PP then 0); a file with no readable record (killed before its first line
   was complete) gets them from its global rank and the shape a sibling declares, or, in logs
@@ -22,12 +23,14 @@ import re
 
 import orjson
 
+from runner_fsm.audit.compress import open_lines
+from runner_fsm.audit.ranklog import RANK_SEGMENT_PATTERN, SegmentFile, read_segments, rotated_ranges
 from runner_fsm.audit.order import last_phase
 from runner_fsm.audit.report import ReplayInputError
-from runner_fsm.audit.rundirs import RunDirs, as_dirs, ranked_files
+from runner_fsm.audit.rundirs import RunDirs, as_dirs, ranked_segments
 from runner_fsm.audit.shape import DIMENSIONS, JOB_EVENT, Coords, JobShape
 
-RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
+RANK_FILE = re.compile(RANK_SEGMENT_PATTERN)
 _PROBE_LINES = 64  # enough to get past a damaged first line, few enough to stay instant
 
 
@@ -49,6 +52,9 @@ class RankInfo:
     # K, the drafter's tokens per step, where the `job` record names it (`num_speculative_tokens`,
     # the vLLM worker's): it bounds the phases of a step (`audit.order`, rule 0).
     spec_tokens: int | None = None
+    # its log's kept segments, in order (one: a log without a cap), and the steps rotated away
+    segments: tuple[SegmentFile, ...] = dataclasses.field(default=(), compare=False)
+    rotated: tuple[tuple[int, int], ...] = ()
 
     @property
     def file(self) -> str:
@@ -68,10 +74,11 @@ def discover(run_dir: RunDirs) -> list[RankInfo]:
     """Every rank file of `run_dir` (one directory, or several: `audit.rundirs`) with its
     coordinates; `ReplayInputError` if none can be read, or one rank's log is found twice."""
     dirs = as_dirs(run_dir)
-    ranked = ranked_files(dirs, RANK_FILE, "audit log")
-    if not ranked:
+    segments = {rank: read_segments(numbered) for rank, numbered in ranked_segments(dirs, RANK_FILE, "audit log").items()}
+    if not segments:
         where = " or ".join(map(str, dirs))
         raise ReplayInputError(f"no rank-<global_rank>.jsonl files in {where}; is it a run directory?")
+    ranked = [(rank, kept[0].path) for rank, kept in segments.items()]
     probed = {rank: _probe(path) for rank, path in ranked}
     shape = next((found.shape for found in probed.values() if found.shape is not None), None)
     pcp_size = 1 + max((found.coords.pcp for found in probed.values() if found.coords), default=0)
@@ -87,7 +94,8 @@ def discover(run_dir: RunDirs) -> list[RankInfo]:
         k = found.job.get("num_speculative_tokens") if found.job is not None else None
         infos.append(RankInfo(rank, coords.dp, coords.pcp, path, found.shape, coords.tp, coords.pp,
                               found.groups, found.host, hosts if isinstance(hosts, dict) else None,
-                              k if isinstance(k, int) and not isinstance(k, bool) and k >= 0 else None))
+                              k if isinstance(k, int) and not isinstance(k, bool) and k >= 0 else None,
+                              segments[rank], rotated_ranges(segments[rank])))
     return infos
 
 
@@ -104,7 +112,7 @@ def _probe(path: Path) -> _Probed:
     and, when the first line is a `job` record, the job's shape, the rank's groups and host
     (a log of a writer that logs no shape: None)."""
     try:
-        with open(path, "rb") as lines:
+        with open_lines(path) as lines:
             for line_no, raw in enumerate(islice(lines, _PROBE_LINES), 1):
                 try:
                     record = orjson.loads(raw)

@@ -28,10 +28,11 @@ class StepBuilder:
     """The step a scanner is reading; sealed into a `RankStep` when the next one starts."""
 
     __slots__ = ("step", "line", "keys", "first_pg", "open", "agreed", "fault", "kind", "drafted", "output",
-                 "faulted", "aborted")
+                 "faulted", "aborted", "resumed")
 
-    def __init__(self, step: int, line: int):
+    def __init__(self, step: int, line: int, resumed: bool = False):
         self.step, self.line = step, line
+        self.resumed = resumed  # the log jumped to this step (a seek, a rotation gap)
         self.keys: dict[str, list[tuple]] = {}  # group -> (op, phase, shapes) in issue order
         self.first_pg: dict[str, int] = {}  # group -> pg_seq of its first collective this step
         # group -> collectives awaiting `done`, as plain tuples (one is made per collective of
@@ -62,17 +63,17 @@ class StepBuilder:
         hung = (hang[0], hang[1], hang[4]) if hang is not None else None
         return RankStep(rank, self.step, self.line, signature, first_pg, open_ or None, self.agreed,
                         self.fault, self.kind, self.drafted, ended, hung, timed_out, self.output,
-                        self.faulted, self.aborted)
+                        self.faulted, self.aborted, self.resumed)
 
 
 class RankStep:
     """What one rank did in one step, as far as its peers must match it; read-only."""
 
     __slots__ = ("rank", "step", "line", "signature", "first_pg", "open", "agreed", "fault", "kind",
-                 "drafted", "ended", "hang", "hang_timed_out", "output", "faulted", "aborted")
+                 "drafted", "ended", "hang", "hang_timed_out", "output", "faulted", "aborted", "resumed")
 
     def __init__(self, rank, step, line, signature, first_pg, open_, agreed, fault, kind, drafted,
-                 ended, hang, hang_timed_out, output=None, faulted=False, aborted=False):
+                 ended, hang, hang_timed_out, output=None, faulted=False, aborted=False, resumed=False):
         self.rank, self.step, self.line = rank, step, line
         self.signature = signature  # ((group, ((op, phase, shapes), ...)), ...) in issue order
         self.first_pg = first_pg  # per group of the signature: pg_seq of its first collective
@@ -85,11 +86,12 @@ class RankStep:
         self.output = output  # digest of the tokens this rank sampled, or None
         self.faulted = faulted  # its transitions show it faulted in this step
         self.aborted = aborted  # it sent a non-ok status to a DP agreement in this step
+        self.resumed = resumed  # its log jumped to this step (a seek, steps rotated away before it)
 
     def __reduce__(self):
         return (RankStep, (self.rank, self.step, self.line, self.signature, self.first_pg, self.open,
                            self.agreed, self.fault, self.kind, self.drafted, self.ended, self.hang,
-                           self.hang_timed_out, self.output, self.faulted, self.aborted))
+                           self.hang_timed_out, self.output, self.faulted, self.aborted, self.resumed))
 
     def keys(self, group: str) -> tuple:
         for name, keys in self.signature:
@@ -131,19 +133,27 @@ class StepMerger(Whereabouts):
     """Yields (step, {rank: RankStep}) in step order; knows where absent ranks are."""
 
     def __init__(self, streams: Mapping[int, Iterator[RankStep]], *,
-                 ended_before: Mapping[int, int | None] = {}, cut: set[int] = frozenset()):
+                 ended_before: Mapping[int, int | None] = {}, cut: set[int] = frozenset(),
+                 rotated: Mapping[int, list[tuple[int, int]]] = {}):
         """`ended_before`: ranks whose log ended before this range, with their last step (None
         when it holds no step at all);
         `cut`: filled by the streams with the ranks they stopped at the end of the range
-        (those logs go on, so such a rank is not at its end)."""
+        (those logs go on, so such a rank is not at its end);
+        `rotated`: per rank, the (first, last) steps its capped log no longer holds."""
         super().__init__()
         self._streams = dict(streams)
+        self._rotated = rotated  # lists a stream may add to (a segment deleted while it is read)
         self._cut = cut
         self.exhausted.update(ended_before)
         self.last_step.update((rank, step) for rank, step in ended_before.items() if step is not None)
         self._heap: list[tuple[int, int, RankStep]] = []
         for rank, stream in self._streams.items():
             self._advance(rank, stream)
+
+    def blind(self, rank: int, step: int) -> bool:
+        """Whether `rank`'s log no longer holds `step` (rotated away): nothing is known of it there."""
+        spans = self._rotated.get(rank)
+        return bool(spans) and any(first <= step <= last for first, last in spans)
 
     def _advance(self, rank: int, stream: Iterator[RankStep]) -> None:
         following = next(stream, None)

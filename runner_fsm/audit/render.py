@@ -1,6 +1,8 @@
-"""How an audit record becomes one JSON line (DESIGN section 7).
+"""How an audit record becomes one JSON line (DESIGN section 7), written in full.
 
-Every record starts with the same header (`schema`, `run_id`, `seq`, `t_ns`, `dp_rank`,
+A log written with the job's shape is compact on disk (`compact`, which renders its records
+from the same pieces); written in full are its `job` records and logs without a shape. There
+every record starts with the same header (`schema`, `run_id`, `seq`, `t_ns`, `dp_rank`,
 `pcp_rank`, `event`, `step_id`) and goes on with its own fields. Of the header only `seq`,
 `t_ns`, `event` and `step_id` change from record to record, so `RecordRenderer` fills them into
 bytes made once per log and appends the fields rendered as their own object: the same line as
@@ -9,9 +11,9 @@ step writes three records, two of them right after a forward has evicted the CPU
 object built there costs).
 
 The fields may also come rendered already (`bytes`, one JSON object): the records a hot loop
-writes again and again are bytes made once (`cached_body`) or filled into a template made once
-(`BuffersTemplate`), with no encoder call per record. Each equals `dumps_record` of its fields
-(tests hold them to that).
+writes again and again are bytes made once (`cached_body`, `compact.transition_body`) or
+filled into a template made once (`BuffersTemplate`, compact), with no encoder call per
+record. Each equals `dumps_record` of its fields (tests hold them to that).
 """
 
 from __future__ import annotations
@@ -112,26 +114,26 @@ def cached_body(cache: dict, key: Any, fields: Mapping[str, Any]) -> bytes:
 
 
 class BuffersTemplate:
-    """Bodies of `buffers` records over a fixed list of 1-d buffers.
+    """Compact bodies (`compact`) of `buffers` records over a fixed list of 1-d buffers.
 
     `body(reason, values, extra=b"")`, `values` flat `(ptr, size, version, digest, rows)` per
-    name in order, is `dumps_record({"reason": reason, "buffers": {name: {"ptr", "shape":
-    [size], "version", "digest", "rows"}}, **extra})` for int values, where `extra` is the
-    rendered `,"key":value` tail of further fields: one `%` into bytes made once, instead of a
-    dict per buffer and an encoder call per record. `shape` is the buffer's storage (what a
-    graph reads), `rows` the rows this forward read.
+    name in order, is `dumps_record({"b": reason, "buf": {name: [ptr, [size], version, digest,
+    rows]}, **extra})` for int values (the record `{"reason", "buffers": {name: {"ptr", "shape",
+    "version", "digest", "rows"}}}` in full), where `extra` is the rendered `,"key":value` tail
+    of further fields: one `%` into bytes made once, instead of a dict per buffer and an encoder
+    call per record. `shape` is the buffer's storage (what a graph reads), `rows` the rows this
+    forward read.
     """
 
     def __init__(self, names: tuple[str, ...]):
-        each = [dumps_record(str(name)).replace(b"%", b"%%")
-                + b':{"ptr":%d,"shape":[%d],"version":%d,"digest":%d,"rows":%d}' for name in names]
-        self._tail = b',"buffers":{' + b",".join(each) + b"}"
+        each = [dumps_record(str(name)).replace(b"%", b"%%") + b":[%d,[%d],%d,%d,%d]" for name in names]
+        self._tail = b',"buf":{' + b",".join(each) + b"}"
         self._reasons: dict[str, bytes] = {}
 
     def body(self, reason: str, values: tuple[int, ...], extra: bytes = b"") -> bytes:
         head = self._reasons.get(reason)
         if head is None:
-            head = b'{"reason":' + dumps_record(str(reason))
+            head = b'{"b":' + dumps_record(str(reason))
             if len(self._reasons) < _CACHE_LIMIT:
                 self._reasons[reason] = head
         return head + self._tail % values + extra + b"}"

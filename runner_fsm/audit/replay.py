@@ -30,11 +30,13 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from runner_fsm.audit.coverage import resolve_window, rotated_spans
 from runner_fsm.audit.crossrank import join_missed
 from runner_fsm.audit.flight import flight_only, replay_flight_only
 from runner_fsm.audit.flight_join import join_flight_recorder
 from runner_fsm.audit.job import check_job, hosts_of
-from runner_fsm.audit.ranges import cpu_count, judge_in_ranges, judge_range
+from runner_fsm.audit.ranges import cpu_count, first_kept_step, judge_in_ranges, judge_range
+from runner_fsm.audit.rankscan import log_last_step
 from runner_fsm.audit.ranks import RankInfo, discover, layout_of
 from runner_fsm.audit.report import (ReplayInputError, ReplayReport, RunSummary, Timeline, Verdict,
                                      sort_verdicts)
@@ -49,30 +51,42 @@ MAX_JOBS = 8
 
 
 def replay(run_dir: RunDirs, *, timeline: Timeline | None = None,
-           jobs: int | None = None, world_size: int | None = None) -> ReplayReport:
+           jobs: int | None = None, world_size: int | None = None, steps: tuple[int, int] | None = None,
+           last: int | None = None, progress=None) -> ReplayReport:
     """Judge the run in `run_dir`; feed `timeline` (if given) with every merged step.
 
     `jobs`: processes, each judging a range of steps (None: one for small runs, else one per
     CPU up to MAX_JOBS). A timeline needs every step in one process, so it implies one.
     `world_size`: the job's, for Flight Recorder dumps alone, which may not name every rank
-    (audit logs carry the job's shape themselves).
+    (audit logs carry the job's shape themselves). `steps` (A, B), both included, or `last`
+    N: judge that window alone (`coverage`). `progress`: a `progress.TerminalProgress`, told
+    the steps to judge and, now and then, the step reached.
     """
     if flight_only(run_dir):  # a plain PyTorch job: Flight Recorder dumps and no audit log
         return replay_flight_only(run_dir, world_size)
     infos = discover(run_dir)
     job = check_job(infos)  # before the long pass: logs of different runs are refused at once
+    log_steps = (min(map(first_kept_step, infos)), max((log_last_step(i) or 0 for i in infos), default=0))
+    try:
+        window = resolve_window(log_steps[1], steps=steps, last=last)
+    except ValueError as err:
+        raise ReplayInputError(str(err)) from None
+    lo, hi = (window[0], window[1] + 1) if window is not None else (None, None)
     jobs = auto_jobs(infos) if jobs is None else max(1, jobs)
+    if progress is not None:
+        progress.span(lo if lo is not None else log_steps[0], hi - 1 if hi is not None else log_steps[1], jobs)
     if jobs > 1 and timeline is None:
-        result = judge_in_ranges(infos, jobs)
+        result = judge_in_ranges(infos, jobs, lo, hi, progress=progress)
     else:
-        result = judge_range(infos, timeline=timeline)
+        result = judge_range(infos, lo, hi, timeline=timeline, progress=progress)
     verdicts = list(job.verdicts) + result.verdicts + join_missed(result.missed)
     verdicts, stop_note = settle_quiescent_stop(verdicts, {i.global_rank for i in infos}, job.expected_ranks,
                                                 result.last_work_step)
     sizes = layout_of(infos)
     summary = RunSummary(label(run_dir), len(infos), sizes.dp, sizes.pcp, result.records,
                          result.first_step, result.last_step, job.expected_ranks, job.notes + stop_note,
-                         sizes.tp, sizes.pp)
+                         sizes.tp, sizes.pp, window, log_steps,
+                         rotated_spans((rank, tuple(spans)) for rank, spans in result.rotated.items()))
     verdicts = drop_explained(join_mismatches(merge_same_findings(verdicts)))
     report = ReplayReport(summary, sort_verdicts(name_coordinates(verdicts, infos, job)))
     return join_flight_recorder(report, run_dir)  # Flight Recorder dumps, when the run left them
@@ -80,21 +94,28 @@ def replay(run_dir: RunDirs, *, timeline: Timeline | None = None,
 
 def auto_jobs(infos: list[RankInfo]) -> int:
     """Processes worth starting: one for small runs, where starting more costs more."""
-    total = sum(info.path.stat().st_size for info in infos)
+    total = sum(_size(segment.path) for info in infos for segment in info.segments)
     if total < PARALLEL_MIN_BYTES:
         return 1
     return max(1, min(cpu_count(), MAX_JOBS))
 
 
+def _size(path) -> int:
+    try:
+        return path.stat().st_size
+    except FileNotFoundError:  # rotated away by a live writer since it was found
+        return 0
+
+
 def replay_with_plot(run_dir: RunDirs, plot_path: str | os.PathLike[str],
-                     *, jobs: int | None = None) -> ReplayReport:
+                     *, jobs: int | None = None, **window) -> ReplayReport:
     """`replay`, then the timeline picture at `plot_path` (matplotlib is checked first)."""
     from runner_fsm.audit.report import plot, require_matplotlib
 
     require_matplotlib()  # fail before the long pass, not after it
     infos = discover(run_dir)
     timeline = Timeline(info.global_rank for info in infos)
-    report = replay(run_dir, timeline=timeline, jobs=jobs)
+    report = replay(run_dir, timeline=timeline, jobs=jobs, **window)
     verdict = "sound" if report.sound else f"{len(report.verdicts)} finding(s)"
     plot(timeline, report.verdicts, plot_path, f"{label(run_dir)}: {verdict}")
     return report

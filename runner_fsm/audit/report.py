@@ -18,6 +18,7 @@ import dataclasses
 import os
 from typing import TYPE_CHECKING
 
+from runner_fsm.audit.coverage import coverage_lines, sound_line
 from runner_fsm.errors import RunnerError
 
 if TYPE_CHECKING:
@@ -128,6 +129,9 @@ class RunSummary:
     notes: tuple[str, ...] = ()  # what the judgement could not rest on, in words
     tp_size: int = 1
     pp_size: int = 1
+    window: tuple[int, int] | None = None  # the steps judged (`--last`, `--steps`); None: every step
+    log_steps: tuple[int, int] | None = None  # the first and last step the logs hold
+    rotated: tuple = ()  # `coverage.Rotated`: steps capped logs no longer hold, with their ranks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,6 +156,7 @@ class ReplayReport:
     def as_dict(self) -> dict[str, Any]:
         summary = dataclasses.asdict(self.summary)
         summary["notes"] = list(self.summary.notes)
+        summary["rotated"] = [span.as_dict() for span in self.summary.rotated]
         summary.update(sound=self.sound, findings=len(self.verdicts), counts=self.counts())
         return {"summary": summary, "verdicts": [v.as_dict() for v in self.verdicts]}
 
@@ -166,8 +171,9 @@ class ReplayReport:
         else:  # Flight Recorder dumps alone: no replicas, no steps, one record per collective
             head = f"replay {s.run_dir}: {ranks} (Flight Recorder dumps only), {s.records} collectives"
         head += "".join(f"\nnote: {note}" for note in s.notes)
+        head += "".join(f"\n{line}" for line in coverage_lines(s.window, s.log_steps, s.rotated, s.ranks))
         if self.sound:
-            return f"{head}\nSOUND: no findings"
+            return f"{head}\n{sound_line(s.window, s.first_step, s.last_step, s.rotated)}"
         lines = [head, f"UNSOUND: {len(self.verdicts)} finding(s); first: {self.verdicts[0]}"]
         lines += [f"  {index}. {v}" for index, v in enumerate(self.verdicts[:limit], start=1)]
         if len(self.verdicts) > limit:

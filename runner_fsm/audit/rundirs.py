@@ -45,6 +45,37 @@ def listing(directory: Path) -> list[str]:
         raise ReplayInputError(f"cannot list run directory {directory}: {err}") from err
 
 
+def ranked_segments(dirs: Sequence[Path], pattern: re.Pattern, what: str) -> dict[int, list[tuple[int, Path]]]:
+    """{global rank: [(segment, path), ...] by segment} of every file of `dirs` whose name
+    `pattern` matches (group 1: the rank, group 2: the segment, none for segment 0);
+    ReplayInputError when one rank's files are in two of them, or one segment is found twice
+    (but for a segment being compressed, `<name>` and `<name>.gz` side by side: the first)."""
+    found: dict[int, dict[int, Path]] = {}
+    for directory in dirs:
+        for name in listing(directory):
+            match = pattern.match(name)
+            if match is None:
+                continue
+            rank, index, path = int(match[1]), int(match[2] or 0), directory / name
+            segments = found.setdefault(rank, {})
+            twin = segments.get(index)
+            if twin is not None and twin.parent == directory and _compressed_twins(twin.name, name):
+                segments[index] = path if twin.name.endswith(".gz") else twin  # the plain one, whole
+                continue
+            elsewhere = next((p for p in segments.values() if p.parent != directory), None)
+            if index in segments or elsewhere is not None:
+                first = segments.get(index, elsewhere)
+                raise ReplayInputError(f"rank {rank}'s {what} is in {first.parent} and in {directory}"
+                                       f" ({name}): one rank's {what} found twice")
+            segments[index] = path
+    return {rank: sorted(segments.items()) for rank, segments in sorted(found.items())}
+
+
+def _compressed_twins(a: str, b: str) -> bool:
+    """A segment and its compressed form (`audit.compress`), side by side while it is made."""
+    return a + ".gz" == b or b + ".gz" == a
+
+
 def ranked_files(dirs: Sequence[Path], pattern: re.Pattern, what: str) -> list[tuple[int, Path]]:
     """(global rank, path) of every file of `dirs` whose name `pattern` matches (group 1: the
     rank), by rank; ReplayInputError when one rank's file is in two of them."""

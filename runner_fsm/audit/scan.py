@@ -40,6 +40,7 @@ class RankScanner:
 
     def __init__(self, info: RankInfo, verdicts: list[Verdict]):
         self.info = info
+        self.file = info.file  # the file (segment) being read: where verdicts point
         self.verdicts = verdicts
         self.records = 0
         self.transitions = TransitionChecker(self._verdict)
@@ -50,45 +51,53 @@ class RankScanner:
         self._dangling: tuple | None = None  # the collective of the last record, if an enqueue
         self._truncated = False
         self._line = 0
-        self._shapes: dict = {}  # group -> (shapes as logged, frozen): each group's repeat
+        self._shapes: dict = {}  # (group, phase) -> (shapes as logged, frozen): each repeats
         # stale-buffer bookkeeping: snapshots are the raw `buffers` dicts of the records
         self.buffers = BufferTracker()
         self.stopped = False  # the scan ended at `stop_step`, not at the end of the file
         self.count_from: int | None = None  # count only records of steps from here on
         self._uncounted: int | None = None  # records read before the first such step
         self.contexts = ContextEvidence()
+        self._resumed = False  # the next step follows a jump in the log (a seek, a rotation gap)
 
     # -- verdicts ------------------------------------------------------------------
 
     def _verdict(self, kind: str, detail: str, *, step=None, line=None, error=None) -> None:
         step = step if step is not None else (self.current.step if self.current else None)
         self.verdicts.append(Verdict(kind, self.info.dp_rank, step, detail, (self.info.global_rank,),
-                                     self.info.file, line or self._line, error))
+                                     self.file, line or self._line, error))
 
     # -- the per-line entry points -------------------------------------------------
 
-    def scan(self, lines, stop_step: int | None = None) -> Iterator[RankStep]:
+    def scan(self, lines, stop_step: int | None = None, *, expand=None, first_line: int = 1) -> Iterator[RankStep]:
         """Every step of `lines` (a binary file), sealed when the next one starts; the last
         one comes from `finish()`, unless a record of `stop_step` or later ends the scan
-        first (`self.stopped`): the steps from there on belong to another range."""
+        first (`self.stopped`): the steps from there on belong to another range. `expand`:
+        the segment's `expand.Expander` (None: records in full); `first_line`: the line
+        number of the first line read."""
         # The hot path of the whole checker, about ten lines per step and rank: the loop and
         # the header checks are inlined here; each event goes to one handler, rare cases to helpers.
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
         handlers = {"collective": self._collective, "transition": self._transition,
                     "buffers": self._buffers, "graph": self._graph, "fault": self._fault}
-        for line_no, raw in enumerate(lines, 1):
+        for line_no, raw in enumerate(lines, first_line):
             self._line = line_no
             try:
                 record = loads(raw)
+                if expand is not None:
+                    record = expand(record)
                 seq, event, step = record["seq"], record["event"], record["step_id"]
             except decode_error as err:
                 if is_blank(raw) and rest_is_blank(lines):
                     return  # the unwritten tail of a log that was not closed (audit.mapped)
+                if expand is not None:
+                    expand.seq += 1  # the damaged line most likely held one record
                 self._unparsable(raw, err)
                 continue
-            except (KeyError, TypeError) as err:
+            except (KeyError, TypeError, ValueError) as err:
                 self._malformed(f"record lacks header field {err}" if isinstance(err, KeyError)
-                                else "line is not a JSON object")
+                                else "line is not a JSON object" if isinstance(err, TypeError)
+                                else f"malformed compact record ({err})")
                 continue
             self.records += 1
             if seq == self._next_seq:
@@ -120,14 +129,28 @@ class RankScanner:
         return 0 if uncounted is None else self.records - uncounted
 
     def resume_mid_file(self) -> None:
-        """The next line is read after a jump ahead in the file: trust its seq, state and
-        counters instead of checking them against records that were skipped. The captures
-        (read from the head of the file) are kept."""
+        """The next line is read after a jump ahead in the log (a seek, a rotation gap): trust
+        its seq, state and counters instead of checking them against records that were
+        skipped. The captures (read from the head of the log) are kept."""
         self._next_seq = None
         self.transitions.state = None
         self._last_pg.clear()
         self.buffers.forget_steps()
         self.current = self._dangling = None
+        self._resumed = True
+
+    def continue_with(self, job: dict | None, *, resumed: bool) -> None:
+        """The next segment's `job` record, read past: one record of the log (its seq counts);
+        the step after it is `resumed` when segments were rotated away in between."""
+        self.records += 1
+        seq = job.get("seq") if job is not None else None
+        if self._next_seq is None or not isinstance(seq, int):
+            self._next_seq = seq + 1 if isinstance(seq, int) else None
+        elif seq == self._next_seq:
+            self._next_seq = seq + 1
+        else:
+            self._seq_gap(seq)
+        self._resumed = self._resumed or resumed
 
     def finish(self) -> RankStep | None:
         """The last step's summary, marked as the end of this rank's log."""
@@ -187,14 +210,16 @@ class RankScanner:
             self._uncounted = self.records - 1  # this record is the first one counted
         current = self.current
         if current is None:
-            self.current = StepBuilder(step if isinstance(step, int) else -1, self._line)
+            self.current = StepBuilder(step if isinstance(step, int) else -1, self._line, self._resumed)
+            self._resumed = False
             return None
         if step == current.step or step is None:
             return None
         if not isinstance(step, int) or step < current.step:
             self._verdict("gap", f"step_id goes back from {current.step} to {step!r}: records out of order")
             return None
-        self.current = StepBuilder(step, self._line)
+        self.current = StepBuilder(step, self._line, self._resumed)
+        self._resumed = False
         self.buffers.new_step()
         return current.seal(self.info.global_rank, self._signatures)
 
@@ -235,13 +260,13 @@ class RankScanner:
         if pg_seq is not None:
             self._last_pg[group] = pg_seq
         shapes = None
+        op, phase = record["op"], record["phase"]
         if group in SHAPE_MATCHED_GROUPS:
             shapes = record["shapes"]
-            cached = self._shapes.get(group)
-            if cached is None or cached[0] != shapes:  # shapes repeat: freeze a new value once
-                cached = self._shapes[group] = (shapes, _freeze(shapes))
+            cached = self._shapes.get((group, phase))
+            if cached is None or cached[0] != shapes:  # shapes repeat per phase: freeze a new value once
+                cached = self._shapes[(group, phase)] = (shapes, _freeze(shapes))
             shapes = cached[1]
-        op, phase = record["op"], record["phase"]
         step = self.current
         keys = step.keys.get(group)
         if keys is None:

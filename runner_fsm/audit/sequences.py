@@ -243,7 +243,8 @@ def _add_waiter(hangs, step, rank, summary: RankStep, present, groups: Groups, m
 def _place_peer(hang: _Hang, rank, summary: RankStep, peer, peer_summary: RankStep | None, step,
                 merger: StepMerger) -> None:
     if peer_summary is None:
-        hang.blamed[peer] = merger.whereabouts(peer, step)
+        if not merger.blind(peer, step):  # a log that no longer holds the step says nothing of it
+            hang.blamed[peer] = merger.whereabouts(peer, step)
         return
     same = _positions(peer_summary, hang.group, hang.op, hang.phase)
     own_fault = _own_fault(peer_summary)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-import json
+from pathlib import Path
 import os
 
 from runner_fsm import flight_recorder
-from runner_fsm.audit.mapped import is_blank
+from runner_fsm.audit.ranks import RANK_FILE
+from runner_fsm.audit.rundirs import ranked_segments
+from runner_fsm.audit.seek import last_step_of
+from runner_fsm.audit.segments import flight_entries
 from runner_fsm.engine.config import EngineConfig
 import torch.distributed as dist
 
@@ -75,7 +78,8 @@ def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float =
     elif in_process:
         ranks = [run_rank(None, cfg, requests)]
     else:
-        with flight_recorder.enabled_for_children():  # on by default; see flight_recorder
+        # on by default (see flight_recorder), its dump within the log cap
+        with flight_recorder.enabled_for_children(flight_entries(cfg.max_log_bytes)):
             ranks = [_as_result(r, cfg) for r in spawn(
                 run_rank, cfg.layout, cfg, requests, timeout_s=timeout_s,
                 pg_timeout_s=cfg.collective_timeout_s + 30, collect_failures=True, host=cfg.listen_address,
@@ -89,7 +93,7 @@ def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float =
 
 def _run_under_torchrun(cfg: EngineConfig, requests: list[Request]) -> list[RankResult]:
     """This process is one rank of a `torchrun` job: serve, then share every rank's report."""
-    flight_recorder.enable()  # before the first process group: torch reads it then
+    flight_recorder.enable(flight_entries(cfg.max_log_bytes))  # before the first process group: torch reads it
     groups = init_process_groups_from_env(cfg.layout, timeout_s=cfg.collective_timeout_s + 30)
     try:
         mine = run_rank(groups, cfg, requests)
@@ -112,18 +116,12 @@ def _as_result(result, cfg: EngineConfig) -> RankResult:
 
 
 def _last_logged_step(run_dir: str, rank: int) -> int | None:
-    """The step of the last complete record a dead rank left (None without one)."""
-    path = os.path.join(run_dir, f"rank-{rank}.jsonl")
+    """The step of the last complete record a dead rank left (None without one): in its log's
+    last segment (`audit.segments`), past a blank tail or a line cut by the death."""
+    segments = ranked_segments([Path(run_dir)], RANK_FILE, "audit log").get(rank)
+    if not segments:
+        return None
     try:
-        with open(path, "rb") as f:
-            lines = f.read().splitlines()
+        return last_step_of(segments[-1][1])
     except OSError:
         return None
-    for line in reversed(lines):
-        if is_blank(line):
-            continue  # the blank tail of a log its process never closed (audit/mapped.py)
-        try:
-            return json.loads(line).get("step_id")
-        except ValueError:
-            continue  # a line cut by the death
-    return None

@@ -7,6 +7,7 @@ import sys
 import time
 from pathlib import Path
 
+from runner_fsm.audit.segments import DEFAULT_MAX_LOG_BYTES, parse_bytes
 from runner_fsm.config import GraphMode, ParallelLayout
 from runner_fsm.engine.api import EngineResult, run_engine
 from runner_fsm.engine.config import DTYPES, EngineConfig
@@ -37,6 +38,10 @@ def add_run(sub) -> None:
     p.add_argument("--out", required=True, help="run directory: outputs.jsonl and the audit logs")
     p.add_argument("--inject", action="append", default=[], metavar="KIND@replica=R,step=S")
     p.add_argument("--collective-timeout", type=float, default=60.0, help="watchdog, seconds")
+    p.add_argument("--max-log-bytes", type=_log_bytes, default=DEFAULT_MAX_LOG_BYTES, metavar="BYTES",
+                   help="cap on what each rank writes (audit log segments, Flight Recorder dump), e.g. 512M;"
+                        " the oldest segments go first (default 2G; 0: one file, no cap)")
+    p.add_argument("--compress-logs", action="store_true", help="gzip the closed log segments (a capped log)")
     p.add_argument("--listen-address", default="127.0.0.1",
                    help="address rank 0's rendezvous store listens on (default 127.0.0.1: nothing a"
                         " run opens listens beyond loopback); gloo uses the interface in"
@@ -53,6 +58,7 @@ def _cmd_run(args) -> int:
         graph_mode=GraphMode(args.graph_mode), chunking=args.chunking, token_budget=args.budget,
         num_kv_blocks=args.kv_blocks, max_model_len=args.max_model_len, collective_timeout_s=args.collective_timeout,
         injections=tuple(args.inject), progress_every=1, listen_address=args.listen_address,
+        max_log_bytes=args.max_log_bytes, compress_logs=args.compress_logs,
     ).validate()
     vocab = check_model_dir(model).vocab_size  # a bad model directory is a one-line error
     if args.trace:
@@ -74,6 +80,15 @@ def _cmd_run(args) -> int:
 
 
 NOT_FIRED_EXIT = 3  # the run went well, but an --inject never applied: it tested nothing
+
+
+def _log_bytes(text: str) -> int | None:
+    import argparse
+
+    try:
+        return parse_bytes(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
 
 
 def _models(args, out: Path) -> tuple[str, str | None]:

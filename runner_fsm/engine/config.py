@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from runner_fsm.audit.segments import DEFAULT_MAX_LOG_BYTES
 from runner_fsm.config import GraphMode, ParallelLayout, RunnerConfig
 from runner_fsm.engine.scheduler import SchedulerConfig
 from runner_fsm.errors import ConfigError
@@ -41,6 +42,8 @@ class EngineConfig:
     run_id: str = "run"
     injections: tuple[str, ...] = ()
     progress_every: int = 0  # print a progress line every N steps from rank 0 (0: never)
+    max_log_bytes: int | None = DEFAULT_MAX_LOG_BYTES  # per rank, every file it writes (None: no cap)
+    compress_logs: bool = False  # closed log segments gzip-compressed
     # "module:function" building (model, drafter) from (config, groups) in each rank, instead
     # of loading model_dir: how tests and benchmarks run the engine with fakes.
     model_factory: str | None = None

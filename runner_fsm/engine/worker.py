@@ -32,6 +32,7 @@ from runner_fsm.errors import ConfigError
 from runner_fsm.events import Capture, DummyStep, Event, Fault, RealStep, Shutdown
 from runner_fsm.faults import Injection, Injector, why_not_fired
 from runner_fsm.heartbeat import Heartbeat
+from runner_fsm.pcp.buffers import BUFFER_NAMES
 from runner_fsm.replica import Replica
 from runner_fsm.runner import Outcome, ReplicaRunner
 
@@ -96,7 +97,9 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
     rc = cfg.runner_config()
     layout = cfg.layout
     audit = AuditLog(cfg.run_dir, cfg.run_id, global_rank, dp_rank, pcp_rank,
-                     shape=job_shape_fields(layout.dp_size, layout.pcp_size, dp_rank, pcp_rank))
+                     shape=job_shape_fields(layout.dp_size, layout.pcp_size, dp_rank, pcp_rank,
+                                            buffer_names=list(BUFFER_NAMES)),  # its buffers records, in order
+                     max_log_bytes=cfg.max_log_bytes, compress_segments=cfg.compress_logs)
     model, drafter = _model_and_drafter(cfg, groups)
     replica = Replica(
         rc, dp_rank=dp_rank, pcp_rank=pcp_rank, model=model, drafter=drafter,

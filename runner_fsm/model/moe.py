@@ -78,8 +78,9 @@ class Traffic:
         self.sent_bytes = self.gathered_bytes = per_layer * layers
 
     def as_record(self) -> dict:
-        return {"exchange": self.exchange, "exchange_bytes": self.sent_bytes,
-                "allgather_bytes": self.gathered_bytes, "moe_layers": self.layers}
+        """The forward's `done` record's field: [exchange, bytes sent, bytes an all-gather would
+        have sent, MoE layers] (one list: it is written every forward)."""
+        return {"exchange": [self.exchange, self.sent_bytes, self.gathered_bytes, self.layers]}
 
 
 def moe_layer(x: torch.Tensor, router: torch.Tensor, experts: dict[int, ExpertWeights], top_k: int,

@@ -10,6 +10,7 @@ from runner_fsm.batch import ScheduledBatch
 from runner_fsm.collectives import CollectiveRunner
 from runner_fsm.config import RunnerConfig
 from runner_fsm.dp import SingleReplicaAgreement
+from runner_fsm.pcp.buffers import BUFFER_NAMES
 from runner_fsm.replica import Replica
 from runner_fsm.runner import ReplicaRunner
 from runner_fsm.testing.fakes import FakeDrafter, FakeModel
@@ -20,7 +21,7 @@ def make_runner(config: RunnerConfig, agreement, *, run_dir=None, run_id: str = 
                 on_close=None, injector=None) -> ReplicaRunner:
     layout = config.layout
     global_rank = layout.global_rank(dp_rank, pcp_rank)
-    shape = job_shape_fields(layout.dp_size, layout.pcp_size, dp_rank, pcp_rank)
+    shape = job_shape_fields(layout.dp_size, layout.pcp_size, dp_rank, pcp_rank, buffer_names=list(BUFFER_NAMES))
     audit = AuditLog(run_dir, run_id, global_rank, dp_rank, pcp_rank, shape=shape) if run_dir is not None else None
     if drafter is None and config.num_speculative_tokens > 0:
         drafter = FakeDrafter(config.num_speculative_tokens)

@@ -17,7 +17,9 @@ from pathlib import Path
 
 import orjson
 
-from runner_fsm.audit.log import SCHEMA_VERSION, log_path
+from runner_fsm.audit.compact import FORMAT, FORMAT_FIELD, CompactRenderer
+from runner_fsm.audit.log import SCHEMA_VERSION, AuditLog, log_path
+from runner_fsm.audit.render import RecordRenderer
 from runner_fsm.audit.shape import Coords, coords_of, job_shape_fields
 from runner_fsm.dp import wire_shape
 from runner_fsm.pcp.buffers import BUFFER_NAMES
@@ -48,6 +50,10 @@ class SynthSpec:
     job_shape: bool = True  # each log begins with the job's shape, as the runner's do
     job_names_k: bool = False  # ... and names K (`num_speculative_tokens`), as the vLLM worker's does
     hosts: tuple[str, ...] = ()  # each global rank's host (a job on several machines); () : all "synth"
+    compact: bool = False  # records as the runner writes them now (`audit.compact`); False: in full
+    max_log_bytes: int | None = None  # written through AuditLog under this cap (`audit.segments`)
+    pinned_steps: int = 1000
+    compress_segments: bool = False  # under the cap, closed segments gzip-compressed (`audit.compress`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -285,13 +291,14 @@ class _RankWriter:
 
 
 def write_run(run_dir: str | os.PathLike[str], spec: SynthSpec = SynthSpec(),
-              defects: Sequence[Defect] = ()) -> Path:
-    """Write `rank-<g>.jsonl` for every rank of `spec` into `run_dir` (created); return it."""
+              defects: Sequence[Defect] = (), *, ranks: Sequence[int] | None = None) -> Path:
+    """Write `rank-<g>.jsonl` for every rank of `spec` (or of `ranks`) into `run_dir`
+    (created); return it."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     schedule = _Schedule(spec, defects)
     per_replica = spec.pcp_size * spec.tp_size
-    for rank in range(spec.dp_size * per_replica):
+    for rank in (range(spec.dp_size * per_replica) if ranks is None else ranks):
         path = _write_rank(run_dir, spec, schedule, rank, defects)
         if any(d.kind == "truncated" and rank == d.replica * per_replica for d in defects):
             truncate_last_line(path)
@@ -305,31 +312,78 @@ def truncate_last_line(path: str | os.PathLike[str], keep: float = 0.5) -> None:
     os.truncate(path, start + int((len(data) - start) * keep))
 
 
+def _steps(spec: SynthSpec, writer: _RankWriter):
+    """The records of the rank, a step at a time: [(event, step_id, fields), ...]."""
+    writer.start()
+    alive, step = True, 0
+    while True:
+        yield writer.records
+        writer.records = []
+        if not alive or step > spec.steps:
+            return
+        if step == spec.steps:
+            writer.finish(spec.steps - 1)
+        else:
+            alive = writer.step(step)
+        step += 1
+
+
 def _write_rank(run_dir: Path, spec: SynthSpec, schedule: _Schedule, rank: int, defects) -> Path:
     writer = _RankWriter(spec, schedule, rank, defects)
+    if spec.max_log_bytes:
+        return _write_capped(run_dir, spec, writer)
     header = {"schema": SCHEMA_VERSION, "run_id": spec.run_id, "dp_rank": writer.dp_rank, "pcp_rank": writer.pcp_rank}
+    plain = RecordRenderer(SCHEMA_VERSION, spec.run_id, writer.dp_rank, writer.pcp_rank)
+    compact = None
     path = log_path(run_dir, rank)
     seq = 0
     with open(path, "wb") as out:
-        writer.start()
-        alive, step = True, 0
-        while True:
+        for records in _steps(spec, writer):
             lines, dropped = [], False
-            for event, step_id, fields in writer.records:
+            for event, step_id, fields in records:
                 if event == "buffers" and not dropped and writer.has("gap", step_id):
                     dropped, seq = True, seq + 1  # the lost record leaves its seq unused
                     continue
-                record = {**header, "seq": seq, "t_ns": 1_000_000 + seq * 1000, "event": event,
-                          "step_id": step_id, **fields}
-                lines.append(orjson.dumps(record))
+                t_ns = 1_000_000 + seq * 1000
+                if spec.compact and event == "job":
+                    lines.append(plain.line(seq, t_ns, event, step_id, {**fields, FORMAT_FIELD: FORMAT}))
+                    compact = CompactRenderer(t_ns)
+                elif compact is not None:
+                    lines.append(compact.lines(seq, [(t_ns, event, step_id, dict(fields))], t_ns))
+                else:
+                    record = {**header, "seq": seq, "t_ns": t_ns, "event": event, "step_id": step_id, **fields}
+                    lines.append(orjson.dumps(record))
                 seq += 1
             if lines:
                 out.write(b"\n".join(lines) + b"\n")
-            writer.records.clear()
-            if not alive or step > spec.steps:
-                return path
-            if step == spec.steps:
-                writer.finish(spec.steps - 1)
-            else:
-                alive = writer.step(step)
-            step += 1
+    return path
+
+
+def _write_capped(run_dir: Path, spec: SynthSpec, writer: _RankWriter) -> Path:
+    """The rank's records through `AuditLog` itself, under `spec.max_log_bytes` (segments)."""
+    log = None
+    for records in _steps(spec, writer):
+        for event, step_id, fields in records:
+            if event == "job":
+                log = AuditLog(run_dir, spec.run_id, writer.global_rank, writer.dp_rank, writer.pcp_rank,
+                               shape=fields, max_log_bytes=spec.max_log_bytes, pinned_steps=spec.pinned_steps,
+                               compress_segments=spec.compress_segments)
+                continue
+            fields = dict(fields)
+            if event == "transition":
+                log.transition(step_id, fields["trigger"], fields["src"], fields["dst"], fields["outcome"])
+            elif event == "collective":
+                log.collective(step_id, fields.pop("group"), fields.pop("op"), fields.pop("phase"),
+                               fields.pop("shapes"), fields.pop("pg_seq"), fields.pop("stage"), **fields)
+            elif event == "buffers":
+                log.buffers(step_id, fields["reason"], fields["buffers"])
+            elif event == "graph":
+                log.graph(step_id, fields.pop("action"), **fields)
+            elif event == "fault":
+                log.fault(step_id, fields["error"], fields["message"])
+    if log is None:
+        raise ValueError("a capped synthetic log needs the job's shape (job_shape=True)")
+    log.close()
+    if log.segments.compressor is not None:
+        log.segments.compressor.drain()  # every closed segment compressed: the run is whole
+    return log.path

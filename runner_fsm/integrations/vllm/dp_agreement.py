@@ -148,13 +148,22 @@ class AgreementTap:
         tensor[:, self.dp_rank] = torch.tensor((orig_num_tokens_per_ubatch, padded_num_tokens_per_ubatch,
                                                 int(bool(should_ubatch)), cudagraph_mode), dtype=torch.int32)
         # vLLM's padded count is what the replica runs (its dispatch count); row 3 its graph mode.
-        return self.exchange(tensor, group, device=device, num_tokens_row=1, graph_row=3,
-                             decision=lambda rows: _vllm_decision(rows, parallel_config))
+        # A column of an unpadded eager step says nothing its count does not: not logged.
+        plain = orig_num_tokens_per_ubatch == padded_num_tokens_per_ubatch and not should_ubatch \
+            and not cudagraph_mode
+        return self.exchange(tensor, group, device=device, num_tokens_row=1, graph_row=3, log_column=not plain)
 
     def exchange(self, tensor: torch.Tensor, group, *, device="cpu", num_tokens_row: int, graph_row: int,
-                 decision: Callable[[list[list[int]]], dict] | None = None) -> torch.Tensor:
+                 log_column: bool = True) -> torch.Tensor:
         """All-reduce vLLM's `tensor` (this rank's column filled) with the agreement rows below
-        it, check them, and return vLLM's rows summed (a new tensor on `device`)."""
+        it, check them, and return vLLM's rows summed (a new tensor on `device`).
+
+        Logged (`enqueue`): the count sent (`sent.num_tokens`), vLLM's own column (`sent.vllm`,
+        where `log_column`), the agreement rows (`sent.rows`) only where they are not the
+        record's own step, phase, pg_seq, kind and an ok status (a desync, an abort), and
+        `kind: dummy` for an idle replica's step; (`done`) the agreed state. The gathered
+        columns and vLLM's decision from them are no evidence of their own (the agreed state
+        and each rank's column are), so they stay out of the log."""
         self.follow()
         phase = self.phase or (self.phase_source() if self.phase_source is not None else dp.TARGET)
         rows = AgreementRows(self.step_id, phase, self.seq, self.kind, self._status)
@@ -168,19 +177,23 @@ class AgreementTap:
         ours[:, self.dp_rank] = torch.tensor(rows.column(), dtype=tensor.dtype)
         carried = torch.cat([tensor.cpu(), ours]).to(device)
         vllm_column = tensor[:, self.dp_rank].tolist()
-        sent = {"rows": rows.column(), "vllm": vllm_column, "num_tokens": vllm_column[num_tokens_row]}
+        sent = {"num_tokens": vllm_column[num_tokens_row]}
+        if log_column:
+            sent["vllm"] = vllm_column
         logged = rows.step_id if rows.step_id != NO_STEP else None  # the step this replica reported
+        if logged is None or rows.column() != (logged, rows.phase, rows.seq, self.kind, dp.STATUS_OK):
+            sent["rows"] = rows.column()
         more = self._enqueue_extra(rows) if self._enqueue_extra is not None else {}
+        if rows.kind == KIND_DUMMY:
+            more["kind"] = KIND_NAMES[KIND_DUMMY]
         self._record(logged, rows, "enqueue", [[n + len(AGREEMENT_ROWS), self.dp_size]], sent=sent, **more)
         dist.all_reduce(carried, group=group)
         gathered = carried.cpu().tolist()
         vllm_rows = gathered[:n]
         agreed = check_columns(gathered[n:], vllm_rows[num_tokens_row], vllm_rows[graph_row],
                                last_phase=self.last_phase)  # raises alike everywhere
-        extra = {"agreed": dataclasses.asdict(agreed), "columns": [list(c) for c in zip(*gathered)]}
-        if decision is not None:
-            extra["vllm"] = decision(vllm_rows)
-        self._record(logged, rows, "done", [[n + len(AGREEMENT_ROWS), self.dp_size]], **extra)
+        self._record(logged, rows, "done", [[n + len(AGREEMENT_ROWS), self.dp_size]],
+                     agreed=dataclasses.asdict(agreed))
         return carried[:n].clone()
 
     def abort(self, status: int, group, *, device="cpu", vllm_rows: int = len(VLLM_ROWS)) -> bool:
@@ -205,20 +218,7 @@ class AgreementTap:
         if self._beat is not None and step_id is not None:
             self._beat(step_id, rows.phase, f"dp all_reduce #{rows.seq}" if stage == "enqueue" else "")
         if self.audit is not None and step_id is not None:
-            self.audit.collective(step_id, "dp", "all_reduce", rows.phase, shapes, rows.seq, stage,
-                                  kind=KIND_NAMES.get(rows.kind, rows.kind), **extra)
-
-
-def _vllm_decision(vllm_rows: list[list[int]], parallel_config) -> dict[str, Any]:
-    """What vLLM decides from its rows, computed with vLLM's own post-processing functions."""
-    from vllm.v1.worker import dp_utils
-
-    tensor = torch.tensor(vllm_rows, dtype=torch.int32)
-    mode = dp_utils._post_process_cudagraph_mode(tensor)
-    ubatch = dp_utils._post_process_ubatch(tensor, parallel_config.num_ubatches)
-    padded = dp_utils._post_process_dp_padding(tensor, mode != 0 or ubatch)
-    return {"num_tokens_unpadded": vllm_rows[0], "num_tokens_across_dp": padded.tolist(),
-            "cudagraph_mode": mode, "should_ubatch": ubatch, "dp_padded": mode != 0 or ubatch}
+            self.audit.collective(step_id, "dp", "all_reduce", rows.phase, shapes, rows.seq, stage, **extra)
 
 
 # -- installation -------------------------------------------------------------------------

@@ -28,9 +28,10 @@ from typing import Any
 from runner_fsm import flight_recorder
 
 
-def start() -> bool:
-    """Before vLLM creates its process groups: the recorder on, unless turned off."""
-    return flight_recorder.enable()
+def start(entries: int = flight_recorder.DEFAULT_BUFFER_SIZE) -> bool:
+    """Before vLLM creates its process groups: the recorder on with a ring of `entries`, unless
+    turned off (a log cap keeps the dump within its share: `audit.segments.flight_entries`)."""
+    return flight_recorder.enable(entries)
 
 
 def groups(parallel_config: Any) -> dict[str, Any]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.log import AuditBatch
-from runner_fsm.audit.render import dumps_record
+from runner_fsm.audit.compact import transition_body
 from runner_fsm.integrations.vllm.errors import StepRefused
 from runner_fsm.machine import TransitionCore
 from runner_fsm.states import State, Trigger
@@ -24,7 +24,7 @@ from runner_fsm.states import State, Trigger
 
 def _body(trigger: Trigger, src: State, dst: State, outcome: str) -> bytes:
     """A `transition` record's fields, rendered (what `AuditLog.transition` renders)."""
-    return dumps_record({"trigger": trigger.value, "src": src.value, "dst": dst.value, "outcome": outcome})
+    return transition_body(trigger.value, src.value, dst.value, outcome)
 
 
 class StepMachine:

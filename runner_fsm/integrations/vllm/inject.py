@@ -51,8 +51,9 @@ class VLLMInjector:
     """Answers, at each decision point, whether `kind` is due on this replica now; remembers
     whether it fired and what the replica ran at the injection's step, to say why it did not."""
 
-    def __init__(self, injection: Injection | None, dp_rank: int):
-        self.injection, self.dp_rank = injection, dp_rank
+    def __init__(self, injection: Injection | None, dp_rank: int, on_fire=None):
+        """`on_fire(step)`: called when the fault fires (the audit log keeps that step's segment)."""
+        self.injection, self.dp_rank, self.on_fire = injection, dp_rank, on_fire
         self.fired = False
         self.seen: str | None = None  # the kind of step (prefill, decode, idle) run at the injection's step
 
@@ -62,6 +63,8 @@ class VLLMInjector:
             raise ValueError(f"unknown fault kind {kind!r}")
         i = self.injection
         hit = i is not None and i.kind == kind and i.replica == self.dp_rank and i.step == step_id
+        if hit and self.on_fire is not None:
+            self.on_fire(step_id)
         self.fired = self.fired or hit
         return hit
 

@@ -1,4 +1,5 @@
-"""What vLLM decided per step, one compact JSON line per step: `<run_dir>/vllm-steps-<rank>.jsonl`.
+"""What vLLM decided per step, one compact JSON line per step: `<run_dir>/vllm-steps-<rank>.jsonl`
+(and, under a log cap, `vllm-steps-<rank>.<k>.jsonl`: segment k of the audit log's, deleted with it).
 
 The audit log (`rank-<global_rank>.jsonl`, DESIGN section 7) keeps the schema that replay
 judges; its record types have no field for vLLM's own decisions, so those go here, keyed by
@@ -14,17 +15,21 @@ entries renders with the encoder warm after its first one.
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 from typing import Any
 
 import orjson
 
+from runner_fsm.audit.segments import segment_name
+
 OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 BATCH = 32  # entries rendered together; a process killed loses at most these (and the buffer)
 
 
-def journal_path(run_dir: str, global_rank: int) -> Path:
-    return Path(run_dir) / f"vllm-steps-{int(global_rank)}.jsonl"
+def journal_path(run_dir: str, global_rank: int, segment: int = 0) -> Path:
+    return Path(run_dir) / segment_name("vllm-steps", global_rank, segment)
 
 
 def _default(obj: Any) -> Any:
@@ -51,9 +56,22 @@ def _line(entry: dict) -> bytes:
 class Journal:
     def __init__(self, run_dir: str, global_rank: int):
         Path(run_dir).mkdir(parents=True, exist_ok=True)
+        self.run_dir, self.global_rank = run_dir, int(global_rank)
         self.path = journal_path(run_dir, global_rank)
         self._file = open(self.path, "xb")
         self._pending: list[dict] = []  # entries not rendered yet (the caller no longer changes them)
+
+    # -- a companion of the audit log's segments (`audit.segments.Companion`)
+
+    def segment_path(self, index: int) -> Path:
+        return journal_path(self.run_dir, self.global_rank, index)
+
+    def rotate(self, index: int) -> None:
+        """The audit log switched to segment `index`: entries go to its journal from now on."""
+        if not self._file.closed:
+            self.close()
+            self.path = self.segment_path(index)
+            self._file = open(self.path, "xb")
 
     def write(self, entry: dict) -> None:
         pending = self._pending
@@ -80,4 +98,7 @@ class Journal:
 
 
 def read_journal(run_dir: str, global_rank: int = 0) -> list[dict]:
-    return [orjson.loads(line) for line in journal_path(run_dir, global_rank).read_bytes().splitlines()]
+    """Every entry the rank's journal still holds, its segments in order."""
+    pattern = re.compile(rf"^vllm-steps-{int(global_rank)}(?:\.(\d+))?\.jsonl$")
+    found = sorted((int(m[1] or 0), name) for name in os.listdir(run_dir) if (m := pattern.match(name)))
+    return [orjson.loads(line) for _, name in found for line in (Path(run_dir) / name).read_bytes().splitlines()]

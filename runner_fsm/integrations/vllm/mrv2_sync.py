@@ -32,17 +32,12 @@ class _CarryingDist:
         if tensor.dim() != 2 or tensor.shape[0] != len(MRV2_ROWS) or op != torch.distributed.ReduceOp.SUM \
                 or async_op:
             return torch.distributed.all_reduce(tensor, op=op, group=group, async_op=async_op)
-        summed = self._tap.exchange(tensor, group, device=tensor.device, num_tokens_row=0, graph_row=1,
-                                    decision=_mrv2_rows)
+        summed = self._tap.exchange(tensor, group, device=tensor.device, num_tokens_row=0, graph_row=1)
         tensor.copy_(summed)
         return None
 
     def __getattr__(self, name):
         return getattr(torch.distributed, name)
-
-
-def _mrv2_rows(rows: list[list[int]]) -> dict:
-    return dict(zip(MRV2_ROWS, rows))
 
 
 def install(tap: AgreementTap) -> Callable[[], None]:

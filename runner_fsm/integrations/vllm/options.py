@@ -11,6 +11,9 @@ else from `RUNNER_FSM_*` environment variables, else the defaults:
 | inject                | RUNNER_FSM_INJECT                | none (fault injection, `KIND@replica=R,step=S`) |
 | audit                 | RUNNER_FSM_AUDIT                 | full (`transitions`: no buffers records) |
 | fast_pcp_layout       | RUNNER_FSM_FAST_PCP_LAYOUT       | false (true: MRV2's PCP layout vectorised, `pcp_layout`) |
+| max_log_bytes         | RUNNER_FSM_MAX_LOG_BYTES         | 2G per rank (audit log, step journal, Flight Recorder dump; 0: no cap; `audit.segments`) |
+| pinned_steps          | RUNNER_FSM_PINNED_STEPS          | 1000 (steps kept before a fault, an injected fault, and the current step) |
+| compress_logs         | RUNNER_FSM_COMPRESS_LOGS         | false (true: closed segments gzip-compressed, `audit.compress`) |
 
 Everything else (graphs, capture sizes, speculation, limits) is vLLM's own configuration.
 Duck-typed on vLLM's config objects (no vLLM import).
@@ -22,6 +25,7 @@ import dataclasses
 import os
 from typing import Any, Mapping
 
+from runner_fsm.audit.segments import DEFAULT_MAX_LOG_BYTES, DEFAULT_PINNED_STEPS, parse_bytes
 from runner_fsm.errors import ConfigError
 
 CONFIG_KEY = "runner_fsm"
@@ -39,6 +43,9 @@ class WorkerOptions:
     inject: str | None = None
     audit: str = "full"
     fast_pcp_layout: bool = False
+    max_log_bytes: int | None = DEFAULT_MAX_LOG_BYTES  # None: one file, no cap
+    pinned_steps: int = DEFAULT_PINNED_STEPS
+    compress_logs: bool = False
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, environ: Mapping[str, str] = os.environ) -> "WorkerOptions":
@@ -66,7 +73,9 @@ class WorkerOptions:
         inject = pick("inject")
         return cls(run_dir=_opt_str(pick("run_dir")), run_id=_opt_str(pick("run_id")),
                    collective_timeout_s=timeout_s, inject=_opt_str(inject), audit=audit,
-                   fast_pcp_layout=_flag("fast_pcp_layout", pick("fast_pcp_layout")))
+                   fast_pcp_layout=_flag("fast_pcp_layout", pick("fast_pcp_layout")),
+                   max_log_bytes=_log_cap(pick("max_log_bytes")), pinned_steps=_count("pinned_steps", pick("pinned_steps")),
+                   compress_logs=_flag("compress_logs", pick("compress_logs")))
 
 
 def _flag(name: str, value: Any) -> bool:
@@ -78,6 +87,27 @@ def _flag(name: str, value: Any) -> bool:
     if text in ("0", "false", "no", "off", ""):
         return False
     raise ConfigError(f"{name} must be true or false, got {value!r}")
+
+
+def _log_cap(value: Any) -> int | None:
+    if value is None:
+        return DEFAULT_MAX_LOG_BYTES
+    try:
+        return parse_bytes(value)
+    except ValueError as err:
+        raise ConfigError(f"max_log_bytes: {err}") from None
+
+
+def _count(name: str, value: Any) -> int:
+    if value is None:
+        return DEFAULT_PINNED_STEPS
+    try:
+        count = int(value)
+    except (TypeError, ValueError):
+        count = -1
+    if count < 0:
+        raise ConfigError(f"{name} must be a number of steps >= 0, got {value!r}")
+    return count
 
 
 def _opt_str(value: Any) -> str | None:

@@ -31,6 +31,7 @@ import sys
 from typing import Any
 
 from runner_fsm.audit import AuditLog
+from runner_fsm.audit.segments import flight_entries
 from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.integrations.vllm import cpu_collectives, cpu_rope, schema
 from runner_fsm.integrations.vllm.dp_support import DPSupport
@@ -73,7 +74,8 @@ class FSMWorkerMixin:
     # -- start-up, in vLLM's order ------------------------------------------------------
 
     def init_device(self) -> None:
-        start_flight_recorder()  # before vLLM's init_distributed_environment (see flight.py)
+        # before vLLM's init_distributed_environment (see flight.py); its dump within the log cap
+        start_flight_recorder(flight_entries(self.fsm_options.max_log_bytes))
         super().init_device()
         # The platform worker built its model runner here (V1 or MRV2, vLLM's choice): its adapter
         # names every attribute of it that the worker, the probe and the DP support read.
@@ -82,11 +84,13 @@ class FSMWorkerMixin:
         run = agree_run(opts.run_dir, opts.run_id)  # over the whole job, every node
         run_dir = run.run_dir
         audit = AuditLog(run_dir, run.run_id, self.global_rank, self.dp_rank, self.pcp_rank,
-                         shape=self._job_shape(run.hosts))
+                         shape=self._job_shape(run.hosts), max_log_bytes=opts.max_log_bytes,
+                         pinned_steps=opts.pinned_steps, compress_segments=opts.compress_logs)
         self.run_dir = run_dir
         self.flight = WorkerFlight(run_dir, self.global_rank, self.parallel_config)
-        self.recorder = ReplicaRecorder(audit, Journal(run_dir, self.global_rank),
-                                        fingerprints=opts.audit == "full")
+        journal = Journal(run_dir, self.global_rank)
+        audit.add_companion(journal)  # its segments go with the log's, under one cap
+        self.recorder = ReplicaRecorder(audit, journal, fingerprints=opts.audit == "full")
         self.install_extensions()
 
     def _job_shape(self, hosts: dict[str, list[int]]) -> dict:

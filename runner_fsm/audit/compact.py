@@ -1,0 +1,232 @@
+"""The compact encoding of audit records on disk (schema 2, `record_format: compact`).
+
+A log written with the job's shape (every log the runner and the vLLM worker write) begins
+each segment with its `job` record, in full: the run id, the rank's coordinates, the schema,
+the time base. Every other record says only what is its own, in short keys:
+
+    {"s":12,"q":340,"t":5120,"tr":["decode","ready","decode"]}    the first record of step 12
+    {"t":210,"c":["dp","all_reduce",1,12,[[9,2]]],"sent":{...}}    the next ones
+    {"t":395,"d":"dp","ag":[[2,1],0,0,0,0]}
+
+- `s`, `q`: step id and seq, on the first record of each step (any change of step id, null
+  included); the records after it are seq q+1, q+2, ... (a lost line shows at the next step's
+  `q`). `t`: microseconds, on a step's first record since the previous step's first record (the
+  segment's first step: since its `job` record, whose `t_ns` is absolute), on the others since
+  their step's first record. Times are read from a segment's start (`read_records`, the trace
+  export); a replay that seeks into a segment does not need them.
+- the event, one key: `tr` a transition: its trigger alone when it went as the table says
+  (outcome `ok`, from the previous transition's `dst` in this segment to the table's `dst`),
+  else `[trigger, src, dst]` (outcome `ok`) or `[trigger, src, dst, outcome]`; `c` a collective's enqueue `[group, op, phase, pg_seq, shapes]`; `d` its
+  done: the group's name when it closes that group's last open enqueue (op, phase, pg_seq and
+  shapes are the enqueue's), else `[group, op, phase, pg_seq, shapes]`; `b` a buffers record's
+  reason, with `buf`: {name: [ptr, shape, version(, digest(, rows))]} (digest null where only
+  rows follow; a list of the entries alone where the names are, in order, the `buffer_names`
+  the segment's `job` record declares), or with several buffers `p0` (the lowest ptr: each ptr is written less it) and,
+  where every buffer has one, `v` (the version: left out of each entry), or `"buf":"="` for
+  the very buffers of the step's previous `buffers` record (a graph replay's inputs, logged
+  right after they were written); `g` a graph action;
+  `f` a fault `[error, message]`; `e` any other event, whose fields follow as they are.
+- the record's other fields under their own names, except a DP agreement's `sent` (a
+  `LocalDispatch`) as `sn`: [status, num_tokens, graph_mode, uniform_token_count, num_reqs] and
+  its `agreed` (a `DPSyncState`) as `ag`: [num_tokens_across_dp, graph_mode,
+  uniform_token_count, num_reqs, all_idle as 0/1], each followed by [step_id, phase] only where
+  those differ from the record's own; a forward's context identity `ctx` as `"="` where it is
+  its batch's (`batch`, the same record), and each identity's `step` left out where it is the
+  record's; a DP agreement's dispatch `inputs` as `in`: [decode, prefill, pcp, chunking(,
+  decodes)]; and a step's `output` digest as `out`: [digest, tokens].
+
+`expand.Expander` turns them back into the records of DESIGN section 7, every header field
+filled from the segment's `job` record (what `read_records` and replay read). `CompactRenderer`
+writes them; the bodies a hot loop renders once (`transition_body`, `BuffersTemplate` in `render`) are
+compact already.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from runner_fsm.audit.render import dumps_record
+from runner_fsm.states.table import TRANSITIONS
+
+FORMAT_FIELD, FORMAT = "record_format", "compact"  # in the `job` record of a compact log
+# Keys of a compact record; a record's own fields may not use them.
+KEYS = frozenset({"s", "q", "t", "tr", "c", "d", "b", "buf", "p0", "v", "g", "f", "e", "ag", "sn", "in", "out"})
+NAMES_FIELD = "buffer_names"  # in the `job` record: the buffers a `buffers` record lists, in order
+INPUTS_FIELDS = ("decode", "prefill", "pcp", "chunking", "decodes")  # `checks.dispatch_inputs`
+IDENTITY_FIELDS = ("step", "dummy", "rows", "digest")  # `context_rule`
+SAME = "="  # a value the record (or the step's previous buffers record) holds already
+SENT_FIELDS = ("status", "num_tokens", "graph_mode", "uniform_token_count", "num_reqs")
+AGREED_FIELDS = ("num_tokens_across_dp", "graph_mode", "uniform_token_count", "num_reqs", "all_idle")
+_SENT_KEYS = frozenset(SENT_FIELDS) | {"step_id", "phase"}
+_INPUTS_KEYS = (set(INPUTS_FIELDS[:4]), set(INPUTS_FIELDS))  # replicated decodes, or each decode too
+_IDENTITY_KEYS = frozenset(IDENTITY_FIELDS)
+_OUTPUT_KEYS = {"digest", "tokens"}  # `checks.output_digest`
+_COLLECTIVE_FIELDS = frozenset({"group", "op", "phase", "shapes", "pg_seq", "stage"})
+_AGREED_KEYS = frozenset(AGREED_FIELDS) | {"step_id", "phase"}
+_NEW_STEP = object()  # no record yet in this segment: the next one starts a step
+# Each trigger has one destination in the table; some have one source too.
+DEST = {t.trigger.value: t.dest.value for t in TRANSITIONS}
+ONLY_SOURCE = {t.trigger.value: t.sources[0].value for t in TRANSITIONS if len(t.sources) == 1}
+# transition body -> (src, dst, its short body or None), filled by `transition_body`
+_EDGES: dict[bytes, tuple[str, str, bytes | None]] = {}
+
+
+def is_compact(job: Mapping[str, Any] | None) -> bool:
+    """Whether the log a `job` record begins is compact."""
+    return job is not None and job.get(FORMAT_FIELD) == FORMAT
+
+
+def transition_body(trigger: str, src: str, dst: str, outcome: str) -> bytes:
+    """A transition's body, as `AuditLog.rendered` takes it (in full: the renderer writes the
+    trigger alone where the record chains on and goes where the table says)."""
+    body = dumps_record({"tr": [trigger, src, dst] if outcome == "ok" else [trigger, src, dst, outcome]})
+    if body not in _EDGES and len(_EDGES) < 4096:
+        short = dumps_record({"tr": trigger}) if outcome == "ok" and DEST.get(trigger) == dst else None
+        _EDGES[body] = (src, dst, short)
+    return body
+
+
+# ---------------------------------------------------------------- writing
+
+
+def _dispatch(value: Any, step: Any, phase: Any, fields: tuple[str, ...], keys: frozenset) -> Any:
+    """`sent`/`agreed` as their list (see the module docstring), or None to keep it as it is."""
+    if type(value) is not dict or value.keys() != keys:
+        return None
+    out = [value[name] for name in fields]
+    if fields is AGREED_FIELDS and type(out[4]) is bool:
+        out[4] = int(out[4])
+    if value["step_id"] != step or value["phase"] != phase:
+        out += (value["step_id"], value["phase"])
+    return out
+
+
+class CompactRenderer:
+    """The lines of one segment's records after its `job` record, whose `t_ns` is `t0_ns`."""
+
+    def __init__(self, t0_ns: int, buffer_names=None):
+        self.t0 = int(t0_ns)
+        self._names = tuple(buffer_names) if buffer_names else None
+        self.step: Any = _NEW_STEP  # the step of the last record written
+        self._step_t = self.t0
+        self._state: str | None = None  # the last transition's dst in this segment
+        self._buffers: tuple = (None, None)  # (step, buffers) of the last buffers record
+        self._open: dict[Any, tuple] = {}  # group -> (op, phase, pg_seq) of its last open enqueue
+
+    def lines(self, seq: int, records, now: int) -> bytes:
+        """The lines of `records` ((t_ns, event, step_id, fields), ...) numbered from `seq`,
+        joined by newlines; `now` for a t_ns of None. Inline, one call per write: it runs two or
+        three times a vLLM step, each right after vLLM evicted the CPU caches."""
+        out, step, step_t = [], self.step, self._step_t
+        try:
+            for t_ns, event, step_id, fields in records:
+                t = t_ns or now
+                if step_id != self.step or self.step is _NEW_STEP:
+                    head = b'{"s":%b,"q":%d,"t":%d,' % (b"null" if step_id is None else b"%d" % step_id, seq,
+                                                         (t - self._step_t) // 1000)
+                    self.step, self._step_t = step_id, t
+                else:
+                    head = b'{"t":%d,' % ((t - self._step_t) // 1000)
+                if type(fields) is not bytes:
+                    body = self._body(event, step_id, fields)
+                else:
+                    body = fields
+                    if event == "transition":
+                        edge = _EDGES.get(fields)
+                        if edge is not None:
+                            if edge[2] is not None and edge[0] == self._state:
+                                body = edge[2]
+                            self._state = edge[1]
+                out.append(head[:-1] + b"}" if len(body) == 2 else head + body[1:])
+                seq += 1
+        except BaseException:  # none of it is written: the next record starts its step anew
+            self.step, self._step_t = step, step_t
+            raise
+        return out[0] if len(out) == 1 else b"\n".join(out)
+
+    def _body(self, event: str, step_id, fields: dict) -> bytes:
+        if event == "collective":
+            return self._collective(step_id, fields)
+        if event == "transition":
+            body = transition_body(fields["trigger"], fields["src"], fields["dst"], fields["outcome"])
+            edge = _EDGES.get(body)
+            if edge is not None:
+                if edge[2] is not None and edge[0] == self._state:
+                    body = edge[2]
+                self._state = edge[1]
+            return body
+        if event == "buffers":
+            rest = dict(fields)
+            buffers = rest.pop("buffers")
+            same = self._buffers == (step_id, buffers)
+            self._buffers = (step_id, buffers)
+            compacted = _buffers(buffers, self._names) if not same else {"buf": SAME}
+            return dumps_record({"b": rest.pop("reason"), **compacted, **rest})
+        if event == "graph":
+            rest = dict(fields)
+            return dumps_record({"g": rest.pop("action"), **rest})
+        if event == "fault" and fields.keys() == {"error", "message"}:
+            return dumps_record({"f": [fields["error"], fields["message"]]})
+        return dumps_record({"e": event, **fields})
+
+    def _collective(self, step_id, fields: dict) -> bytes:
+        group, op, phase, pg_seq, stage = (fields["group"], fields["op"], fields["phase"], fields["pg_seq"],
+                                           fields["stage"])
+        if stage == "enqueue":
+            self._open[group] = (op, phase, pg_seq)
+            head: dict = {"c": [group, op, phase, pg_seq, fields["shapes"]]}
+        elif self._open.get(group) == (op, phase, pg_seq):  # closes the group's last enqueue
+            del self._open[group]
+            head = {"d": group}
+        else:
+            head = {"d": [group, op, phase, pg_seq, fields["shapes"]]}
+        if len(fields) == 6:  # nothing of its own (most of a vLLM step's): no more to look at
+            return dumps_record(head)
+        fields = {key: value for key, value in fields.items() if key not in _COLLECTIVE_FIELDS}
+        for name, key, field_names, keys in (("sent", "sn", SENT_FIELDS, _SENT_KEYS),
+                                             ("agreed", "ag", AGREED_FIELDS, _AGREED_KEYS)):
+            if name in fields:
+                value = _dispatch(fields[name], step_id, phase, field_names, keys)
+                if value is not None:
+                    del fields[name]
+                    head[key] = value
+        if "inputs" in fields and type(fields["inputs"]) is dict and fields["inputs"].keys() in _INPUTS_KEYS:
+            inputs = fields.pop("inputs")
+            head["in"] = [inputs[name] for name in INPUTS_FIELDS if name in inputs]
+        output = fields.get("output")
+        if type(output) is dict and output.keys() == _OUTPUT_KEYS:
+            head["out"] = [fields.pop("output")["digest"], output["tokens"]]
+        if "ctx" in fields and fields["ctx"] == fields.get("batch"):
+            fields["ctx"] = SAME
+        for name in ("ctx", "batch"):
+            identity = fields.get(name)
+            if type(identity) is dict and identity.get("step") == step_id and identity.keys() == _IDENTITY_KEYS:
+                fields[name] = {key: value for key, value in identity.items() if key != "step"}
+        return dumps_record({**head, **fields})
+
+
+def _buffers(buffers: dict, names: tuple | None) -> dict:
+    """`buf` (and `p0`, `v`) of a buffers record (see the module docstring)."""
+    fps = list(buffers.values())
+    listed = names is not None and tuple(buffers) == names
+    if len(fps) < 2 or not all(type(fp["ptr"]) is int for fp in fps):
+        entries = [_buffer(fp) for fp in fps]
+        return {"buf": entries if listed else dict(zip(buffers, entries))}
+    base = min(fp["ptr"] for fp in fps)
+    version = fps[0]["version"]
+    shared = all(fp["version"] == version for fp in fps)
+    entries = [_buffer(fp, base, shared) for fp in fps]
+    out = {"buf": entries if listed else dict(zip(buffers, entries)), "p0": base}
+    if shared:
+        out["v"] = version
+    return out
+
+
+def _buffer(fp: dict, base: int = 0, shared: bool = False) -> list:
+    out = [fp["ptr"] - base, fp["shape"]] if shared else [fp["ptr"] - base, fp["shape"], fp["version"]]
+    if "digest" in fp or "rows" in fp:
+        out.append(fp.get("digest"))
+    if "rows" in fp:
+        out.append(fp["rows"])
+    return out

@@ -1,0 +1,108 @@
+"""Closed segments compressed, an option of a capped log: `rank-<g>.<k>.jsonl.gz`.
+
+A closed segment is rewritten as gzip members, one per entry of its step index (`stepindex`),
+each member beginning where a step begins, and the index learns where each member starts: a
+reader seeks to a step's member and decompresses from there, never from the segment's start.
+`gzip`, `zcat` and `jq` read the file as one stream. The writer compresses in a thread of its
+own process, off the step's path, and removes the plain segment once the compressed one is
+whole; while both exist, readers take the plain one. Segment 0, which becomes the log's head,
+is never compressed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import os
+import queue
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import BinaryIO
+
+from runner_fsm.audit import stepindex
+
+SUFFIX = ".gz"
+LEVEL = 6
+
+
+def compressed(path: Path) -> Path:
+    return path.with_name(path.name + SUFFIX)
+
+
+def is_compressed(path: Path) -> bool:
+    return path.name.endswith(SUFFIX)
+
+
+def compress(path: Path) -> Path | None:
+    """`path` as `path.gz` (see the module docstring); None when it was deleted meanwhile."""
+    target = compressed(path)
+    temporary = target.with_name(target.name + ".tmp")
+    try:
+        index = stepindex.read(path) or stepindex.write(path)
+        starts = [0] + [offset for _, offset, _ in index.entries if offset > 0]
+        members = []
+        with open(path, "rb") as source, open(temporary, "wb") as out:
+            for start, end in zip(starts, starts[1:] + [index.size]):
+                source.seek(start)
+                members.append((start, out.tell()))
+                out.write(gzip.compress(source.read(end - start), compresslevel=LEVEL, mtime=0))
+            size = out.tell()
+        stepindex.write(path, index, members=members, compressed_size=size)
+        os.replace(temporary, target)
+        os.unlink(path)
+        return target
+    except FileNotFoundError:  # rotated away before it was compressed
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(temporary)
+        return None
+
+
+@contextlib.contextmanager
+def open_lines(path: Path, offset: int = 0) -> Iterator[BinaryIO]:
+    """The segment's bytes as lines, from the byte `offset` of its plain text (in a compressed
+    segment, an offset its step index holds: where a member begins)."""
+    if not is_compressed(path):
+        with open(path, "rb") as handle:
+            if offset:
+                handle.seek(offset)
+            yield handle
+        return
+    member = 0
+    if offset:
+        index = stepindex.read(path)
+        found = dict(index.members) if index is not None else {}
+        if offset not in found:
+            raise ValueError(f"{path}: no gzip member begins at byte {offset} of its text")
+        member = found[offset]
+    with open(path, "rb") as raw:
+        raw.seek(member)
+        with gzip.GzipFile(fileobj=raw, mode="rb") as lines:
+            yield lines
+
+
+class Compressor:
+    """One thread that compresses the segments it is given, in order; a daemon: a process
+    that ends leaves a segment plain (and perhaps a `.gz.tmp` beside it), never broken."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        self._thread = threading.Thread(target=self._run, name="runner-fsm-compress", daemon=True)
+        self._thread.start()
+
+    def submit(self, path: Path) -> None:
+        self._queue.put(path)
+
+    def drain(self) -> None:
+        """Wait until every segment given so far is compressed (tests, a clean shutdown)."""
+        self._queue.join()
+
+    def _run(self) -> None:
+        while True:
+            path = self._queue.get()
+            try:
+                compress(path)
+            except OSError:  # a full disk: the segment stays plain
+                pass
+            finally:
+                self._queue.task_done()

@@ -1,0 +1,146 @@
+"""The compact encoding on disk (`runner_fsm.audit.compact`): fewer bytes, the same records.
+
+A log written with the job's shape is compact; one written without it is in full, as schema 2
+first was. The same calls must read back (`read_records`) as the same records from both, and
+replay must reach the same verdicts on both.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from runner_fsm.audit import AuditLog, read_records, strip_times
+from runner_fsm.audit.compact import FORMAT, FORMAT_FIELD
+from runner_fsm.audit.render import BuffersTemplate
+from runner_fsm.audit.replay import replay
+from runner_fsm.audit.shape import job_shape_fields
+from runner_fsm.testing.synth import DEFECTS, Defect, SynthSpec, write_run
+
+SENT = {"step_id": 3, "phase": 1, "status": 0, "num_tokens": 5, "graph_mode": 2, "uniform_token_count": 1,
+        "num_reqs": 2}
+AGREED = {"step_id": 3, "phase": 1, "num_tokens_across_dp": [5, 8], "graph_mode": 2, "uniform_token_count": 1,
+          "num_reqs": 2, "all_idle": False}
+IDENTITY = {"step": 3, "dummy": False, "rows": 5, "digest": 99}
+
+
+def every_kind_of_record(log: AuditLog) -> None:
+    """What the writers write, and the cases the encoding treats apart."""
+    log.transition(-1, "capture", "init", "capturing", "ok")
+    log.graph(-1, "capture", num_tokens=8, backend="static")
+    log.buffers(-1, "capture", {"a": {"ptr": 4096, "shape": [64], "version": 1},
+                                "b": {"ptr": 1024, "shape": [8, 4], "version": 1}})
+    log.transition(-1, "captured", "capturing", "ready", "ok")
+    log.transition(3, "decode", "ready", "decode", "ok")  # chains on, as the table says: trigger alone
+    log.collective(3, "dp", "all_reduce", 1, [[7, 2]], 12, "enqueue", sent=dict(SENT),
+                   inputs={"decode": 5, "prefill": [9], "pcp": 2, "chunking": "ceil"})
+    log.collective(3, "dp", "all_reduce", 1, [[7, 2]], 12, "done", agreed=dict(AGREED))
+    # another step and phase than the record's, a sent that is not a LocalDispatch
+    log.collective(3, "dp", "all_reduce", 2, [[7, 2]], 13, "enqueue", sent={**SENT, "step_id": 4},
+                   inputs={"decode": 5, "prefill": [], "pcp": 2, "chunking": "mrv2", "decodes": [2, 3]})
+    log.collective(3, "dp", "all_reduce", 2, [[7, 2]], 13, "done", agreed={**AGREED, "phase": 3, "all_idle": True})
+    log.collective(3, "dp", "all_reduce", 2, [[9, 2]], 14, "enqueue", sent={"num_tokens": 4, "vllm": [4, 4, 0, 0]},
+                   inputs={"prefill": [4]})  # not the dispatch inputs' fields: as it is
+    log.collective(3, "dp", "all_reduce", 2, [[9, 2]], 15, "done")  # closes no enqueue: said in full
+    log.buffers(3, "real", {"a": {"ptr": 4096, "shape": [64], "version": 7, "digest": -5},
+                            "b": {"ptr": 1024, "shape": [8, 4], "version": 7, "digest": 2**63 - 1}})
+    log.collective(3, "expert", "forward", 1, [[5]], 3, "enqueue", rows=5, ctx=dict(IDENTITY), batch=dict(IDENTITY))
+    log.buffers(3, "replay", {"a": {"ptr": 4096, "shape": [64], "version": 7, "digest": -5},
+                              "b": {"ptr": 1024, "shape": [8, 4], "version": 7, "digest": 2**63 - 1}})
+    log.graph(3, "replay", num_tokens=8, dummy=False)
+    log.collective(3, "expert", "forward", 1, None, 3, "done", exchange_bytes=10)
+    log.buffers(3, "dummy", {"a": {"ptr": 4096, "shape": [64], "version": 8, "rows": 3},
+                             "b": {"ptr": 1024, "shape": [8, 4], "version": 9, "digest": 7, "rows": 0}})
+    log.collective(3, "expert", "forward", 1, [[5]], 4, "enqueue", ctx={**IDENTITY, "rows": 6},
+                   batch={**IDENTITY, "step": 2})
+    log.transition(3, "finish", "decode", "ready", "ok")
+    log.transition(4, "prefill", "decode", "prefill", "ok")  # does not chain on: in full
+    log.transition(4, "decode", "prefill", "prefill", "refused")
+    log._emit("stop", 4, {"reason": "SIGTERM"})  # an event the encoding does not know
+    log.fault(None, RuntimeError("peer gone"), "peer gone")
+    log.collective(np.int64(5), "pcp", "all_gather", 0, (np.int64(7),), np.int32(2), "enqueue",
+                   output={"digest": 12, "tokens": 3})
+    log.rendered("transition", 5, b'{"tr":["finish","prefill","ready"]}')
+    log.rendered("buffers", 5, BuffersTemplate(("a", "b")).body("real", (4096, 64, 10, 11, 2, 1024, 8, 10, 12, 2)))
+
+
+def test_a_compact_log_reads_back_as_the_same_records_in_full(tmp_path):
+    """Mutation: `_unlist` zips `sn` onto the agreed field order (or `ctx` "=" is not expanded,
+    or a short transition takes the wrong src) -> the records differ."""
+    with AuditLog(tmp_path / "full", "run-c", 1, 1, 0) as full:
+        every_kind_of_record(full)
+    shape = job_shape_fields(2, 1, 1, 0, buffer_names=["a", "b"])  # what its buffers records list
+    with AuditLog(tmp_path / "compact", "run-c", 1, 1, 0, shape=shape) as compact:
+        every_kind_of_record(compact)
+    written = [strip_times(r) for r in read_records(full.path)]
+    read = [strip_times(r) for r in read_records(compact.path)]
+    assert read[0]["event"] == "job" and read[0][FORMAT_FIELD] == FORMAT
+    read = [{**r, "seq": r["seq"] - 1} for r in read[1:]]  # the job record is seq 0 there
+    # The one difference allowed: a done's shapes are its enqueue's.
+    written[15]["shapes"] = [[5]]
+    assert read == written
+    assert len(written) == 26
+
+
+def test_only_the_job_record_carries_the_header(tmp_path):
+    """Mutation: the compact renderer writing `run_id` in every record -> fails."""
+    with AuditLog(tmp_path, "run-c", 1, 1, 0, shape=job_shape_fields(2, 1, 1, 0)) as log:
+        every_kind_of_record(log)
+    lines = [json.loads(line) for line in log.path.read_bytes().splitlines()]
+    assert lines[0]["event"] == "job" and lines[0]["run_id"] == "run-c" and lines[0]["seq"] == 0
+    for line in lines[1:]:
+        assert not line.keys() & {"schema", "run_id", "dp_rank", "pcp_rank", "event", "step_id"}, line
+    starts = [line for line in lines[1:] if "s" in line]  # a step's first record: step, seq, time
+    assert [(line["s"], line["q"]) for line in starts] == [(-1, 1), (3, 5), (4, 20), (None, 23), (5, 24)]
+    assert all(set(line) >= {"s", "q", "t"} for line in starts)
+
+
+def test_bytes_a_step_takes(tmp_path):
+    """A DP=2 vLLM decode step at audit=transitions in under 300 bytes (the budget of issue 34,
+    which leaves room for Part 20's digest). Mutation: writing `src`/`dst` on a transition
+    that chains on -> over budget."""
+    with AuditLog(tmp_path, "vllm-20261202-063224-30048", 0, 0, 0, shape=job_shape_fields(2, 1, 0, 0)) as log:
+        for step in range(123456, 123466):
+            log.rendered("transition", step, b'{"tr":["decode","ready","decode"]}')
+            log.collective(step, "dp", "all_reduce", 1, [[9, 2]], 1234567, "enqueue", sent={"num_tokens": 2})
+            log.collective(step, "dp", "all_reduce", 1, [[9, 2]], 1234567, "done", agreed={
+                "step_id": step, "phase": 1, "num_tokens_across_dp": [2, 1], "graph_mode": 0,
+                "uniform_token_count": 0, "num_reqs": 1, "all_idle": False})
+            log.collective(step, "expert", "forward", 1, [[2]], 1234567, "enqueue")
+            log.collective(step, "expert", "forward", 1, None, 1234567, "done")
+            log.rendered("transition", step, b'{"tr":["finish","decode","ready"]}')
+    lines = log.path.read_bytes().splitlines()[1:]
+    per_step = sum(len(line) + 1 for line in lines[-12:]) / 2
+    assert per_step < 270, per_step
+
+
+@pytest.mark.parametrize("kind", DEFECTS)
+def test_replay_judges_compact_logs_as_logs_in_full(tmp_path, kind):
+    """Every defect of the synthetic runs, on replica 0 and on the last replica: the same
+    verdicts from a compact log as from the same log in full (a lost record's seq, and a cut
+    line's length, are the encoding's own). Mutation: the expander not restoring `agreed`'s
+    step_id -> agreed_mismatch everywhere."""
+    for replica in (0, 2):
+        found = []
+        for compact in (False, True):
+            run = write_run(tmp_path / f"{replica}-{compact}", SynthSpec(dp_size=3, pcp_size=2, steps=14,
+                                                                         compact=compact), [Defect(kind, replica, 7)])
+            found.append([(v.kind, v.replica, v.step, v.ranks) for v in replay(run).verdicts])
+        assert found[0] == found[1]
+        assert (kind in ("gap", "truncated")) or any(v[1] == replica for v in found[0]) or not found[0]
+
+
+def test_a_window_seeks_into_a_compact_log_as_into_one_in_full(tmp_path):
+    """Mutation: `seek._step_of` reading only `step_id` -> the window starts at the log's start."""
+    reports = []
+    for compact in (False, True):
+        run = write_run(tmp_path / str(compact), SynthSpec(dp_size=2, pcp_size=2, steps=400, compact=compact),
+                        [Defect("agreed_mismatch", 1, 350), Defect("collective_mismatch", 0, 50)])
+        reports.append(replay(run, steps=(300, 399)))
+    plain, compact = reports
+    assert [(v.kind, v.replica, v.step) for v in compact.verdicts] == [("agreed_mismatch", 1, 350)]
+    assert [(v.kind, v.replica, v.step, v.line) for v in compact.verdicts] != [] and \
+        [(v.kind, v.step) for v in plain.verdicts] == [(v.kind, v.step) for v in compact.verdicts]
+    assert compact.summary.records < plain.summary.records * 1.1
