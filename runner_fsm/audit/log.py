@@ -14,6 +14,7 @@ logger and the copy into the map each cost microseconds when the CPU caches are 
 
 from __future__ import annotations
 
+import collections
 import json
 import os
 import threading
@@ -35,8 +36,11 @@ _RESERVED = frozenset(HEADER_FIELDS)
 TIME_FIELDS = ("t_ns",)
 COLLECTIVE_STAGES = ("enqueue", "done")
 GRAPH_ACTIONS = ("capture", "replay")
-# `job`: the job's shape, the first record of a log (`audit.shape`); the others as DESIGN section 7.
-EVENTS = frozenset({"job", "transition", "collective", "buffers", "graph", "fault"})
+# `job`: the job's shape, the first record of a log (`audit.shape`); `stop`: a stop request the rank
+# received (a signal, the engine's shutdown call), written the moment it arrives (`stop_signals`);
+# `injected`: an injected fault acting (`faults`); the others as DESIGN section 7.
+EVENTS = frozenset({"job", "transition", "collective", "buffers", "graph", "fault", "stop", "injected"})
+STOP_SOURCES = ("signal", "shutdown")
 # A transition's fields are a few names from small sets: each body is rendered once.
 _TRANSITION_BODIES: dict[tuple[str, str, str, str], bytes] = {}
 
@@ -128,6 +132,10 @@ class _Records:
         error_name = type(error).__name__ if isinstance(error, BaseException) else str(error)
         self._emit("fault", step_id, {"error": error_name, "message": str(message)})
 
+    def injected(self, step_id: int | None, injection: str) -> None:
+        """An injected fault (`KIND@replica=R,step=S`) acts now: the evidence that it fired."""
+        self._emit("injected", step_id, {"injection": str(injection), "kind": str(injection).partition("@")[0]})
+
 
 class AuditBatch(_Records):
     """Records made now, written together by `write()` (see the module docstring). Each record
@@ -188,6 +196,7 @@ class AuditLog(_Records):
         self._lock = threading.Lock()
         self._next_seq = 0
         self._closed = False
+        self._deferred: collections.deque = collections.deque()  # records made in a signal handler
         self._render_lines = RecordRenderer(SCHEMA_VERSION, self._run_id, self._dp_rank, self._pcp_rank).lines
         if shape is not None:
             self._emit("job", None, dict(shape))
@@ -248,6 +257,35 @@ class AuditLog(_Records):
     def _emit(self, event: str, step_id: int | None, fields: dict[str, Any] | bytes) -> None:
         self._write_all(((None, event, step_id, fields),))  # None: stamped under the lock
 
+    def stop(self, step_id: int | None, source: str, signal: str | None = None, detail: str = "") -> None:
+        """A stop request arrived (`source` "signal": `signal` names it; "shutdown": the engine's
+        shutdown call). Safe in a signal handler: see `write_in_handler`."""
+        if source not in STOP_SOURCES:
+            raise ValueError(f"stop source must be one of {STOP_SOURCES}, got {source!r}")
+        self.write_in_handler("stop", step_id, {"source": source, "signal": signal, "detail": str(detail)})
+
+    def write_in_handler(self, event: str, step_id: int | None, fields: dict[str, Any]) -> None:
+        """Write a record from a signal handler. Python runs the handler in the main thread between
+        two bytecodes, possibly while that very thread holds the log's lock in the middle of a
+        write: waiting for the lock there would never end. So the record is queued, and written
+        now if the lock is free, else by the write that holds it, as soon as that write is done.
+        On a closed log it is dropped: a handler must never fail the signal's own handling."""
+        self._deferred.append((time.monotonic_ns(), event, step_id, fields))
+        self._write_deferred()
+
+    def _write_deferred(self) -> None:
+        deferred = self._deferred
+        while deferred and self._lock.acquire(blocking=False):
+            try:
+                records = []
+                while deferred:  # popleft, not a copy: a handler may append meanwhile
+                    records.append(deferred.popleft())
+                if not self._closed:
+                    self._logger.msg(self._render_lines(self._next_seq, records, time.monotonic_ns()))
+                    self._next_seq += len(records)
+            finally:
+                self._lock.release()
+
     def rendered(self, event: str, step_id: int | None, body: bytes) -> None:
         """A record whose fields are rendered already (see `_Records`), written at once (a vLLM
         step's start, before its forward)."""
@@ -270,6 +308,8 @@ class AuditLog(_Records):
             # serialise leaves no gap behind.
             self._logger.msg(self._render_lines(self._next_seq, records, time.monotonic_ns()))
             self._next_seq += len(records)
+        if self._deferred:  # a signal handler ran while this write held the lock
+            self._write_deferred()
 
 
 # ---------------------------------------------------------------- reading back

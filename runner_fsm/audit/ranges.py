@@ -19,6 +19,7 @@ from pathlib import Path
 import orjson
 
 from runner_fsm.audit.crossrank import CrossRankChecker, MissedSteps
+from runner_fsm.audit.facts import RunFacts
 from runner_fsm.audit.mapped import data_end, is_blank
 from runner_fsm.audit.read import Groups, RankInfo, RankStep, StepMerger
 from runner_fsm.audit.report import ReplayInputError, Verdict
@@ -37,14 +38,12 @@ class RangeResult:
     records: int
     first_step: int | None
     last_step: int | None
-    # the last step in which some rank did work, not only log its shutdown (vLLM's worker logs
-    # `shutdown` under the step number after its last step)
-    last_work_step: int | None
+    facts: RunFacts  # stop requests, faults, injections and where each log ends (`facts`)
 
 
 def scan_rank(info: RankInfo, verdicts: list[Verdict], counter: dict[int, int], cut: set[int] | None = None,
-              *, offset: int = 0, count_from: int | None = None, stop_step: int | None = None
-              ) -> Iterator[RankStep]:
+              *, offset: int = 0, count_from: int | None = None, stop_step: int | None = None,
+              facts: RunFacts | None = None) -> Iterator[RankStep]:
     """The steps of one rank's log, in order; `counter[rank]` ends as its record count.
 
     A range of steps (see `ranges`): from byte `offset` (a line start past the head) up to
@@ -52,7 +51,7 @@ def scan_rank(info: RankInfo, verdicts: list[Verdict], counter: dict[int, int], 
     The captures at the head of the file are read first, since every replay is checked
     against them. Line numbers in verdicts count from `offset`; `counter` counts the records
     of steps from `count_from` on (earlier ones, read to warm up, are another range's)."""
-    scanner = RankScanner(info, verdicts)
+    scanner = RankScanner(info, verdicts, facts)
     scanner.count_from = count_from
     try:
         with open(info.path, "rb") as lines:
@@ -80,9 +79,11 @@ def judge_range(infos: list[RankInfo], lo: int | None = None, hi: int | None = N
                 timeline=None) -> RangeResult:
     """Judge steps [lo, hi) of every rank (None: from the start, to the end)."""
     verdicts: list[Verdict] = []
+    facts = RunFacts()
     counts: dict[int, int] = {}
     cut: set[int] = set()
     streams, ended_before, offsets = {}, {}, {}
+    infos_by_rank = {info.global_rank: info for info in infos}
     for info in infos:
         offset = 0 if lo is None else seek_step(info.path, lo - WARMUP_STEPS)
         if lo is not None and offset >= data_end(info.path):
@@ -90,10 +91,11 @@ def judge_range(infos: list[RankInfo], lo: int | None = None, hi: int | None = N
             continue
         offsets[info.global_rank] = offset
         streams[info.global_rank] = scan_rank(info, verdicts, counts, cut, offset=offset, count_from=lo,
-                                              stop_step=hi)
-    merger = StepMerger(streams, ended_before=ended_before, cut=cut)
+                                              stop_step=hi, facts=facts)
+    merger = StepMerger(streams, ended_before=ended_before, cut=cut)  # reads every job record first
     checker = CrossRankChecker(Groups(infos), merger, verdicts)
-    first = last = last_work = None
+    first = last = None
+    injected = facts.injected_steps()
     for step, present in merger:
         checker.check(step, present)
         if timeline is not None:
@@ -101,13 +103,14 @@ def judge_range(infos: list[RankInfo], lo: int | None = None, hi: int | None = N
         if lo is None or step >= lo:
             first = step if first is None else first
             last = step
-            if any(s.kind is not None or s.signature or s.fault is not None or s.faulted for s in present.values()):
-                last_work = step
+        if step in injected:  # what each replica ran where an injection should act
+            for summary in present.values():
+                facts.kinds.setdefault((infos_by_rank[summary.rank].dp_rank, step), summary.kind)
     missed = checker.finish()
     if lo is not None:
         verdicts = _own_verdicts(verdicts, lo, infos, offsets)
         missed = _own_missed(missed, lo)
-    return RangeResult(verdicts, missed, sum(counts.values()), first, last, last_work)
+    return RangeResult(verdicts, missed, sum(counts.values()), first, last, facts.own_range(lo))
 
 
 def _own_verdicts(verdicts: list[Verdict], lo: int, infos, offsets) -> list[Verdict]:
@@ -289,10 +292,9 @@ def _result_of(process, receive) -> RangeResult:
 def _combined(results: list[RangeResult]) -> RangeResult:
     firsts = [r.first_step for r in results if r.first_step is not None]
     lasts = [r.last_step for r in results if r.last_step is not None]
-    works = [r.last_work_step for r in results if r.last_work_step is not None]
     return RangeResult([v for r in results for v in r.verdicts], [m for r in results for m in r.missed],
                        sum(r.records for r in results), min(firsts, default=None), max(lasts, default=None),
-                       max(works, default=None))
+                       RunFacts.merge([r.facts for r in results]))
 
 
 def cpu_count() -> int:

@@ -15,9 +15,10 @@ Verdict kinds: `missing_rank` (a rank the job's shape names left no log: `job`),
 `gap`, `missing_replica`, `agreed_mismatch`, `collective_mismatch`,
 `illegal_transition`, `stale_buffer_replay`, `hang`, and, recomputed from logged evidence,
 `dispatch_mismatch`, `stale_context`, `pcp_divergence`; then `fault` (what the runner said about
-itself: listed, never the evidence of another verdict) and `unfinished` (a log that stops with
-no shutdown, fault or hang to say why; ranks that stopped between steps after the run's last
-step, a quiescent stop, are a note instead).
+itself: listed, never the evidence of another verdict), `injection_not_fired` (an injection the
+job record names left no `injected` record: the run tested nothing) and `unfinished` (a log
+that stops with no shutdown, fault or hang to say why). A stop the job recorded as requested
+explains the ends it caused: a note instead (`stops`).
 
 API: `replay(run_dir, *, timeline=None, jobs=None) -> ReplayReport`; `report.exit_code` is 0 when
 the run is sound and 1 otherwise; unreadable input raises `ReplayInputError` (exit code 2).
@@ -35,7 +36,8 @@ from runner_fsm.audit.ranges import cpu_count, judge_in_ranges, judge_range
 from runner_fsm.audit.read import RankInfo, discover, layout_of
 from runner_fsm.audit.report import (ReplayInputError, ReplayReport, RunSummary, Timeline, Verdict,
                                      sort_verdicts)
-from runner_fsm.audit.scan import BETWEEN_STEPS
+from runner_fsm.audit.injections import check_injections
+from runner_fsm.audit.stops import settle_stops
 
 __all__ = ["ReplayInputError", "ReplayReport", "Verdict", "replay", "replay_with_plot"]
 
@@ -61,9 +63,8 @@ def replay(run_dir: str | os.PathLike[str], *, timeline: Timeline | None = None,
         result = judge_in_ranges(infos, jobs)
     else:
         result = judge_range(infos, timeline=timeline)
-    verdicts = list(job.verdicts) + result.verdicts + join_missed(result.missed)
-    verdicts, stop_note = settle_quiescent_stop(verdicts, {i.global_rank for i in infos}, job.expected_ranks,
-                                                result.last_work_step)
+    verdicts = list(job.verdicts) + result.verdicts + join_missed(result.missed) + check_injections(result.facts)
+    verdicts, stop_note = settle_stops(verdicts, result.facts)
     replicas, pcp_size = layout_of(infos)
     summary = RunSummary(str(run_dir), len(infos), replicas, pcp_size, result.records,
                          result.first_step, result.last_step, job.expected_ranks, job.notes + stop_note)
@@ -91,24 +92,6 @@ def replay_with_plot(run_dir: str | os.PathLike[str], plot_path: str | os.PathLi
     verdict = "sound" if report.sound else f"{len(report.verdicts)} finding(s)"
     plot(timeline, report.verdicts, plot_path, f"{run_dir}: {verdict}")
     return report
-
-
-def settle_quiescent_stop(verdicts: list[Verdict], ranks: set[int], expected: int | None,
-                          last_step: int | None) -> tuple[list[Verdict], tuple[str, ...]]:
-    """Ranks that stopped between steps after the run's last step (the last in which a rank did
-    more than log its shutdown), without logging shutdown
-    (vLLM force-kills its DP workers on Ctrl-C once they are idle, racing its own shutdown of
-    the others), left nothing half done: their `unfinished` verdicts become one note. A rank
-    stopped mid-step or after an earlier step, or a missing rank, keeps every verdict."""
-    stops = [v for v in verdicts if v.kind == "unfinished" and v.detail.startswith(BETWEEN_STEPS)]
-    if not stops or expected not in (None, len(ranks)) or {v.step for v in stops} != {last_step} \
-            or any(v.kind == "unfinished" and v not in stops for v in verdicts):
-        return verdicts, ()
-    stopped = sorted({rank for v in stops for rank in v.ranks})
-    who = "every rank" if set(stopped) == ranks else f"rank(s) {', '.join(map(str, stopped))}"
-    note = (f"{who} stopped between steps after step {last_step}, the run's last, without logging shutdown"
-            " (killed at a quiescent point, e.g. vLLM's Ctrl-C): nothing was left half done")
-    return [v for v in verdicts if v not in stops], (note,)
 
 
 def drop_explained(verdicts: list[Verdict]) -> list[Verdict]:

@@ -34,6 +34,7 @@ from runner_fsm.faults import Injection, Injector, why_not_fired
 from runner_fsm.heartbeat import Heartbeat
 from runner_fsm.replica import Replica
 from runner_fsm.runner import Outcome, ReplicaRunner
+from runner_fsm.stop_signals import StopSignals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -95,8 +96,10 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
     global_rank = cfg.layout.global_rank(dp_rank, pcp_rank)
     rc = cfg.runner_config()
     layout = cfg.layout
+    # `inject`: what the run is meant to test; replay names one that never acted (no `injected` record)
     audit = AuditLog(cfg.run_dir, cfg.run_id, global_rank, dp_rank, pcp_rank,
-                     shape=job_shape_fields(layout.dp_size, layout.pcp_size, dp_rank, pcp_rank))
+                     shape=job_shape_fields(layout.dp_size, layout.pcp_size, dp_rank, pcp_rank,
+                                            inject=[str(Injection.parse(i)) for i in cfg.injections]))
     model, drafter = _model_and_drafter(cfg, groups)
     replica = Replica(
         rc, dp_rank=dp_rank, pcp_rank=pcp_rank, model=model, drafter=drafter,
@@ -104,7 +107,8 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
         collectives=CollectiveRunner(audit, rc.collective_timeout_s, heartbeat=_heartbeat(cfg, groups),
                                      inline_groups=cfg.layout.groups_without_peers()),
         device=cfg.device,
-        injector=Injector(Injection.parse(i) for i in cfg.injections),
+        injector=Injector((Injection.parse(i) for i in cfg.injections),
+                          on_fire=lambda injection: audit.injected(injection.step, str(injection))),
         pcp_group=groups.pcp if groups else None,
     )
     return ReplicaRunner(replica)
@@ -183,12 +187,17 @@ def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
     runner = build_runner(cfg, groups)
     injector = runner.replica.injector
     counts["watched"] = {i.step: None for i in injector.injections if i.replica == dp_rank}
+    # SIGINT/SIGTERM go on record the moment they arrive, then stop the rank as before
+    replica = runner.replica
+    stops = StopSignals(lambda name: replica.audit.stop(replica.step_id, "signal", name))
+    stops.install()
     try:
         anyio.run(_serve, runner, sched, cfg, counts)
     except Exception as exc:  # reported as data: every rank's own typed error matters
         exc = _unwrap_group(exc)
         error = {"type": type(exc).__name__, "message": str(exc), "step": runner.replica.step_id}
     finally:
+        stops.restore()
         anyio.run(runner.close)
         if groups is not None:  # the Flight Recorder's buffer, beside the audit log
             flight_recorder.dump_beside(cfg.run_dir, cfg.layout.global_rank(dp_rank, pcp_rank),

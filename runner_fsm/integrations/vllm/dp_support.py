@@ -34,7 +34,8 @@ class DPSupport:
     def __init__(self, recorder, *, dp_rank: int, dp_size: int, timeout_s: float, injection=None, flight=None):
         self.recorder, self.dp_rank, self.audit = recorder, dp_rank, recorder.audit
         self.flight = flight  # the worker's WorkerFlight: dumped when the watchdog fires
-        self.injector = VLLMInjector(injection, dp_rank)
+        self.injector = VLLMInjector(injection, dp_rank, on_fire=lambda: self.audit.injected(
+            injection.step, str(injection)))
         store = dist.distributed_c10d._get_default_store()  # the job's store, as the embedded engine uses
         heartbeat = Heartbeat(store, ParallelLayout(dp_size=dp_size, pcp_size=1).validate(), dp_rank)
         self.watchdog = Watchdog(heartbeat, timeout_s, dp_rank=dp_rank, on_fault=self._log_fault).start()

@@ -14,7 +14,10 @@ of its calls to the worker becomes transitions of the replica (DESIGN section 10
 | `sample_tokens`                   | sampled tokens noted; `draft` if the drafter ran; `finish`|
 | `execute_dummy_batch`             | `idle`, vLLM's dummy run [+ `draft`], `finish`            |
 | `take_draft_token_ids`            | the proposals noted in the journal                        |
-| `check_health` / `shutdown`       | raise while faulted / `shutdown`, logs closed             |
+| `check_health` / `shutdown`       | raise while faulted / `stop` recorded, `shutdown`, logs closed |
+
+SIGINT and SIGTERM are recorded (`stop`) the moment they reach the worker's process, by
+handlers chained in front of vLLM's own (`stop_signals`), which then run as before.
 
 A step with zero scheduled tokens runs no forward and joins no DP collective in vLLM; it is
 no step here either. Before every target forward, real or dummy, the pre-hook fingerprints
@@ -33,17 +36,17 @@ from typing import Any
 
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.shape import job_shape_fields
-from runner_fsm.integrations.vllm import cpu_collectives, cpu_rope, schema
+from runner_fsm.integrations.vllm import cpu_collectives, cpu_rope, inject, schema
 from runner_fsm.integrations.vllm.dp_support import DPSupport
 from runner_fsm.integrations.vllm.flight import WorkerFlight, start as start_flight_recorder
 from runner_fsm.integrations.vllm.forwards import forward_context, hook_forward
-from runner_fsm.integrations.vllm.inject import InjectionNeverFired
 from runner_fsm.integrations.vllm.journal import Journal
 from runner_fsm.integrations.vllm.options import WorkerOptions
 from runner_fsm.integrations.vllm.probe import InputProbe
 from runner_fsm.integrations.vllm.recorder import ReplicaRecorder
 from runner_fsm.integrations.vllm.rundir import replica_coords, shared_run_dir
 from runner_fsm.integrations.vllm.runners import RunnerAdapter, adapter_for
+from runner_fsm.stop_signals import StopSignals
 
 
 class FSMWorkerMixin:
@@ -55,6 +58,7 @@ class FSMWorkerMixin:
     rope_verdict: cpu_rope.RopeSelfTest | None = None  # the CPU rotary op's self-test (CPU only)
     rope_installed: str | None = None  # what install_stride_safe_rope did (None: nothing)
     flight: WorkerFlight = WorkerFlight()  # no run dir yet: dumps nothing
+    stop_signals: StopSignals | None = None
 
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
                  is_driver_worker: bool = False, **kwargs: Any):
@@ -84,6 +88,11 @@ class FSMWorkerMixin:
         self.flight = WorkerFlight(run_dir, self.global_rank, self.parallel_config)
         self.recorder = ReplicaRecorder(audit, Journal(run_dir, self.global_rank),
                                         fingerprints=opts.audit == "full")
+        rec = self.recorder
+        # vLLM installed its handlers first (the worker process's, the engine core's): ours go in
+        # front of them, record the signal, and hand it on; put back at shutdown.
+        self.stop_signals = StopSignals(lambda name: rec.audit.stop(rec.step_id, "signal", name))
+        self.stop_signals.install()
         self.install_extensions()
 
     def _job_shape(self) -> dict:
@@ -111,6 +120,8 @@ class FSMWorkerMixin:
                                               if self.rope_verdict.defective else "none: vLLM's own op kept")}
         if self.fsm_options.fast_pcp_layout:  # opt-in: a change of vLLM behaviour (DESIGN section 10)
             changed["fast_pcp_layout"] = self.runner_adapter.install_fast_pcp_layout()
+        if self.fsm_options.inject:  # what the run is meant to test (replay: `injection_not_fired`)
+            changed["inject"] = [str(inject.parse(self.fsm_options.inject))]
         return job_shape_fields(dp_size, pcp_size, self.dp_rank, self.pcp_rank, groups=groups,
                                 vllm=schema.installed_version(), **self.runner_adapter.describe(),
                                 supplied=supplied, **changed)
@@ -282,6 +293,12 @@ class FSMWorkerMixin:
 
     def shutdown(self) -> None:
         rec = self.recorder
+        if rec is not None and not rec.audit.closed:
+            # First: vLLM may kill this process at any moment from here (its executor's
+            # shutdown force-kills workers it finds still running).
+            rec.audit.stop(rec.step_id, "shutdown", detail="vLLM shut the worker down")
+        if self.stop_signals is not None:
+            self.stop_signals.restore()
         unfired = None
         if self.dp_support is not None:
             self.dp_support.close()
@@ -289,10 +306,9 @@ class FSMWorkerMixin:
                 unfired = self.dp_support.injector.never_fired(rec.step_id - 1)
         self.flight.dump("end")  # while vLLM's groups still exist
         try:
+            if unfired is not None:  # the run tested nothing; replay says so from the logs too
+                print(f"FSMWorker: {unfired}", file=sys.stderr, flush=True)
             if rec is not None:
-                if unfired is not None:  # the run tested nothing: a fault replay lists (exit 1)
-                    print(f"FSMWorker: {unfired}", file=sys.stderr, flush=True)
-                    rec.fault(InjectionNeverFired(unfired))
                 rec.shutdown()
         finally:
             super().shutdown()

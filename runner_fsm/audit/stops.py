@@ -1,0 +1,96 @@
+"""A stop you asked for reads clean; a death never does (DESIGN section 11, "A stop is a record").
+
+A rank writes a `stop` record the moment a stop request reaches it (SIGINT or SIGTERM, through
+`stop_signals`; the engine's shutdown call). A job's stop is clean when every rank whose log
+ends without `shutdown` has its end explained by a request:
+
+- it recorded one itself, and ended after it (between steps, mid-step or in a collective: what
+  a stop request leads to, including vLLM's force-kill of its workers);
+- its log goes on after a request another rank of its host recorded (it was alive when the job
+  was told to stop);
+- it waits in a collective whose culprits (the peers that never came: `hang`) all ended so:
+  a rank blocked in a collective (C++) runs no Python signal handler before it is killed, and
+  its peers' records of the stop cover it.
+
+Then the `unfinished`, `hang` and `missing_replica` verdicts of those ends, and the faults a
+rank logged after a request (an interrupted step, a peer's closed connection), become one note
+naming the stop. A log that ends with no stop request anywhere in the job before it is a death:
+its verdicts stay, whatever step it ends at. Times are compared only within a host
+(`t_ns` is the host's monotonic clock; the `job` record's `host`, where a writer names it).
+"""
+
+from __future__ import annotations
+
+from runner_fsm.audit.facts import FaultSeen, RunFacts, StopSeen
+from runner_fsm.audit.report import Verdict
+
+END_KINDS = frozenset({"unfinished", "hang", "missing_replica"})  # verdicts about where a log ends
+
+
+class StopRule:
+    """Which ranks' ends and faults the job's stop requests explain."""
+
+    def __init__(self, facts: RunFacts):
+        self.facts = facts
+        self.own: dict[int, StopSeen] = {}
+        for stop in sorted(facts.stops, key=lambda s: s.seq):
+            self.own.setdefault(stop.rank, stop)
+
+    def _same_host(self, a: int, b: int) -> bool:
+        hosts = self.facts.hosts
+        return hosts.get(a) == hosts.get(b)
+
+    def request_before(self, rank: int, t_ns: int | None) -> StopSeen | None:
+        """The first stop request recorded on `rank`'s host no later than `t_ns` (its clock)."""
+        if t_ns is None:
+            return None
+        found = [s for s in self.facts.stops if s.t_ns <= t_ns and self._same_host(s.rank, rank)]
+        return min(found, key=lambda s: s.t_ns, default=None)
+
+    def explains_end(self, rank: int) -> bool:
+        if rank in self.own:
+            return True
+        end = self.facts.ends.get(rank)
+        return end is not None and self.request_before(rank, end.t_ns) is not None
+
+    def explains_fault(self, fault: FaultSeen) -> bool:
+        own = self.own.get(fault.rank)
+        return (own is not None and own.seq < fault.seq) or self.request_before(fault.rank, fault.t_ns) is not None
+
+
+def settle_stops(verdicts: list[Verdict], facts: RunFacts) -> tuple[list[Verdict], tuple[str, ...]]:
+    """The verdicts a recorded stop request explains, taken out, and a note of what was seen."""
+    if not facts.stops:
+        return verdicts, ()
+    rule = StopRule(facts)
+    faults = {(f.rank, f.step, f.detail): f for f in facts.faults}
+    kept, ended, faulted = [], set(), []
+    for verdict in verdicts:
+        if verdict.kind in END_KINDS and verdict.ranks and all(map(rule.explains_end, verdict.ranks)):
+            ended.update(verdict.ranks)
+        elif verdict.kind == "fault" and len(verdict.ranks) == 1 and \
+                (fault := faults.get((verdict.ranks[0], verdict.step, verdict.detail))) and rule.explains_fault(fault):
+            faulted.append(verdict)
+        else:
+            kept.append(verdict)
+    return kept, (_note(rule, facts, ended, faulted, kept),)
+
+
+def _note(rule: StopRule, facts: RunFacts, ended: set[int], faulted: list[Verdict], kept: list[Verdict]) -> str:
+    first = min(facts.stops, key=lambda s: (s.t_ns, s.rank))
+    recorded = sorted(rule.own)
+    note = (f"stop requested: {first.text()}, the first of {len(facts.stops)} stop record(s), by rank(s)"
+            f" {_ids(recorded)}")
+    if ended:
+        note += f"; rank(s) {_ids(ended)} ended after it without logging shutdown (not a finding)"
+    if faulted:
+        note += "; faults logged after it, its consequence: " + "; ".join(
+            f"rank {v.ranks[0]} at step {v.step}: {v.detail}" for v in faulted)
+    unexplained = sorted({r for v in kept if v.kind in END_KINDS for r in v.ranks if not rule.explains_end(r)})
+    if unexplained:
+        note += f"; rank(s) {_ids(unexplained)} ended before any stop request was recorded: a death, not a stop"
+    return note
+
+
+def _ids(ranks) -> str:
+    return ", ".join(map(str, sorted(ranks)))
