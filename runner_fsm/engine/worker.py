@@ -115,7 +115,21 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
 
 
 async def _serve(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, counts: dict) -> None:
-    """The scheduler feeds the replica's event stream; the runner's task consumes it."""
+    """The scheduler feeds the replica's event stream; the runner's task consumes it.
+
+    SIGINT and SIGTERM go on record the moment they arrive, then stop the rank as before: the
+    handlers are chained here, inside the event loop, in front of asyncio's own SIGINT handler
+    (which cancels the run cleanly), and taken out before the loop ends."""
+    replica = runner.replica
+    stops = StopSignals(lambda name: replica.audit.stop(replica.step_id, "signal", name))
+    stops.install()
+    try:
+        await _serve_events(runner, sched, cfg, counts)
+    finally:
+        stops.restore()
+
+
+async def _serve_events(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, counts: dict) -> None:
     send_events, events = anyio.create_memory_object_stream[Event](1)
     send_outcomes, outcomes = anyio.create_memory_object_stream[Outcome](1)
 
@@ -187,17 +201,12 @@ def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
     runner = build_runner(cfg, groups)
     injector = runner.replica.injector
     counts["watched"] = {i.step: None for i in injector.injections if i.replica == dp_rank}
-    # SIGINT/SIGTERM go on record the moment they arrive, then stop the rank as before
-    replica = runner.replica
-    stops = StopSignals(lambda name: replica.audit.stop(replica.step_id, "signal", name))
-    stops.install()
     try:
         anyio.run(_serve, runner, sched, cfg, counts)
     except Exception as exc:  # reported as data: every rank's own typed error matters
         exc = _unwrap_group(exc)
         error = {"type": type(exc).__name__, "message": str(exc), "step": runner.replica.step_id}
     finally:
-        stops.restore()
         anyio.run(runner.close)
         if groups is not None:  # the Flight Recorder's buffer, beside the audit log
             flight_recorder.dump_beside(cfg.run_dir, cfg.layout.global_rank(dp_rank, pcp_rank),
