@@ -51,13 +51,14 @@ def replay(run_dir: str | os.PathLike[str], *, timeline: Timeline | None = None,
 
     `jobs`: processes, each judging a range of steps (None: one for small runs, else one per
     CPU up to MAX_JOBS). A timeline needs every step in one process, so it implies one.
-    `world_size`: the job's, for Flight Recorder dumps alone, which may not name every rank
-    (audit logs carry the job's shape themselves).
+    `world_size`: the job's (`--world-size`): for Flight Recorder dumps alone, which may not
+    name every rank; with audit logs, checked against the shape they declare, or, in logs of
+    a writer that declares none, taken as the ranks to expect.
     """
     if flight_only(run_dir):  # a plain PyTorch job: Flight Recorder dumps and no audit log
         return replay_flight_only(run_dir, world_size)
     infos = discover(run_dir)
-    job = check_job(infos)  # before the long pass: logs of different runs are refused at once
+    job = check_job(infos, world_size)  # before the long pass: logs of different runs are refused at once
     jobs = auto_jobs(infos) if jobs is None else max(1, jobs)
     if jobs > 1 and timeline is None:
         result = judge_in_ranges(infos, jobs)
@@ -81,14 +82,17 @@ def auto_jobs(infos: list[RankInfo]) -> int:
 
 
 def replay_with_plot(run_dir: str | os.PathLike[str], plot_path: str | os.PathLike[str],
-                     *, jobs: int | None = None) -> ReplayReport:
+                     *, jobs: int | None = None, world_size: int | None = None) -> ReplayReport:
     """`replay`, then the timeline picture at `plot_path` (matplotlib is checked first)."""
     from runner_fsm.audit.report import plot, require_matplotlib
 
     require_matplotlib()  # fail before the long pass, not after it
+    if flight_only(run_dir):
+        raise ReplayInputError(f"--plot draws the steps of audit logs; {run_dir} holds Flight Recorder dumps only"
+                               " (replay it without --plot)")
     infos = discover(run_dir)
     timeline = Timeline(info.global_rank for info in infos)
-    report = replay(run_dir, timeline=timeline, jobs=jobs)
+    report = replay(run_dir, timeline=timeline, jobs=jobs, world_size=world_size)
     verdict = "sound" if report.sound else f"{len(report.verdicts)} finding(s)"
     plot(timeline, report.verdicts, plot_path, f"{run_dir}: {verdict}")
     return report
