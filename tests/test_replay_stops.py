@@ -168,3 +168,37 @@ def test_a_request_on_another_host_explains_no_end_by_time(tmp_path):
     _kill(run / "rank-0.jsonl", stop_at=end["t_ns"] - 10)
     report = replay(run)
     assert [(v.kind, v.ranks) for v in report.verdicts] == [("unfinished", (1,))], report.format()
+
+
+@pytest.mark.parametrize("killed", [0, 1])
+def test_a_rank_killed_inside_a_collective_before_the_stop_is_named(tmp_path, killed):
+    """Done-when (d) as the logs show it: one worker SIGKILLed inside the expert exchange; its
+    peer fails in it (gloo: connection reset), then vLLM shuts that peer down (its `stop` comes
+    after the fault). The hang blames the peer it saw fail; the killed rank is named as a death.
+    Mutation seen to fail this: `left_on_request` ignoring the peer's fault before its stop
+    (the hang then reads explained, and the killed rank goes unnamed)."""
+    peer = 1 - killed
+    run = write_run(tmp_path / "run", DP_ONLY)
+    for rank in (killed, peer):
+        path = run / f"rank-{rank}.jsonl"
+        records = _records(path)
+        cut = next(i for i, r in enumerate(records) if r["step_id"] == LAST and r.get("group") == "expert"
+                   and r.get("stage") == "enqueue")
+        records = records[: cut + 1]
+        if rank == peer:
+            last = records[-1]
+            t = last["t_ns"]
+            header = {k: last[k] for k in ("schema", "run_id", "dp_rank", "pcp_rank")}
+            records += [{**header, "t_ns": t + 10, "event": "fault", "step_id": LAST, "error": "RuntimeError",
+                         "message": "Connection reset by peer"},
+                        {**header, "t_ns": t + 20, "event": "transition", "step_id": LAST, "trigger": "fault",
+                         "src": "ready", "dst": "faulted", "outcome": "ok"},
+                        _stop_record(last, LAST, t + 30, signal=None),
+                        {**header, "t_ns": t + 40, "event": "transition", "step_id": LAST, "trigger": "shutdown",
+                         "src": "faulted", "dst": "stopped", "outcome": "ok"}]
+        _write(path, records)
+    report = replay(run)
+    assert not report.sound
+    deaths = [(v.replica, v.step) for v in report.verdicts if v.kind == "unfinished" and v.ranks == (killed,)]
+    assert deaths == [(killed, LAST)], report.format()
+    assert "died there" in next(v.detail for v in report.verdicts if v.kind == "unfinished")

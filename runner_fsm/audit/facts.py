@@ -20,10 +20,14 @@ class StopSeen:
     t_ns: int
     source: str
     signal: str | None
+    detail: str = ""
 
     def text(self) -> str:
-        what = self.signal if self.source == "signal" and self.signal else "the engine's shutdown call"
-        return f"{what} (rank {self.rank}, step {self.step})"
+        if self.source == "signal":
+            what = self.signal or "a stop signal"
+        else:
+            what = "the engine's shutdown call"
+        return f"{what} ({f'{self.detail}; ' if self.detail else ''}rank {self.rank}, step {self.step})"
 
 
 @dataclasses.dataclass(frozen=True)

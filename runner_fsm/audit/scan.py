@@ -353,7 +353,7 @@ class RankScanner:
         if not (_is_int(seq) and _is_int(t_ns)):
             raise ValueError(f"seq {seq!r} and t_ns {t_ns!r} must be integers")
         self.facts.stops.append(StopSeen(self.info.global_rank, record["step_id"], seq, t_ns, str(record["source"]),
-                                         None if signal is None else str(signal)))
+                                         None if signal is None else str(signal), str(record.get("detail") or "")))
 
     def _injected(self, record) -> None:
         self.facts.fired.add((self.info.global_rank, record["step_id"], str(record["injection"])))

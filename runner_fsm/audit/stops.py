@@ -57,6 +57,24 @@ class StopRule:
         own = self.own.get(fault.rank)
         return (own is not None and own.seq < fault.seq) or self.request_before(fault.rank, fault.t_ns) is not None
 
+    def left_on_request(self, rank: int) -> bool:
+        """The rank recorded a stop request and no fault of its own before it: whatever it
+        left, it left because of the stop (not, say, on a peer's closed connection)."""
+        own = self.own.get(rank)
+        return own is not None and not any(f.rank == rank and f.seq < own.seq for f in self.facts.faults)
+
+    def waiting(self, hang: Verdict) -> list[int]:
+        """The ranks a `hang` verdict finds waiting in its collective (its `ranks` are the culprits)."""
+        return sorted(r for r, end in self.facts.ends.items()
+                      if end.in_collective and end.step == hang.step and r not in hang.ranks)
+
+    def explains_hang(self, hang: Verdict) -> bool:
+        """Its culprits' ends are explained, and so is each waiter's: by itself, or because every
+        culprit left the collective on the stop request (a waiter blocked in C++ records nothing)."""
+        culprits_left = all(map(self.left_on_request, hang.ranks))
+        return all(map(self.explains_end, hang.ranks)) and \
+            all(culprits_left or self.explains_end(rank) for rank in self.waiting(hang))
+
 
 def settle_stops(verdicts: list[Verdict], facts: RunFacts) -> tuple[list[Verdict], tuple[str, ...]]:
     """The verdicts a recorded stop request explains, taken out, and a note of what was seen."""
@@ -66,14 +84,35 @@ def settle_stops(verdicts: list[Verdict], facts: RunFacts) -> tuple[list[Verdict
     faults = {(f.rank, f.step, f.detail): f for f in facts.faults}
     kept, ended, faulted = [], set(), []
     for verdict in verdicts:
-        if verdict.kind in END_KINDS and verdict.ranks and all(map(rule.explains_end, verdict.ranks)):
+        if verdict.kind == "hang" and rule.explains_hang(verdict):
+            ended.update(verdict.ranks, rule.waiting(verdict))
+        elif verdict.kind in END_KINDS and verdict.kind != "hang" and verdict.ranks and \
+                all(map(rule.explains_end, verdict.ranks)):
             ended.update(verdict.ranks)
         elif verdict.kind == "fault" and len(verdict.ranks) == 1 and \
                 (fault := faults.get((verdict.ranks[0], verdict.step, verdict.detail))) and rule.explains_fault(fault):
             faulted.append(verdict)
         else:
             kept.append(verdict)
+    kept += _deaths_in_collectives(rule, kept)
     return kept, (_note(rule, facts, ended, faulted, kept),)
+
+
+def _deaths_in_collectives(rule: StopRule, kept: list[Verdict]) -> list[Verdict]:
+    """A rank that waits in a collective a hang verdict tells of, whose end no stop request
+    explains, died there while its job was still running: said on its own, since the hang
+    blames whoever its peers saw fail (e.g. the peer whose connection its death reset)."""
+    named = {rank for v in kept if v.kind in END_KINDS for rank in v.ranks}
+    deaths = []
+    for hang in [v for v in kept if v.kind == "hang"]:
+        for rank in rule.waiting(hang):
+            if rank not in named and not rule.explains_end(rank):
+                named.add(rank)
+                end = rule.facts.ends[rank]
+                deaths.append(Verdict("unfinished", end.replica, end.step, (
+                    f"the log ends inside a collective at step {end.step} with no stop request recorded before"
+                    " it (the job's stop came later): the process died there"), (rank,)))
+    return deaths
 
 
 def _note(rule: StopRule, facts: RunFacts, ended: set[int], faulted: list[Verdict], kept: list[Verdict]) -> str:

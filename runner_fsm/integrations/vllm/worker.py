@@ -38,6 +38,7 @@ from runner_fsm.audit import AuditLog
 from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.integrations.vllm import cpu_collectives, cpu_rope, inject, schema
 from runner_fsm.integrations.vllm.dp_support import DPSupport
+from runner_fsm.integrations.vllm.engine_stops import WorkerNotice
 from runner_fsm.integrations.vllm.flight import WorkerFlight, start as start_flight_recorder
 from runner_fsm.integrations.vllm.forwards import forward_context, hook_forward
 from runner_fsm.integrations.vllm.journal import Journal
@@ -59,6 +60,7 @@ class FSMWorkerMixin:
     rope_installed: str | None = None  # what install_stride_safe_rope did (None: nothing)
     flight: WorkerFlight = WorkerFlight()  # no run dir yet: dumps nothing
     stop_signals: StopSignals | None = None
+    engine_notice: WorkerNotice | None = None
 
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
                  is_driver_worker: bool = False, **kwargs: Any):
@@ -93,6 +95,11 @@ class FSMWorkerMixin:
         # front of them, record the signal, and hand it on; put back at shutdown.
         self.stop_signals = StopSignals(lambda name: rec.audit.stop(rec.step_id, "signal", name))
         self.stop_signals.install()
+        # vLLM kills a served engine core's workers before any signal reaches them: the engine
+        # core, told by the plugin `engine_stops`, tells this worker first
+        self.engine_notice = WorkerNotice(lambda name: rec.audit.stop(
+            rec.step_id, "signal", name, detail="received by vLLM's engine core, which told this worker"))
+        self.engine_notice.install()
         self.install_extensions()
 
     def _job_shape(self) -> dict:
@@ -299,6 +306,7 @@ class FSMWorkerMixin:
             rec.audit.stop(rec.step_id, "shutdown", detail="vLLM shut the worker down")
         if self.stop_signals is not None:
             self.stop_signals.restore()
+            self.engine_notice.restore()
         unfired = None
         if self.dp_support is not None:
             self.dp_support.close()
