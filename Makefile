@@ -29,7 +29,7 @@ test: $(STAMP) $(NATIVE)
 	$(PY) -m pytest -q
 
 test-slow: $(STAMP) $(NATIVE)
-	$(PY) -m pytest -q -m slow
+	$(PY) -m pytest -q -m "slow and not vllm"
 
 demo: $(STAMP) $(NATIVE)
 	$(VENV)/bin/runner-fsm demo
@@ -84,7 +84,7 @@ venv-vllm: $(VLLM_STAMP) $(NATIVE)
 # the tests themselves (transformers, no network).
 test-vllm: $(VLLM_STAMP) $(NATIVE)
 	$(VLLM_PY) -c "import vllm" || { echo "make test-vllm: vLLM cannot be imported in $(VLLM_VENV)" >&2; exit 1; }
-	$(VLLM_PY) -m pytest -q -m vllm tests
+	$(VLLM_PY) -m pytest -q -m "vllm and not slow" tests
 	$(MAKE) test-vllm-mrv2
 
 # The same tests on vLLM's Model Runner V2. vLLM picks MRV2 only where Triton works; on this CPU
@@ -95,4 +95,10 @@ MRV2_ENV := VLLM_USE_V2_MODEL_RUNNER=1 TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR)/t
 .PHONY: test-vllm-mrv2
 test-vllm-mrv2: $(VLLM_STAMP) $(NATIVE)
 	$(MRV2_ENV) $(VLLM_PY) -c "from vllm.triton_utils import HAS_TRITON; assert HAS_TRITON, 'MRV2 needs the Triton stand-in'"
-	$(MRV2_ENV) $(VLLM_PY) -m pytest -q -m "vllm and not runner_independent" tests
+	$(MRV2_ENV) $(VLLM_PY) -m pytest -q -m "vllm and not runner_independent and not slow" tests
+
+# The slower vLLM tier: shapes of eight ranks and more (e.g. DP=2 x PCP=2 x TP=2), once.
+.PHONY: test-vllm-slow
+test-vllm-slow: $(VLLM_STAMP) $(NATIVE)
+	$(VLLM_PY) -c "import vllm" || { echo "make test-vllm-slow: vLLM cannot be imported in $(VLLM_VENV)" >&2; exit 1; }
+	$(VLLM_PY) -m pytest -q -m "vllm and slow" tests

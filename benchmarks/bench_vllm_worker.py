@@ -24,6 +24,10 @@ more threads than free cores make spin-waiting OpenMP times swing on a shared ma
     .venv-vllm/bin/python benchmarks/bench_vllm_worker.py [--requests 32] [--max-new 32] [--repeats 2]
         [--runner v1|mrv2]
 
+`--tp 2`: both workers at tensor_parallel_size 2 (vLLM's `mp` executor, one process per TP rank,
+`VLLM_CPU_OMP_THREADS_BIND=0|1`): throughput only, with the full audit (the timers of step 2
+and 3 live in one worker process).
+
 `--runner mrv2`: vLLM's Model Runner V2 for both workers, as the MRV2 test leg runs it on this
 CPU (VLLM_USE_V2_MODEL_RUNNER=1, Triton's interpreter for MRV2's kernels, the stand-in backend
 of tests/mrv2_site): the interpreter slows vLLM's own step, not the wrapper's, so the ratio is
@@ -166,12 +170,18 @@ def _child(args) -> None:
     run_dir = str(Path(args.out).with_suffix("")) + "-run"
     kwargs = h.llm_kwargs(args.model_dir, worker=worker, run_dir=run_dir if worker else None,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget,
-                          max_model_len=512, kv_cache_memory_bytes=256 << 20, runner_fsm=options)
+                          max_model_len=512, kv_cache_memory_bytes=256 << 20, runner_fsm=options,
+                          tensor_parallel_size=args.tp)
     with h.open_llm(**kwargs) as llm:
         h.generate(llm, warmup)
         cpu = time.process_time()
         outputs, elapsed = h.generate(llm, requests)
         cpu = time.process_time() - cpu
+        if args.tp > 1:  # the workers are other processes: throughput only
+            Path(args.out).write_text(json.dumps({"worker": args.worker, "elapsed_s": elapsed, "cpu_s": cpu,
+                                                  "outputs": outputs, "again_equal": True, "steps": None,
+                                                  "output_tokens": sum(map(len, outputs.values()))}))
+            return
         h.worker_call(llm, _install_timers)
         again, _ = h.generate(llm, requests)
         (own,) = h.worker_call(llm, lambda w: list(w._bench_steps))
@@ -194,8 +204,11 @@ def _child(args) -> None:
 def _measure(args, worker: str, out: Path) -> dict:
     cmd = [sys.executable, __file__, "--child", worker, "--out", str(out), "--model-dir", args.model_dir,
            "--requests", str(args.requests), "--max-new", str(args.max_new), "--seed", str(args.seed),
-           "--vocab", str(args.vocab), "--budget", str(args.budget), "--max-num-seqs", str(args.max_num_seqs)]
+           "--vocab", str(args.vocab), "--budget", str(args.budget), "--max-num-seqs", str(args.max_num_seqs),
+           "--tp", str(args.tp)]
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS=str(args.threads))
+    if args.tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(args.tp))
     paths = [str(REPO)]
     if args.runner == "mrv2":
         env.update(VLLM_USE_V2_MODEL_RUNNER="1", TRITON_INTERPRET="1")
@@ -209,6 +222,25 @@ def _measure(args, worker: str, out: Path) -> dict:
     if code:
         raise SystemExit(f"{worker} run failed ({code}); see {log}:\n{log.read_text()[-3000:]}")
     return json.loads(out.read_text())
+
+
+def _tp_summary(args, runs: dict, wall: dict, same: bool) -> None:
+    """The throughput row at `--tp` > 1, and its JSON summary."""
+    tokens = runs["fsm"][0]["output_tokens"]
+    ratio = wall["default"] / wall["fsm"]
+    row = dict(name=f"FSMWorker in vLLM vs default CPU worker, TP={args.tp}",
+               figure=f"FSMWorker {tokens / wall['fsm']:,.0f} tok/s",
+               baseline=f"default worker {tokens / wall['default']:,.0f} tok/s", ratio=f"{ratio:.3f}x",
+               target=">= 0.95x", status="error" if not same else ("pass" if ratio >= 0.95 else "miss"),
+               note=(f"random {args.arch}, hidden {args.hidden}, {args.layers} layers, tensor_parallel_size"
+                     f" {args.tp} (one worker process per TP rank); {args.requests} requests x {args.max_new} new"
+                     f" tokens, {args.repeats} fresh processes per worker, interleaved; full audit; outputs "
+                     + ("equal" if same else "DIFFER")))
+    print("SUITE_ROW " + json.dumps(row), flush=True)
+    print(json.dumps({"tp": args.tp, "arch": args.arch, "default_s": wall["default"], "fsm_s": wall["fsm"],
+                      "throughput_ratio_fsm_over_default": ratio, "outputs_equal": same}, indent=1))
+    if not same:
+        raise SystemExit("outputs differ between workers or runs")
 
 
 def main() -> None:
@@ -226,6 +258,7 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for both workers")
     p.add_argument("--vocab", type=int, default=512)
     p.add_argument("--runner", default="v1", choices=("v1", "mrv2"), help="vLLM's model runner for both workers")
+    p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size for both workers (throughput only)")
     p.add_argument("--child", choices=("default", "fsm", "fsm-transitions"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -241,11 +274,16 @@ def main() -> None:
                                     intermediate_size=2 * args.hidden, num_hidden_layers=args.layers,
                                     num_attention_heads=args.hidden // 64, num_key_value_heads=max(1, args.hidden // 128),
                                     head_dim=64)
-    runs: dict[str, list[dict]] = {"default": [], "fsm": [], "fsm-transitions": []}
+    runs: dict[str, list[dict]] = {"default": [], "fsm": []} if args.tp > 1 else \
+        {"default": [], "fsm": [], "fsm-transitions": []}
     for i in range(args.repeats):
         for worker in runs:
             result = _measure(args, worker, work / f"{worker}-{i}.json")
             runs[worker].append(result)
+            if args.tp > 1:
+                print(f"{worker:8s} run {i}: {result['elapsed_s']:.3f} s wall, {result['output_tokens']} tokens",
+                      flush=True)
+                continue
             print(f"{worker:8s} run {i}: {result['elapsed_s']:.3f} s wall, {result['cpu_s']:.3f} s cpu,"
                   f" {result['output_tokens']} tokens, {result['steps']} steps,"
                   f" layer time per step median {result['own_us_median']:.1f} us (p90 {result['own_us_p90']:.1f})"
@@ -255,6 +293,8 @@ def main() -> None:
     reference = runs["default"][0]["outputs"]
     same = all(r["outputs"] == reference and r["again_equal"] for rs in runs.values() for r in rs)
     wall = {w: statistics.median(r["elapsed_s"] for r in rs) for w, rs in runs.items()}
+    if args.tp > 1:
+        return _tp_summary(args, runs, wall, same)
     cpu = {w: statistics.median(r["cpu_s"] for r in rs) for w, rs in runs.items()}
     own = {w: statistics.median(r["own_us_median"] for r in rs) for w, rs in runs.items()}
     # The wrapper's own time, paired: in FSMWorker's process, step by step, its calls minus

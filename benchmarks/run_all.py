@@ -60,6 +60,7 @@ SUITE = {
     "replay": None,  # hook: benchmarks/bench_replay.py (owned elsewhere)
     "vllm": None,  # hook: benchmarks/bench_vllm_worker.py with .venv-vllm (owned elsewhere)
     "vllm-mrv2": None,  # the same on vLLM's Model Runner V2 (Triton's interpreter on the CPU)
+    "vllm-tp2": None,  # FSMWorker vs vLLM's default worker at tensor_parallel_size 2 (V1, a Mixtral)
 }
 HOOK_TIMEOUT_S = 150
 
@@ -145,9 +146,10 @@ def _replay_rows(quick: bool, extra: list[str]) -> list[Row]:
     return _script_rows("runner-fsm replay", cmd, extra, _parse_replay)
 
 
-def _vllm_rows(quick: bool, extra: list[str], runner: str = "v1") -> list[Row]:
+def _vllm_rows(quick: bool, extra: list[str], runner: str = "v1", tp: int = 1) -> list[Row]:
     script, python = HERE / "bench_vllm_worker.py", REPO / ".venv-vllm" / "bin" / "python"
-    name = "FSMWorker in vLLM vs default CPU worker" + ("" if runner == "v1" else " (MRV2)")
+    name = "FSMWorker in vLLM vs default CPU worker" + ("" if runner == "v1" else " (MRV2)") + \
+        (f", TP={tp}" if tp > 1 else "")
     if not python.exists() or not script.exists():
         missing = ".venv-vllm" if not python.exists() else "benchmarks/bench_vllm_worker.py"
         return [Row(name, "-", "-", "-", "report the ratio", "n/a", note=f"hook: {missing} not present")]
@@ -158,7 +160,9 @@ def _vllm_rows(quick: bool, extra: list[str], runner: str = "v1") -> list[Row]:
     cmd = [str(python), str(script), "--repeats", "3", "--runner", runner]
     if runner == "mrv2":
         cmd += ["--requests", "16", "--max-new", "16"]
-    return _script_rows(name, cmd, extra, _parse_vllm, timeout_s=480 if runner == "v1" else 1200)
+    if tp > 1:  # two worker processes per measurement: a MoE model, a workload of about a minute
+        cmd += ["--tp", str(tp), "--arch", "mixtral"]
+    return _script_rows(name, cmd, extra, _parse_vllm, timeout_s=480 if runner == "v1" and tp == 1 else 1200)
 
 
 def _machine() -> dict[str, str]:
@@ -184,15 +188,16 @@ def run(names: list[str], quick: bool) -> tuple[list[Row], list[str], bool]:
         try:
             if name == "replay":
                 got = _replay_rows(quick, extra)
-            elif name in ("vllm", "vllm-mrv2"):
-                got = _vllm_rows(quick, extra, runner="v1" if name == "vllm" else "mrv2")
+            elif name in ("vllm", "vllm-mrv2", "vllm-tp2"):
+                got = _vllm_rows(quick, extra, runner="mrv2" if name == "vllm-mrv2" else "v1",
+                                 tp=2 if name == "vllm-tp2" else 1)
             else:
                 got = importlib.import_module(SUITE[name]).rows(quick=quick)
         except Exception as exc:  # a wrong output or a crash: report it, keep going
             traceback.print_exc()
             ok = False
             got = [Row(name, "-", "-", "-", "-", "error", note=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])]
-        ok = ok and all(r.status != "error" for r in got if name not in ("replay", "vllm", "vllm-mrv2"))
+        ok = ok and all(r.status != "error" for r in got if name not in ("replay", "vllm", "vllm-mrv2", "vllm-tp2"))
         rows.extend(got)
         print(f"[bench] {name} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return rows, extra, ok

@@ -118,7 +118,9 @@ def _cmd_make_model(args) -> int:
 
 def _add_replay(sub) -> None:
     p = sub.add_parser("replay", help="judge a run from its audit logs (exit 0 sound, 1 findings, 2 unreadable)")
-    p.add_argument("run_dir", metavar="RUN_DIR", help="directory holding rank-<global_rank>.jsonl files")
+    p.add_argument("run_dir", metavar="RUN_DIR", nargs="+",
+                   help="directory holding rank-<global_rank>.jsonl files; several (e.g. one per node of a"
+                        " job on several machines) are judged as one run")
     p.add_argument("--json", action="store_true", help="print the verdicts and a summary as JSON")
     p.add_argument("--plot", metavar="FILE", help="write a timeline picture (needs matplotlib)")
     p.add_argument("--limit", type=int, default=20, help="verdicts listed in the human report (default 20)")

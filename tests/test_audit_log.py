@@ -69,7 +69,7 @@ def test_every_line_parses_with_gapless_seq_and_header(log):
     times = [r["t_ns"] for r in records]
     assert times == sorted(times)
     assert records[-1] | {"t_ns": 0} == {
-        "schema": 1, "run_id": "run-7", "seq": 18, "t_ns": 0, "dp_rank": 2, "pcp_rank": 1,
+        "schema": SCHEMA_VERSION, "run_id": "run-7", "seq": 18, "t_ns": 0, "dp_rank": 2, "pcp_rank": 1,
         "event": "fault", "step_id": 3, "error": "RuntimeError", "message": "peer gone",
     }
 

@@ -169,7 +169,7 @@ def test_a_rank_with_neither_log_nor_dump_is_a_missing_rank(hang_run, tmp_path, 
     (tmp_path / "run" / f"fr-rank-{rank}.json").unlink()
     missing = [v for v in replay(tmp_path / "run").verdicts if v.kind == "missing_rank"]
     assert [(v.replica, v.ranks) for v in missing] == [(rank // 2, (rank,))]
-    assert f"rank {rank} (replica {rank // 2}, PCP rank {rank % 2}) left no audit log" in missing[0].detail
+    assert f"rank {rank} (dp {rank // 2}, pcp {rank % 2}) left no audit log" in missing[0].detail
 
 
 @pytest.mark.multiproc

@@ -62,8 +62,8 @@ def test_every_event_is_placed(trace):
 @pytest.mark.multiproc
 def test_one_process_per_replica_one_thread_per_rank(trace):
     names = {(e["pid"], e["tid"]): e["args"]["name"] for e in trace if e["name"] == "thread_name"}
-    assert names == {(0, 0): "rank 0 (pcp 0)", (0, 1): "rank 1 (pcp 1)", (1, 2): "rank 2 (pcp 0)",
-                     (1, 3): "rank 3 (pcp 1)"}
+    assert names == {(0, 0): "rank 0 (dp 0, pcp 0)", (0, 1): "rank 1 (dp 0, pcp 1)", (1, 2): "rank 2 (dp 1, pcp 0)",
+                     (1, 3): "rank 3 (dp 1, pcp 1)"}
     processes = {e["pid"]: e["args"]["name"] for e in trace if e["name"] == "process_name"}
     assert processes == {0: "replica 0", 1: "replica 1"}
     assert {(e["pid"], e["tid"]) for e in trace if e["ph"] != "M"} == set(names)

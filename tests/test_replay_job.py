@@ -3,12 +3,15 @@ log from every rank it names (`missing_rank`); Flight-Recorder-only replay requi
 every rank the dumps name; unreadable input is one line on stderr and exit status 2."""
 
 import json
+import shutil
+from pathlib import Path
 
+import numpy as np
 import pytest
 
 from runner_fsm.audit import AuditLog, read_records
 from runner_fsm.audit.replay import replay
-from runner_fsm.audit.shape import JobShape, job_shape_fields
+from runner_fsm.audit.shape import Coords, JobShape, coords_of, global_rank_of, job_shape_fields, layout_groups
 from runner_fsm.cli import main
 from runner_fsm.testing.synth import SynthSpec, write_run
 
@@ -28,7 +31,9 @@ def test_the_shape_is_the_first_record_with_groups(tmp_path):
     assert (first["dp_size"], first["pcp_size"], first["world_size"], first["global_rank"]) == (2, 2, 4, 3)
     assert (first["dp_rank"], first["pcp_rank"]) == (1, 1)
     assert first["groups"] == {"dp": [1, 3], "pcp": [2, 3], "expert": [0, 1, 2, 3]}
-    assert second["seq"] == 1
+    assert first["coords"] == {"dp": 1, "pp": 0, "pcp": 1, "tp": 0} and (first["tp_size"], first["pp_size"]) == (1, 1)
+    assert isinstance(first["host"], str) and first["host"] and isinstance(first["pid"], int)
+    assert first["schema"] == 2 and second["seq"] == 1
     assert JobShape.from_record(first) == JobShape("run-9", 2, 2, 4)
 
 
@@ -51,7 +56,8 @@ def test_any_one_deleted_log_is_a_missing_rank(tmp_path, capsys, rank):
     [verdict] = data["verdicts"]
     replica, pcp_rank = divmod(rank, 2)
     assert (verdict["kind"], verdict["replica"], verdict["ranks"]) == ("missing_rank", replica, [rank])
-    assert f"rank {rank} (replica {replica}, PCP rank {pcp_rank}) left no audit log" in verdict["detail"]
+    assert f"rank {rank} (dp {replica}, pcp {pcp_rank}) left no audit log" in verdict["detail"]
+    assert verdict["coords"] == [{"rank": rank, "dp": replica, "pp": 0, "pcp": pcp_rank, "tp": 0}]
     assert data["summary"]["expected_ranks"] == 4 and data["summary"]["ranks"] == 3
     assert main(["replay", str(run)]) == 1
     out = capsys.readouterr().out
@@ -93,9 +99,12 @@ def _rewrite_first(path, **changes):
 
 
 @pytest.mark.parametrize("change, message", [
-    (dict(dp_size=1, world_size=2), "logs of different runs"),
+    (dict(dp_size=1, world_size=2), "its dp coordinate 1 is outside [0, 1)"),
+    (dict(dp_size=3, world_size=6), "logs of different runs"),
     (dict(run_id="other"), "logs of different runs"),
-    (dict(world_size=5), "not dp_size x pcp_size"),
+    (dict(world_size=5), "not the product of its sizes"),
+    (dict(tp_size=2), "not the product of its sizes"),
+    (dict(coords={"dp": 0, "pp": 0, "pcp": 0, "tp": 3}), "tp coordinate 3 is outside [0, 1)"),
     (dict(dp_size="2"), "not a size"),
 ])
 def test_logs_that_disagree_on_the_shape_are_unreadable_input(tmp_path, capsys, change, message):
@@ -120,7 +129,8 @@ def test_a_log_at_the_wrong_coordinates_is_unreadable_input(tmp_path, capsys):
     (run / "rank-2.jsonl").rename(run / "rank-1.jsonl")
     (run / "rank-9.jsonl").rename(run / "rank-2.jsonl")
     assert main(["replay", str(run)]) == 2
-    assert "puts global rank 1 at replica 0, PCP rank 1" in capsys.readouterr().err
+    assert "its records say dp 1, pcp 0; the job run 'synth': dp=2 x pcp=2, world size 4 puts global rank 1" \
+        " at dp 0, pcp 1" in capsys.readouterr().err
 
 
 def test_a_log_that_is_a_directory_is_one_line_and_exit_2(tmp_path, capsys):
@@ -204,6 +214,118 @@ def test_logs_without_a_shape_still_see_a_rank_the_dumps_name(tmp_path):
     assert (verdict.kind, verdict.replica, verdict.ranks) == ("missing_rank", 1, (3,))
     assert "fr-rank-0.json lists it in group expert (ranks 0, 1, 2, 3)" in verdict.detail
     assert verdict.evidence == ("audit", "flight_recorder")
+
+
+# ---------------------------------------------------------------- every dimension (Part 19)
+
+
+def _vllm_layout(dp, pp, pcp, tp):
+    """vLLM's rank layout, written out as vllm/distributed/parallel_state.py builds its groups:
+    the ranks reshaped to [dp, pp, pcp, tp]; a dimension's groups by moving it last."""
+    ranks = np.arange(dp * pp * pcp * tp).reshape(1, dp, pp, pcp, tp)
+    groups = {"tp": ranks.reshape(-1, tp), "pcp": ranks.transpose(0, 1, 2, 4, 3).reshape(-1, pcp),
+              "pp": ranks.transpose(0, 1, 4, 3, 2).reshape(-1, pp), "dp": ranks.transpose(0, 4, 2, 3, 1).reshape(-1, dp)}
+    return ranks[0], groups
+
+
+@pytest.mark.parametrize("sizes", [(2, 1, 2, 2), (1, 2, 1, 2), (3, 2, 2, 2), (2, 1, 1, 4)])
+def test_coordinates_and_groups_are_vllms(sizes):
+    """Mutation seen failing: `coords_of` with PCP as the fastest dimension (the old
+    `rank % pcp_size` rule)."""
+    ranks, groups = _vllm_layout(*sizes)
+    dims = Coords(*sizes)
+    for index in np.ndindex(*sizes):
+        rank = int(ranks[index])
+        assert global_rank_of(Coords(*index), dims) == rank and coords_of(rank, dims) == Coords(*index)
+        mine = layout_groups(Coords(*index), dims)
+        for name, rows in groups.items():
+            [row] = [r for r in rows.tolist() if rank in r]
+            assert mine[name] == row, (name, rank)
+
+
+def test_the_shape_names_tp_and_pp_and_their_groups(tmp_path):
+    fields = job_shape_fields(2, 2, dp_rank=1, pcp_rank=0, tp_size=2, tp_rank=1, pp_size=1, host="node-b",
+                              hosts={"node-a": [0, 1, 2, 3], "node-b": [4, 5, 6, 7]})
+    assert (fields["world_size"], fields["global_rank"]) == (8, 5)
+    assert fields["coords"] == {"dp": 1, "pp": 0, "pcp": 0, "tp": 1}
+    assert fields["groups"] == {"dp": [1, 5], "pcp": [5, 7], "tp": [4, 5], "expert": list(range(8))}
+    assert fields["hosts"] == {"node-a": [0, 1, 2, 3], "node-b": [4, 5, 6, 7]} and fields["host"] == "node-b"
+    shape = JobShape.from_record({"run_id": "r", **fields})
+    assert shape == JobShape("r", 2, 2, 8, tp_size=2) and shape.coords(5) == Coords(1, 0, 0, 1)
+    assert shape.text() == "run 'r': dp=2 x pcp=2 x tp=2, world size 8"
+
+
+@pytest.mark.parametrize("spec", [SynthSpec(dp_size=2, pcp_size=1, tp_size=2, steps=5),
+                                  SynthSpec(dp_size=2, pcp_size=2, tp_size=2, steps=5)])
+def test_a_run_with_tp_ranks_replays_sound(tmp_path, spec):
+    report = replay(write_run(tmp_path / "run", spec))
+    assert report.sound, report.format()
+    assert report.summary.expected_ranks == report.summary.ranks == 2 * spec.pcp_size * 2
+
+
+@pytest.mark.parametrize("rank", [1, 3, 6])
+def test_a_missing_tp_rank_is_named_by_its_coordinates(tmp_path, rank):
+    """Mutation seen failing: `_missing` naming the rank by `divmod(rank, pcp_size)` (TP ignored)."""
+    run = write_run(tmp_path / "run", SynthSpec(dp_size=2, pcp_size=2, tp_size=2, steps=5))
+    (run / f"rank-{rank}.jsonl").unlink()
+    [verdict] = replay(run).verdicts
+    dp, pp, pcp, tp = (int(v) for v in np.argwhere(_vllm_layout(2, 1, 2, 2)[0] == rank)[0])
+    assert (verdict.kind, verdict.replica, verdict.ranks) == ("missing_rank", dp, (rank,))
+    assert f"rank {rank} (dp {dp}, pcp {pcp}, tp {tp}) left no audit log" in verdict.detail
+    assert verdict.as_dict()["coords"] == [{"rank": rank, "dp": dp, "pp": pp, "pcp": pcp, "tp": tp}]
+    assert f"rank {rank} (pcp {pcp}, tp {tp})" in str(verdict)
+
+
+@pytest.mark.parametrize("lost", [None, 0, 5])
+def test_replay_groups_ranks_as_vllm_does_even_without_a_rank_s_job_record(tmp_path, lost):
+    """Each group instance replay compares is vLLM's (the `job` records' member lists); a rank
+    whose record is lost is placed by its peers' lists or, failing those, by its coordinates.
+    Mutation seen failing: `Groups.instance` keying `dp` by the PCP rank alone (the old rule:
+    TP ranks of different DP groups merged)."""
+    from runner_fsm.audit.ranks import Groups, discover
+
+    run = write_run(tmp_path / "run", SynthSpec(dp_size=2, pcp_size=2, tp_size=2, steps=3))
+    if lost is not None:
+        path = run / f"rank-{lost}.jsonl"
+        path.write_bytes(path.read_bytes().split(b"\n", 1)[1])  # the job record gone
+    groups = Groups(discover(run))
+    _, expected = _vllm_layout(2, 1, 2, 2)
+    for name in ("dp", "pcp", "tp"):
+        for row in expected[name].tolist():
+            for rank in row:
+                assert groups.members(name, groups.instance(name, rank)) == tuple(row), (name, rank)
+
+
+@pytest.mark.parametrize("replica", [0, 1])
+def test_a_defect_in_a_tp_run_names_the_replica_and_every_rank_s_coordinates(tmp_path, replica):
+    from runner_fsm.testing.synth import Defect
+
+    spec = SynthSpec(dp_size=2, pcp_size=1, tp_size=2, steps=6)
+    run = write_run(tmp_path / "run", spec, [Defect("collective_mismatch", replica, 3)])
+    verdicts = [v for v in replay(run).verdicts if v.kind == "collective_mismatch"]
+    assert verdicts and {(v.replica, v.step) for v in verdicts} == {(replica, 3)}
+    ranks = {r for v in verdicts for r in v.ranks}
+    assert ranks == {2 * replica, 2 * replica + 1}
+    assert {(c["rank"], c["tp"]) for v in verdicts for c in v.as_dict()["coords"]} == \
+        {(2 * replica, 0), (2 * replica + 1, 1)}
+
+
+GOLDEN_SCHEMA1 = Path(__file__).parent / "golden" / "schema1-run"
+
+
+def test_a_schema_1_log_still_replays(tmp_path):
+    """Logs of the schema before Part 19 (stored, written by that version's synthesiser): their
+    job records name no TP, PP, coordinates or host; they read as TP = PP = 1."""
+    run = tmp_path / "run"
+    shutil.copytree(GOLDEN_SCHEMA1, run)
+    first = next(read_records(run / "rank-0.jsonl"))
+    assert first["schema"] == 1 and "tp_size" not in first and "coords" not in first
+    report = replay(run)
+    assert report.sound and report.summary.expected_ranks == 4, report.format()
+    (run / "rank-2.jsonl").unlink()
+    [verdict] = replay(run).verdicts
+    assert (verdict.kind, verdict.replica, verdict.ranks) == ("missing_rank", 1, (2,))
+    assert "rank 2 (dp 1, pcp 0) left no audit log" in verdict.detail
 
 
 # --- --world-size beside audit logs, and with --plot: used or refused, never ignored ---------

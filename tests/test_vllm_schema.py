@@ -91,17 +91,31 @@ def test_a_runner_without_a_persistent_buffer_is_refused():
     runner = SimpleNamespace(model=object(), input_ids=object(), positions=object(), query_start_loc=object(),
                              max_num_reqs=8, input_batch=SimpleNamespace(num_reqs=0, block_table=[table]),
                              parallel_config=object(), _determine_batch_execution_and_padding=print,
-                             _dummy_run=print, _prepare_inputs=print)
+                             _dummy_run=print, _prepare_inputs=print, intermediate_tensors=None,
+                             max_num_tokens=64, model_config=object(), device="cpu")
     adapter = V1Runner(runner)
     assert adapter.problems() == ["SimpleNamespace.seq_lens is missing (v1 runner)"]
     with pytest.raises(VLLMSchemaError, match=r"SimpleNamespace.seq_lens is missing \(v1 runner\)"):
         schema.check_runner(adapter)
 
 
-def test_tensor_parallelism_is_refused_by_name():
-    from runner_fsm.integrations.vllm.rundir import replica_coords
+@pytest.mark.parametrize("sizes", [(1, 1, 1, 2), (2, 1, 2, 2), (2, 2, 1, 2), (3, 1, 2, 1)])
+def test_every_rank_is_placed_where_vllm_numbers_it(sizes):
+    """`rank_place` against vLLM's own layout (`all_ranks.reshape(-1, dp, pp, pcp, tp)` in
+    `initialize_model_parallel`, as the installed source writes it): every worker's global rank
+    and coordinates. Mutation seen failing: PCP as the fastest dimension (`rank % pcp_size`,
+    the rule before TP was supported)."""
+    import torch
+    from vllm.distributed import parallel_state as ps
 
-    config = SimpleNamespace(parallel_config=SimpleNamespace(tensor_parallel_size=2, pipeline_parallel_size=1,
-                                                             data_parallel_rank=0))
-    with pytest.raises(UnsupportedFeatureError, match="tensor_parallel_size=2"):
-        replica_coords(config, 0)
+    from runner_fsm.integrations.vllm.rundir import rank_place
+
+    assert "all_ranks = torch.arange(world_size).reshape(" in inspect.getsource(ps.initialize_model_parallel)
+    dp, pp, pcp, tp = sizes
+    layout = torch.arange(dp * pp * pcp * tp).reshape(-1, dp, pp, pcp, tp)[0]
+    for d in range(dp):
+        for rank in range(pp * pcp * tp):  # the `rank` vLLM hands each worker of replica d
+            par = SimpleNamespace(data_parallel_size=dp, pipeline_parallel_size=pp, prefill_context_parallel_size=pcp,
+                                  tensor_parallel_size=tp, decode_context_parallel_size=1, data_parallel_rank=d)
+            place = rank_place(SimpleNamespace(parallel_config=par), rank)
+            assert layout[tuple(place.coords)].item() == place.global_rank == d * pp * pcp * tp + rank

@@ -22,7 +22,8 @@ import orjson
 
 from runner_fsm.audit.checks import divergent_outputs
 from runner_fsm.audit.pairing import AgreementPairs
-from runner_fsm.audit.read import Groups, RankStep, StepMerger
+from runner_fsm.audit.ranks import Groups
+from runner_fsm.audit.read import RankStep, StepMerger
 from runner_fsm.audit.report import Verdict, phase_label
 from runner_fsm.audit.sequences import SequenceChecker, check_hangs
 

@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import re
 from pathlib import Path
 
 from runner_fsm.audit.report import ReplayInputError, ReplayReport, RunSummary, Verdict, sort_verdicts
+from runner_fsm.audit.rundirs import RunDirs, as_dirs, label, ranked_files
 
 DUMP_FILE = re.compile(r"^fr-rank-(\d+)\.json$")
 EVIDENCE = ("flight_recorder",)
@@ -69,15 +69,13 @@ class RankDump:
         return next((pg for pg, name in self.names.items() if name == audit_name), None)
 
 
-def dump_paths(run_dir: str | os.PathLike[str]) -> list[tuple[int, Path]]:
-    directory = Path(run_dir)
-    if not directory.is_dir():
-        return []
-    return sorted((int(m[1]), directory / name) for name in os.listdir(directory) if (m := DUMP_FILE.match(name)))
+def dump_paths(run_dir: RunDirs) -> list[tuple[int, Path]]:
+    """(global rank, path) of every dump in the run's directories (`audit.rundirs`)."""
+    return ranked_files([d for d in as_dirs(run_dir) if d.is_dir()], DUMP_FILE, "Flight Recorder dump")
 
 
-def read_dumps(run_dir: str | os.PathLike[str]) -> dict[int, RankDump]:
-    """Every dump of `run_dir` by global rank ({} when there is none)."""
+def read_dumps(run_dir: RunDirs) -> dict[int, RankDump]:
+    """Every dump of the run's directories by global rank ({} when there is none)."""
     return {rank: read_dump(path, rank) for rank, path in dump_paths(run_dir)}
 
 
@@ -264,10 +262,11 @@ def op_difference_verdict(view: GroupView, seq: int, entries: dict[int, FlightEn
                    f" collective: a skipped or extra one)", odd, evidence=EVIDENCE)
 
 
-def flight_only(run_dir: str | os.PathLike[str]) -> bool:
-    """A directory of Flight Recorder dumps and no audit log: a plain PyTorch job."""
-    directory = Path(run_dir)
-    return bool(dump_paths(directory)) and not any(directory.glob("rank-*.jsonl"))
+def flight_only(run_dir: RunDirs) -> bool:
+    """Directories of Flight Recorder dumps and no audit log: a plain PyTorch job."""
+    if any(d.is_dir() and any(d.glob("rank-*.jsonl")) for d in as_dirs(run_dir)):
+        return False  # audit logs: `discover` reads them (and refuses a rank found twice first)
+    return bool(dump_paths(run_dir))
 
 
 NO_MEMBERSHIP_NOTE = ("the dumps record no group membership (torch's gloo backend leaves pg_config empty):"
@@ -302,7 +301,7 @@ def missing_dump_verdicts(dumps: dict[int, RankDump], named: dict[int, str] | No
             if rank not in dumps]
 
 
-def replay_flight_only(run_dir: str | os.PathLike[str], world_size: int | None = None) -> ReplayReport:
+def replay_flight_only(run_dir: RunDirs, world_size: int | None = None) -> ReplayReport:
     """Judge a run from its Flight Recorder dumps alone (no replicas known: `replica` is None);
     `world_size`: the job's, where the dumps cannot name every rank (gloo keeps no membership)."""
     dumps = read_dumps(run_dir)
@@ -310,13 +309,14 @@ def replay_flight_only(run_dir: str | os.PathLike[str], world_size: int | None =
         raise ReplayInputError(f"--world-size must be a positive number of ranks, got {world_size}")
     outside = sorted(rank for rank in dumps if world_size is not None and rank >= world_size)
     if outside:
-        raise ReplayInputError(f"{run_dir}: dumps of rank(s) {_ids(outside)} lie outside --world-size {world_size}")
+        raise ReplayInputError(f"{label(run_dir)}: dumps of rank(s) {_ids(outside)} lie outside --world-size"
+                               f" {world_size}")
     entries = sum(len(seqs) for dump in dumps.values() for seqs in dump.entries.values())
     named = named_ranks(dumps, world_size)
     notes = ()
     if world_size is None and not any(dump.members for dump in dumps.values()):
         notes = (NO_MEMBERSHIP_NOTE.format(last=max(dumps)),)
-    summary = RunSummary(str(run_dir), len(dumps), 0, 0, entries, None, None, len(named), notes)
+    summary = RunSummary(label(run_dir), len(dumps), 0, 0, entries, None, None, len(named), notes)
     return ReplayReport(summary, sort_verdicts(missing_dump_verdicts(dumps, named) + divergence_verdicts(dumps)))
 
 

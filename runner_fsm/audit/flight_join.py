@@ -22,14 +22,14 @@ Only the tail of each audit log is read: memory stays flat in the size of the lo
 from __future__ import annotations
 
 import dataclasses
-import os
 from collections.abc import Iterable
 
 import orjson
 
 from runner_fsm.audit.flight import RankDump, describe, group_views, in_flight, named_ranks, read_dumps
 from runner_fsm.audit.mapped import data_end
-from runner_fsm.audit.read import RankInfo, discover
+from runner_fsm.audit.ranks import RankInfo, discover
+from runner_fsm.audit.rundirs import RunDirs
 from runner_fsm.audit.report import ReplayReport, Verdict, sort_verdicts
 
 SEQ_JOINED_GROUPS = ("dp",)  # groups whose every torch collective is one audited collective
@@ -85,7 +85,7 @@ def read_tail(info: RankInfo) -> AuditTail:
     return tail
 
 
-def join_flight_recorder(report: ReplayReport, run_dir: str | os.PathLike[str]) -> ReplayReport:
+def join_flight_recorder(report: ReplayReport, run_dir: RunDirs) -> ReplayReport:
     """`report` with the Flight Recorder dumps of `run_dir` joined in (itself when there are none)."""
     dumps = read_dumps(run_dir)
     if not dumps:
@@ -114,8 +114,12 @@ def join_flight_recorder(report: ReplayReport, run_dir: str | os.PathLike[str]) 
 def _missing_logs(dumps: dict[int, RankDump], tails: dict[int, AuditTail], verdicts) -> list[Verdict]:
     """`missing_rank` for each rank the dumps name that has no audit log (and no verdict yet)."""
     known = {rank for v in verdicts if v.kind == "missing_rank" for rank in v.ranks}
+    shape = next((tail.info.shape for tail in tails.values() if tail.info.shape is not None), None)
     pcp_size = 1 + max((tail.info.pcp_rank for tail in tails.values()), default=0)
-    return [Verdict("missing_rank", rank // pcp_size, None, f"rank {rank} left no audit log, though"
+
+    def replica(rank: int) -> int:
+        return shape.coords(rank).dp if shape is not None and rank < shape.world_size else rank // pcp_size
+    return [Verdict("missing_rank", replica(rank), None, f"rank {rank} left no audit log, though"
                     f" {'it left a Flight Recorder dump' if rank in dumps else why}; nothing it did can be judged",
                     (rank,), f"rank-{rank}.jsonl", evidence=BOTH)
             for rank, why in sorted(named_ranks(dumps).items()) if rank not in tails and rank not in known]

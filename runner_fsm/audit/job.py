@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 
 from runner_fsm.audit.mapped import data_end
-from runner_fsm.audit.read import RankInfo
+from runner_fsm.audit.ranks import RankInfo
 from runner_fsm.audit.report import ReplayInputError, Verdict
 from runner_fsm.audit.shape import JobShape
 
@@ -55,12 +55,14 @@ def check_job(infos: list[RankInfo], world_size: int | None = None) -> JobCheck:
     for info in declared[1:]:
         if info.shape != shape:
             raise ReplayInputError(
-                f"{info.file} declares the job {info.shape.text()}, {first.file} declares {shape.text()}:"
-                f" logs of different runs in one directory?")
+                f"{info.path} declares the job {info.shape.text()}, {first.path} declares {shape.text()}:"
+                f" logs of different runs given as one (one directory, or the directories of one job)")
     for info in infos:
         _check_place(info, shape, first.file)
     present = {info.global_rank for info in infos}
-    verdicts = tuple(_missing(rank, shape, first.file) for rank in range(shape.world_size) if rank not in present)
+    hosts = hosts_of(infos)
+    verdicts = tuple(_missing(rank, shape, first.file, hosts.get(rank)) for rank in range(shape.world_size)
+                     if rank not in present)
     undeclared = [info.file for info in infos if info.shape is None and data_end(info.path)]
     notes = ()
     if undeclared:
@@ -75,18 +77,29 @@ def _check_place(info: RankInfo, shape: JobShape, source: str) -> None:
         raise ReplayInputError(f"{info.file} is not a rank of the job {shape.text()} ({source}'s first record):"
                                f" global ranks run 0..{shape.world_size - 1}")
     expected = shape.coords(info.global_rank)
-    if (info.dp_rank, info.pcp_rank) != expected:
+    if info.coords != expected:
         raise ReplayInputError(
-            f"{info.file}: its records say replica {info.dp_rank}, PCP rank {info.pcp_rank}; the job"
-            f" {shape.text()} puts global rank {info.global_rank} at replica {expected[0]}, PCP rank {expected[1]}")
+            f"{info.file}: its records say {info.coords.text(shape.sizes)}; the job {shape.text()} puts global"
+            f" rank {info.global_rank} at {expected.text(shape.sizes)}")
 
 
-def _missing(rank: int, shape: JobShape, source: str) -> Verdict:
-    replica, pcp_rank = shape.coords(rank)
-    return Verdict("missing_rank", replica, None,
-                   f"rank {rank} (replica {replica}, PCP rank {pcp_rank}) left no audit log: the job's shape"
-                   f" ({shape.text()}, in the first record of {source}) names it, and rank-{rank}.jsonl is"
-                   f" missing; nothing it did can be judged", (rank,), f"rank-{rank}.jsonl")
+def hosts_of(infos: list[RankInfo]) -> dict[int, str]:
+    """{global rank: host} as the `job` records say: each log's own host, and the job's hosts
+    where a worker gathered them at start-up (`hosts`: {host: [ranks]})."""
+    out: dict[int, str] = {}
+    for info in infos:
+        for host, ranks in (info.hosts or {}).items():
+            out.update((int(rank), str(host)) for rank in ranks)
+    out.update((info.global_rank, info.host) for info in infos if info.host)
+    return out
+
+
+def _missing(rank: int, shape: JobShape, source: str, host: str | None) -> Verdict:
+    where = f" on host {host}" if host else ""
+    return Verdict("missing_rank", shape.coords(rank).dp, None,
+                   f"{shape.rank_text(rank)}{where} left no audit log: the job's shape ({shape.text()}, in the"
+                   f" first record of {source}) names it, and rank-{rank}.jsonl is missing; nothing it did can be"
+                   " judged", (rank,), f"rank-{rank}.jsonl")
 
 
 def _given_world(infos: list[RankInfo], world_size: int) -> JobCheck:

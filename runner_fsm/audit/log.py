@@ -30,7 +30,9 @@ from runner_fsm.errors import RunnerError
 from runner_fsm.audit.mapped import MappedFile, is_blank, rest_is_blank
 from runner_fsm.audit.render import RecordRenderer, cached_body, fingerprint_fields
 
-SCHEMA_VERSION = 1
+# 2: the `job` record names every parallel dimension (TP, PP), the rank's coordinates and host
+# (`audit.shape`); schema-1 logs still replay.
+SCHEMA_VERSION = 2
 HEADER_FIELDS = ("schema", "run_id", "seq", "t_ns", "dp_rank", "pcp_rank", "event", "step_id")
 _RESERVED = frozenset(HEADER_FIELDS)
 TIME_FIELDS = ("t_ns",)

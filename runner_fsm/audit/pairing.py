@@ -17,7 +17,8 @@ from __future__ import annotations
 from typing import Callable
 
 from runner_fsm.audit.order import key_text, out_of_order
-from runner_fsm.audit.read import Groups, RankStep
+from runner_fsm.audit.ranks import Groups
+from runner_fsm.audit.read import RankStep
 from runner_fsm.audit.report import Verdict
 
 WINDOW = 2  # steps an agreement waits for its peers' (a skip puts the two sides one step apart)

@@ -26,7 +26,9 @@ from pathlib import Path
 import orjson
 
 from runner_fsm.audit.mapped import is_blank
-from runner_fsm.audit.read import RankInfo, StepMerger, discover, instance_key
+from runner_fsm.audit.ranks import Groups, RankInfo, discover
+from runner_fsm.audit.rundirs import RunDirs, label
+from runner_fsm.audit.read import StepMerger
 from runner_fsm.audit.report import ReplayReport, Verdict
 
 STATE_TRIGGERS = {"prefill": "prefill", "decode": "decode", "idle": "idle_dummy", "draft": "draft_sync",
@@ -75,8 +77,8 @@ class _Writer:
 class _RankTrack:
     """One rank's thread: its open state slice and open collectives."""
 
-    def __init__(self, info: RankInfo, out: _Writer, us):
-        self.info, self.out, self.us = info, out, us
+    def __init__(self, info: RankInfo, out: _Writer, us, groups: Groups):
+        self.info, self.out, self.us, self.groups = info, out, us, groups
         self.pid, self.tid = info.dp_rank, info.global_rank
         self.state_begin: int | None = None  # t_ns of the first record after the last transition
         self.last_transition: int | None = None
@@ -110,7 +112,7 @@ class _RankTrack:
         key = (rec.get("group"), rec.get("pg_seq"))
         if rec.get("stage") == "enqueue":
             self.open[key] = (t, rec)
-            instance = instance_key(str(key[0]), self.info)
+            instance = self.groups.instance(str(key[0]), self.info.global_rank)
             collectives.setdefault((instance, key[1]), []).append((self.info.global_rank, t))
             return
         begun = self.open.pop(key, None)
@@ -198,7 +200,7 @@ def _first_t(info: RankInfo) -> int | None:
     return None
 
 
-def export_perfetto(run_dir: str | os.PathLike[str], trace_path: str | os.PathLike[str],
+def export_perfetto(run_dir: RunDirs, trace_path: str | os.PathLike[str],
                     report: ReplayReport | None = None) -> ExportStats:
     """Write the trace of the run in `run_dir` to `trace_path`; `report` (replay's verdicts,
     computed here when not given) supplies the findings."""
@@ -209,13 +211,14 @@ def export_perfetto(run_dir: str | os.PathLike[str], trace_path: str | os.PathLi
     infos = discover(run_dir)
     starts = [t for t in map(_first_t, infos) if t is not None]
     base = min(starts, default=0)
-    out = _Writer(Path(trace_path), {"run_dir": str(run_dir), "sound": report.sound,
+    out = _Writer(Path(trace_path), {"run_dir": label(run_dir), "sound": report.sound,
                                      "findings": len(report.verdicts)})
 
     def us(t_ns: int) -> float:
         return (t_ns - base) / 1000.0
 
-    tracks = {info.global_rank: _RankTrack(info, out, us) for info in infos}
+    groups = Groups(infos)
+    tracks = {info.global_rank: _RankTrack(info, out, us, groups) for info in infos}
     _metadata(out, infos)
     by_step: dict[int | None, list[Verdict]] = {}
     for verdict in report.verdicts:
@@ -253,7 +256,7 @@ def _metadata(out: _Writer, infos: list[RankInfo]) -> None:
                    "args": {"sort_index": replica}})
     for info in infos:
         out.event({"ph": "M", "name": "thread_name", "ts": 0, "pid": info.dp_rank, "tid": info.global_rank,
-                   "args": {"name": f"rank {info.global_rank} (pcp {info.pcp_rank})"}})
+                   "args": {"name": info.rank_text()}})
         out.event({"ph": "M", "name": "thread_sort_index", "ts": 0, "pid": info.dp_rank,
                    "tid": info.global_rank, "args": {"sort_index": info.global_rank}})
 

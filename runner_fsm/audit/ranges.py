@@ -21,7 +21,8 @@ import orjson
 from runner_fsm.audit.crossrank import CrossRankChecker, MissedSteps
 from runner_fsm.audit.facts import RunFacts
 from runner_fsm.audit.mapped import data_end, is_blank
-from runner_fsm.audit.read import Groups, RankInfo, RankStep, StepMerger
+from runner_fsm.audit.ranks import Groups, RankInfo
+from runner_fsm.audit.read import RankStep, StepMerger
 from runner_fsm.audit.report import ReplayInputError, Verdict
 from runner_fsm.audit.scan import RankScanner
 

@@ -1,14 +1,5 @@
-"""Reading a run: its rank files, the DP x PCP layout, the process groups, and every rank's
-steps merged by step id.
+"""Reading a run step by step: every rank's steps merged by step id.
 
-- `discover`: each `rank-<global_rank>.jsonl` with its coordinates, taken from its own records
-  (`dp_rank`, `pcp_rank`), and the job's shape its first record declares (`audit.shape`); a
-  file with no readable record (killed before its first line was complete) gets them from its
-  global rank and the PCP size of the shape, or, in logs written without one, of its siblings.
-- `Groups`: which ranks must issue the same collectives. The instance of a group a rank is in
-  follows from the layout: `dp` is one group per PCP rank over the replicas (the DP
-  agreement's), `pcp` one group per replica over its PCP ranks, anything else (`expert`, ...)
-  one group over every rank.
 - `RankStep`: one rank's step reduced to what its peers must match. The scanner fills a
   `StepBuilder` while it reads a step, then seals it: the collectives as a signature (per
   group, the (op, phase, shapes) it issued in order), the first `pg_seq` per group, which
@@ -18,136 +9,14 @@ steps merged by step id.
 - `StepMerger`: each rank's log is ordered by step, so a k-way merge on the step id sees every
   rank's summary of step S together while holding nothing older: memory is bounded by the
   number of ranks, not by the length of the run.
+
+The rank files themselves, their coordinates and groups: `audit.ranks`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
-from itertools import islice
-from pathlib import Path
-import dataclasses
 import heapq
-import os
-import re
-
-import orjson
-
-from runner_fsm.audit.report import ReplayInputError
-from runner_fsm.audit.shape import JOB_EVENT, JobShape
-
-
-RANK_FILE = re.compile(r"^rank-(\d+)\.jsonl$")
-_PROBE_LINES = 64  # enough to get past a damaged first line, few enough to stay instant
-
-
-@dataclasses.dataclass(frozen=True)
-class RankInfo:
-    """One process of the run: its global rank, its coordinates and its log file."""
-
-    global_rank: int
-    dp_rank: int
-    pcp_rank: int
-    path: Path
-    shape: JobShape | None = None  # the job as this log's first record declares it
-
-    @property
-    def file(self) -> str:
-        return self.path.name
-
-
-def discover(run_dir: str | os.PathLike[str]) -> list[RankInfo]:
-    """Every rank file of `run_dir` with its coordinates; `ReplayInputError` if none can be read."""
-    directory = Path(run_dir)
-    if not directory.exists():
-        raise ReplayInputError(f"run directory {directory} does not exist")
-    if not directory.is_dir():
-        raise ReplayInputError(f"{directory} is not a directory (expected a run directory of rank-*.jsonl)")
-    try:
-        names = sorted(os.listdir(directory))
-    except OSError as err:
-        raise ReplayInputError(f"cannot list run directory {directory}: {err}") from err
-    ranked = sorted((int(m[1]), directory / name) for name in names if (m := RANK_FILE.match(name)))
-    if not ranked:
-        raise ReplayInputError(f"no rank-<global_rank>.jsonl files in {directory}; is it a run directory?")
-    probed = {rank: _probe(path) for rank, path in ranked}
-    shape = next((shape for _, shape in probed.values() if shape is not None), None)
-    pcp_size = shape.pcp_size if shape is not None else \
-        1 + max((coords[1] for coords, _ in probed.values() if coords), default=0)
-    return [RankInfo(rank, *(probed[rank][0] or divmod(rank, pcp_size)), path, probed[rank][1])
-            for rank, path in ranked]
-
-
-def _probe(path: Path) -> tuple[tuple[int, int] | None, JobShape | None]:
-    """(dp_rank, pcp_rank) from the first record that has both (or None), and the job's shape
-    when the first line is a `job` record (or None: a log of a writer that logs no shape)."""
-    coords = shape = None
-    try:
-        with open(path, "rb") as lines:
-            for line_no, raw in enumerate(islice(lines, _PROBE_LINES), 1):
-                try:
-                    record = orjson.loads(raw)
-                    dp_rank, pcp_rank = record["dp_rank"], record["pcp_rank"]
-                except (orjson.JSONDecodeError, KeyError, TypeError):
-                    continue
-                if line_no == 1 and record.get("event") == JOB_EVENT:
-                    try:
-                        shape = JobShape.from_record(record)
-                    except ValueError as err:
-                        raise ReplayInputError(f"{path}:1: unreadable job shape: {err}") from None
-                if isinstance(dp_rank, int) and isinstance(pcp_rank, int):
-                    coords = dp_rank, pcp_rank
-                    break
-    except OSError as err:
-        raise ReplayInputError(f"cannot read {path}: {err}") from err
-    return coords, shape
-
-
-def layout_of(infos: list[RankInfo]) -> tuple[int, int]:
-    """(replicas, pcp_size): as the job's shape declares them, else as the rank files show them."""
-    shape = next((i.shape for i in infos if i.shape is not None), None)
-    if shape is not None:
-        return shape.dp_size, shape.pcp_size
-    return 1 + max(i.dp_rank for i in infos), 1 + max(i.pcp_rank for i in infos)
-
-
-def instance_key(group: str, info: RankInfo) -> tuple:
-    if group == "dp":
-        return ("dp", info.pcp_rank)
-    if group == "pcp":
-        return ("pcp", info.dp_rank)
-    return (group,)
-
-
-class Groups:
-    """Group instances of a run, memoised: `instance(group, rank)`, `members(key)`."""
-
-    def __init__(self, infos: list[RankInfo]):
-        self.infos = {info.global_rank: info for info in infos}
-        self._instance: dict[tuple[str, int], tuple] = {}
-        self._members: dict[tuple, tuple[int, ...]] = {}
-
-    def instance(self, group: str, rank: int) -> tuple:
-        key = self._instance.get((group, rank))
-        if key is None:
-            key = self._instance[(group, rank)] = instance_key(group, self.infos[rank])
-        return key
-
-    def members(self, group: str, key: tuple) -> tuple[int, ...]:
-        found = self._members.get(key)
-        if found is None:
-            found = self._members[key] = tuple(r for r in sorted(self.infos) if self.instance(group, r) == key)
-        return found
-
-    def replica(self, rank: int) -> int:
-        return self.infos[rank].dp_rank
-
-    def replicas_text(self, ranks) -> str:
-        """'replica 1 (ranks 2, 3)' for a set of ranks, grouped by replica."""
-        by_replica: dict[int, list[int]] = {}
-        for rank in sorted(ranks):
-            by_replica.setdefault(self.replica(rank), []).append(rank)
-        return "; ".join(f"replica {d} (rank{'s' if len(rs) > 1 else ''} {', '.join(map(str, rs))})"
-                         for d, rs in sorted(by_replica.items()))
 
 
 def freeze(value):

@@ -2,7 +2,8 @@
 
 The package, in the order a replay uses it:
 - `log`: writing the records (the runner's side);
-- `read`: the rank files, the layout and its groups, per-step summaries merged by step id;
+- `ranks`: the rank files, each rank's coordinates, groups and host (the job's shape: `shape`, `job`);
+- `read`: per-step summaries of each rank, merged by step id;
 - `scan`: one pass over each rank's file, the checks that need no peer;
 - `crossrank`, `sequences` and `pairing`: the checks across the ranks of each merged step
   (`pairing` names a DP desync's culprit by `order`, the rule `dp.agree` applies online);
@@ -20,24 +21,28 @@ job record names left no `injected` record: the run tested nothing) and `unfinis
 that stops with no shutdown, fault or hang to say why). A stop the job recorded as requested
 explains the ends it caused: a note instead (`stops`).
 
-API: `replay(run_dir, *, timeline=None, jobs=None) -> ReplayReport`; `report.exit_code` is 0 when
+API: `replay(run_dir, *, timeline=None, jobs=None) -> ReplayReport`, `run_dir` one directory or
+several (a job on several machines: `rundirs`); `report.exit_code` is 0 when
 the run is sound and 1 otherwise; unreadable input raises `ReplayInputError` (exit code 2).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from runner_fsm.audit.crossrank import join_missed
 from runner_fsm.audit.flight import flight_only, replay_flight_only
 from runner_fsm.audit.flight_join import join_flight_recorder
-from runner_fsm.audit.job import check_job
+from runner_fsm.audit.job import check_job, hosts_of
 from runner_fsm.audit.ranges import cpu_count, judge_in_ranges, judge_range
-from runner_fsm.audit.read import RankInfo, discover, layout_of
+from runner_fsm.audit.ranks import RankInfo, discover, layout_of
 from runner_fsm.audit.report import (ReplayInputError, ReplayReport, RunSummary, Timeline, Verdict,
                                      sort_verdicts)
 from runner_fsm.audit.injections import check_injections
 from runner_fsm.audit.stops import settle_stops
+from runner_fsm.audit.rundirs import RunDirs, label
+from runner_fsm.audit.shape import DIMENSIONS
 
 __all__ = ["ReplayInputError", "ReplayReport", "Verdict", "replay", "replay_with_plot"]
 
@@ -45,7 +50,7 @@ PARALLEL_MIN_BYTES = 64 << 20  # below this, one process is done before others w
 MAX_JOBS = 8
 
 
-def replay(run_dir: str | os.PathLike[str], *, timeline: Timeline | None = None,
+def replay(run_dir: RunDirs, *, timeline: Timeline | None = None,
            jobs: int | None = None, world_size: int | None = None) -> ReplayReport:
     """Judge the run in `run_dir`; feed `timeline` (if given) with every merged step.
 
@@ -66,10 +71,12 @@ def replay(run_dir: str | os.PathLike[str], *, timeline: Timeline | None = None,
         result = judge_range(infos, timeline=timeline)
     verdicts = list(job.verdicts) + result.verdicts + join_missed(result.missed) + check_injections(result.facts)
     verdicts, stop_note = settle_stops(verdicts, result.facts)
-    replicas, pcp_size = layout_of(infos)
-    summary = RunSummary(str(run_dir), len(infos), replicas, pcp_size, result.records,
-                         result.first_step, result.last_step, job.expected_ranks, job.notes + stop_note)
-    report = ReplayReport(summary, sort_verdicts(drop_explained(join_mismatches(merge_same_findings(verdicts)))))
+    sizes = layout_of(infos)
+    summary = RunSummary(label(run_dir), len(infos), sizes.dp, sizes.pcp, result.records,
+                         result.first_step, result.last_step, job.expected_ranks, job.notes + stop_note,
+                         sizes.tp, sizes.pp)
+    verdicts = drop_explained(join_mismatches(merge_same_findings(verdicts)))
+    report = ReplayReport(summary, sort_verdicts(name_coordinates(verdicts, infos, job)))
     return join_flight_recorder(report, run_dir)  # Flight Recorder dumps, when the run left them
 
 
@@ -81,21 +88,41 @@ def auto_jobs(infos: list[RankInfo]) -> int:
     return max(1, min(cpu_count(), MAX_JOBS))
 
 
-def replay_with_plot(run_dir: str | os.PathLike[str], plot_path: str | os.PathLike[str],
+def replay_with_plot(run_dir: RunDirs, plot_path: str | os.PathLike[str],
                      *, jobs: int | None = None, world_size: int | None = None) -> ReplayReport:
     """`replay`, then the timeline picture at `plot_path` (matplotlib is checked first)."""
     from runner_fsm.audit.report import plot, require_matplotlib
 
     require_matplotlib()  # fail before the long pass, not after it
     if flight_only(run_dir):
-        raise ReplayInputError(f"--plot draws the steps of audit logs; {run_dir} holds Flight Recorder dumps only"
+        raise ReplayInputError(f"--plot draws the steps of audit logs; {label(run_dir)} holds Flight Recorder dumps only"
                                " (replay it without --plot)")
     infos = discover(run_dir)
     timeline = Timeline(info.global_rank for info in infos)
     report = replay(run_dir, timeline=timeline, jobs=jobs, world_size=world_size)
     verdict = "sound" if report.sound else f"{len(report.verdicts)} finding(s)"
-    plot(timeline, report.verdicts, plot_path, f"{run_dir}: {verdict}")
+    plot(timeline, report.verdicts, plot_path, f"{label(run_dir)}: {verdict}")
     return report
+
+
+def name_coordinates(verdicts: list[Verdict], infos: list[RankInfo], job) -> list[Verdict]:
+    """Each verdict's ranks with their coordinates (and host, where the logs name it); the text
+    names the dimensions beyond the replica that the job uses (PCP, TP, PP)."""
+    if job.shape is None:
+        return verdicts
+    shape, hosts = job.shape, hosts_of(infos)
+    shown = tuple(name for name, size in zip(DIMENSIONS, shape.sizes) if name != "dp" and size > 1)
+    named = []
+    for verdict in verdicts:
+        coords = []
+        for rank in verdict.ranks:
+            if 0 <= rank < shape.world_size:
+                entry = {"rank": rank, **shape.coords(rank)._asdict()}
+                if rank in hosts:
+                    entry["host"] = hosts[rank]
+                coords.append(entry)
+        named.append(dataclasses.replace(verdict, coords=tuple(coords), shown=shown) if coords else verdict)
+    return named
 
 
 def drop_explained(verdicts: list[Verdict]) -> list[Verdict]:

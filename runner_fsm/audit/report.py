@@ -65,6 +65,10 @@ class Verdict:
     line: int | None = None
     error: str | None = None  # fault verdicts: the logged error type
     evidence: tuple[str, ...] = ("audit",)  # sources the verdict rests on (audit, flight_recorder)
+    # each of `ranks` as {"rank", "dp", "pp", "pcp", "tp"[, "host"]}, and the dimensions its text names
+    # (`replay.name_coordinates`, once the job's shape is known)
+    coords: tuple[dict, ...] = dataclasses.field(default=(), compare=False)
+    shown: tuple[str, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in _KIND_ORDER:
@@ -89,6 +93,8 @@ class Verdict:
         if self.error is not None:
             out["error"] = self.error
         out["evidence"] = list(self.evidence)
+        if self.coords:
+            out["coords"] = [dict(c) for c in self.coords]
         return out
 
     def __str__(self) -> str:
@@ -96,10 +102,16 @@ class Verdict:
         if self.replica is not None:
             where.append(f"replica {self.replica}")
         if self.ranks:
-            where.append(f"rank{'s' if len(self.ranks) > 1 else ''} {_join(self.ranks)}")
+            where.append(f"rank{'s' if len(self.ranks) > 1 else ''} {self._ranks_text()}")
         if self.file is not None:
             where.append(f"{self.file}:{self.line}" if self.line else self.file)
         return f"{self.kind} [{', '.join(where)}]: {self.detail}"
+
+    def _ranks_text(self) -> str:
+        """'2, 3', or with coordinates '5 (pcp 0, tp 1), 7 (pcp 1, tp 1)' in the dimensions `shown`."""
+        if not self.shown or not self.coords:
+            return _join(self.ranks)
+        return ", ".join(f"{c['rank']} (" + ", ".join(f"{d} {c[d]}" for d in self.shown) + ")" for c in self.coords)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -115,6 +127,8 @@ class RunSummary:
     last_step: int | None
     expected_ranks: int | None = None  # the ranks the job's shape names (None: not recorded)
     notes: tuple[str, ...] = ()  # what the judgement could not rest on, in words
+    tp_size: int = 1
+    pp_size: int = 1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -147,7 +161,8 @@ class ReplayReport:
         steps = "no steps" if s.first_step is None else f"steps {s.first_step}..{s.last_step}"
         ranks = f"{s.ranks} ranks" if s.expected_ranks in (None, s.ranks) else f"{s.ranks} of {s.expected_ranks} ranks"
         if s.replicas:
-            head = (f"replay {s.run_dir}: {ranks} ({s.replicas} replicas x {s.pcp_size} PCP),"
+            inner = "".join(f" x {size} {name}" for name, size in (("PP", s.pp_size), ("TP", s.tp_size)) if size > 1)
+            head = (f"replay {s.run_dir}: {ranks} ({s.replicas} replicas x {s.pcp_size} PCP{inner}),"
                     f" {steps}, {s.records} records")
         else:  # Flight Recorder dumps alone: no replicas, no steps, one record per collective
             head = f"replay {s.run_dir}: {ranks} (Flight Recorder dumps only), {s.records} collectives"

@@ -22,7 +22,8 @@ from runner_fsm.audit.checks import BufferTracker, TransitionChecker, check_own_
 from runner_fsm.audit.context_rule import ContextEvidence
 from runner_fsm.audit.facts import FaultSeen, RankEnd, RunFacts, StopSeen
 from runner_fsm.audit.mapped import is_blank, rest_is_blank
-from runner_fsm.audit.read import RankInfo, RankStep, StepBuilder, freeze as _freeze
+from runner_fsm.audit.ranks import RankInfo
+from runner_fsm.audit.read import RankStep, StepBuilder, freeze as _freeze
 from runner_fsm.audit.report import Verdict, label
 
 TERMINAL_STATES = ("stopped", "faulted")

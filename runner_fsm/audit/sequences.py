@@ -28,7 +28,8 @@ from typing import Callable
 import collections
 import dataclasses
 
-from runner_fsm.audit.read import Groups, RankStep, StepMerger
+from runner_fsm.audit.ranks import Groups
+from runner_fsm.audit.read import RankStep, StepMerger
 from runner_fsm.audit.report import RELAYED_FAULTS, Verdict, key_label, label, phase_label, sequence_label
 
 

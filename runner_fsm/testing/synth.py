@@ -17,8 +17,8 @@ from pathlib import Path
 
 import orjson
 
-from runner_fsm.audit.log import log_path
-from runner_fsm.audit.shape import job_shape_fields
+from runner_fsm.audit.log import SCHEMA_VERSION, log_path
+from runner_fsm.audit.shape import Coords, coords_of, job_shape_fields
 from runner_fsm.dp import wire_shape
 from runner_fsm.pcp.buffers import BUFFER_NAMES
 
@@ -35,6 +35,7 @@ class SynthSpec:
 
     dp_size: int = 2
     pcp_size: int = 2
+    tp_size: int = 1  # the TP ranks of a replica write its records alike, as vLLM's TP workers do
     steps: int = 8
     spec_tokens: int = 1  # K: DRAFT_PREFILL each step, DRAFT_DECODE too when K > 1
     graphs: bool = True  # FULL_DECODE_ONLY: capture at start, replay on decode-only steps
@@ -45,6 +46,7 @@ class SynthSpec:
     seed: int = 0
     run_id: str = "synth"
     job_shape: bool = True  # each log begins with the job's shape, as the runner's do
+    hosts: tuple[str, ...] = ()  # each global rank's host (a job on several machines); () : all "synth"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +109,9 @@ class _RankWriter:
 
     def __init__(self, spec: SynthSpec, schedule: _Schedule, global_rank: int, defects: Sequence[Defect]):
         self.spec, self.schedule = spec, schedule
-        self.dp_rank, self.pcp_rank = divmod(global_rank, spec.pcp_size)
+        coords = coords_of(global_rank, Coords(spec.dp_size, 1, spec.pcp_size, spec.tp_size))
+        self.dp_rank, self.pcp_rank, self.tp_rank = coords.dp, coords.pcp, coords.tp
+        self.global_rank = global_rank
         self.defects = {(d.kind, d.step) for d in defects if d.replica == self.dp_rank}
         self.peer_defects = {(d.kind, d.step) for d in defects if d.replica != self.dp_rank}
         self.pg = {"dp": 0, "pcp": 0, "expert": 0}
@@ -167,8 +171,13 @@ class _RankWriter:
 
     def start(self) -> None:
         if self.spec.job_shape:
+            hosts = self.spec.hosts
+            by_host = {h: [r for r, on in enumerate(hosts) if on == h] for h in hosts} if hosts else None
             self._add("job", None, **job_shape_fields(self.spec.dp_size, self.spec.pcp_size, self.dp_rank,
-                                                      self.pcp_rank))
+                                                      self.pcp_rank, tp_size=self.spec.tp_size,
+                                                      tp_rank=self.tp_rank,
+                                                      host=hosts[self.global_rank] if hosts else "synth",
+                                                      hosts=by_host))
         if self.spec.graphs:
             for size in CAPTURE_SIZES:
                 self._add("graph", -1, action="capture", num_tokens=size, backend="static")
@@ -273,9 +282,10 @@ def write_run(run_dir: str | os.PathLike[str], spec: SynthSpec = SynthSpec(),
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     schedule = _Schedule(spec, defects)
-    for rank in range(spec.dp_size * spec.pcp_size):
+    per_replica = spec.pcp_size * spec.tp_size
+    for rank in range(spec.dp_size * per_replica):
         path = _write_rank(run_dir, spec, schedule, rank, defects)
-        if any(d.kind == "truncated" and rank == d.replica * spec.pcp_size for d in defects):
+        if any(d.kind == "truncated" and rank == d.replica * per_replica for d in defects):
             truncate_last_line(path)
     return run_dir
 
@@ -289,7 +299,7 @@ def truncate_last_line(path: str | os.PathLike[str], keep: float = 0.5) -> None:
 
 def _write_rank(run_dir: Path, spec: SynthSpec, schedule: _Schedule, rank: int, defects) -> Path:
     writer = _RankWriter(spec, schedule, rank, defects)
-    header = {"schema": 1, "run_id": spec.run_id, "dp_rank": writer.dp_rank, "pcp_rank": writer.pcp_rank}
+    header = {"schema": SCHEMA_VERSION, "run_id": spec.run_id, "dp_rank": writer.dp_rank, "pcp_rank": writer.pcp_rank}
     path = log_path(run_dir, rank)
     seq = 0
     with open(path, "wb") as out:

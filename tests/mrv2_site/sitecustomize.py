@@ -3,7 +3,11 @@
 vLLM uses MRV2 only where Triton works; on the CPU its check (`vllm/triton_utils/importing.py`)
 wants a Triton backend named `cpu`, which the installed Triton lacks. With `TRITON_INTERPRET=1`
 Triton's interpreter runs MRV2's kernels on CPU tensors and no driver is ever asked to compile,
-so a stand-in entry whose driver reports active is all the check needs. This file is found as
+so a stand-in entry whose driver reports active is all the check needs. With tensor parallelism
+vLLM also `torch.compile`s its vocab-parallel masking, and inductor's autotune cache asks the
+active driver for its target (`get_current_target()`) and the backend that supports it for a
+`hash()`: the stand-in answers a `cpu` target and a fixed hash, and still never compiles a kernel.
+This file is found as
 `sitecustomize` by every Python process whose PYTHONPATH holds this folder (the tests' DP
 children, vLLM's engine-core and executor processes, the HTTP server), and acts only when the
 MRV2 leg's environment is set: `VLLM_USE_V2_MODEL_RUNNER=1` and `TRITON_INTERPRET=1`.
@@ -18,6 +22,8 @@ if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" and os.environ.get("TRITON_
         backends = None
     if backends is not None and "cpu" not in backends:
 
+        from triton.backends.compiler import GPUTarget
+
         class _InterpreterOnlyDriver:
             """Active, so vLLM's check passes; never used to compile (the interpreter runs)."""
 
@@ -25,7 +31,20 @@ if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" and os.environ.get("TRITON_
             def is_active() -> bool:
                 return True
 
+            def get_current_target(self) -> GPUTarget:
+                return GPUTarget("cpu", 0, 0)
+
         class _InterpreterOnlyCompiler:
-            pass
+            """Named by inductor's cache key only (`make_backend(target).hash()`)."""
+
+            def __init__(self, target: GPUTarget) -> None:
+                self.target = target
+
+            @staticmethod
+            def supports_target(target: GPUTarget) -> bool:
+                return target.backend == "cpu"
+
+            def hash(self) -> str:
+                return "runner-fsm-triton-interpreter"
 
         backends["cpu"] = Backend(compiler=_InterpreterOnlyCompiler, driver=_InterpreterOnlyDriver)

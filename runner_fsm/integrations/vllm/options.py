@@ -5,8 +5,8 @@ else from `RUNNER_FSM_*` environment variables, else the defaults:
 
 | key                   | env                              | default                              |
 |-----------------------|----------------------------------|--------------------------------------|
-| run_dir               | RUNNER_FSM_RUN_DIR               | runs/vllm-<time>-<pid> (DP rank 0's) |
-| run_id                | RUNNER_FSM_RUN_ID                | the run directory's name             |
+| run_dir               | RUNNER_FSM_RUN_DIR               | runs/vllm-<time>-<pid> (rank 0's, one for the whole job) |
+| run_id                | RUNNER_FSM_RUN_ID                | rank 0's `vllm-<time>-<pid>`, agreed by every rank (a given one must be the same on every rank) |
 | collective_timeout_s  | RUNNER_FSM_COLLECTIVE_TIMEOUT_S  | 120                                  |
 | inject                | RUNNER_FSM_INJECT                | none (fault injection, `KIND@replica=R,step=S`) |
 | audit                 | RUNNER_FSM_AUDIT                 | full (`transitions`: no buffers records) |
@@ -33,7 +33,7 @@ AUDIT_LEVELS = ("full", "transitions")
 class WorkerOptions:
     """How the worker records its replica; identical on every rank of a vLLM job."""
 
-    run_dir: str | None = None  # None: DP rank 0 picks runs/vllm-<time>-<pid> and shares it
+    run_dir: str | None = None  # None: rank 0 picks runs/vllm-<time>-<pid> and shares it (`rundir.agree_run`)
     run_id: str | None = None
     collective_timeout_s: float = 120.0
     inject: str | None = None

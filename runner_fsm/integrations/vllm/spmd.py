@@ -34,7 +34,8 @@ def free_port() -> int:
 
 @dataclasses.dataclass
 class Job:
-    """One `LLM(**llm)` serving `per_rank[r]` (lists of (req_id, prompt, max_new_tokens)) on rank r."""
+    """One `LLM(**llm)` serving `per_rank[r]` on rank r: lists of (req_id, prompt, max_new_tokens)
+    or (req_id, prompt, max_new_tokens, seed) (`harness.Req`: greedy without a seed)."""
 
     llm: dict
     per_rank: list
@@ -54,7 +55,7 @@ class DPRun:
 def launch_dp(jobs: Sequence[Job], *, dp_size: int, cwd: str | None = None, timeout_s: float = 600.0,
               env: dict | None = None) -> DPRun:
     work = Path(tempfile.mkdtemp(prefix="fsm-dp-"))
-    spec = [{"llm": j.llm, "per_rank": [[list(r[:3]) for r in reqs] for reqs in j.per_rank],
+    spec = [{"llm": j.llm, "per_rank": [[list(r[:4]) for r in reqs] for reqs in j.per_rank],
              "port": free_port()} for j in jobs]
     (work / "spec.json").write_text(json.dumps(spec))
     procs, start = [], time.monotonic()
@@ -101,7 +102,7 @@ def _child(spec_path: str, rank: int) -> None:
 
     for j, job in enumerate(spec):
         os.environ["VLLM_DP_MASTER_PORT"] = str(job["port"])
-        requests = [Req(rid, tuple(prompt), n) for rid, prompt, n in job["per_rank"][rank]]
+        requests = [Req(rid, tuple(prompt), *rest) for rid, prompt, *rest in job["per_rank"][rank]]
         llm = LLM(**job["llm"])
         outputs, seconds = generate(llm, requests)
         close_llm(llm)

@@ -31,7 +31,6 @@ of the platform's worker (`platform_worker`), so vLLM's own `worker_cls="auto"` 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 from typing import Any
 
 from runner_fsm.audit import AuditLog
@@ -45,7 +44,7 @@ from runner_fsm.integrations.vllm.journal import Journal
 from runner_fsm.integrations.vllm.options import WorkerOptions
 from runner_fsm.integrations.vllm.probe import InputProbe
 from runner_fsm.integrations.vllm.recorder import ReplicaRecorder
-from runner_fsm.integrations.vllm.rundir import replica_coords, shared_run_dir
+from runner_fsm.integrations.vllm.rundir import agree_run, place_in_groups, rank_place
 from runner_fsm.integrations.vllm.runners import RunnerAdapter, adapter_for
 from runner_fsm.stop_signals import StopSignals
 
@@ -58,6 +57,7 @@ class FSMWorkerMixin:
     runner_adapter: RunnerAdapter | None = None
     rope_verdict: cpu_rope.RopeSelfTest | None = None  # the CPU rotary op's self-test (CPU only)
     rope_installed: str | None = None  # what install_stride_safe_rope did (None: nothing)
+    supplies_pp_buffers = False  # a later pipeline stage's intermediate tensors (see `lacks_pp_buffers`)
     flight: WorkerFlight = WorkerFlight()  # no run dir yet: dumps nothing
     stop_signals: StopSignals | None = None
     engine_notice: WorkerNotice | None = None
@@ -68,7 +68,9 @@ class FSMWorkerMixin:
         super().__init__(vllm_config, local_rank, rank, distributed_init_method,
                          is_driver_worker=is_driver_worker, **kwargs)
         self.fsm_options = WorkerOptions.from_vllm(vllm_config)
-        self.dp_rank, self.pcp_rank, self.global_rank = replica_coords(vllm_config, rank)
+        self.place = rank_place(vllm_config, rank)  # every dimension, as vLLM numbers ranks
+        self.dp_rank, self.pcp_rank, self.global_rank = self.place.coords.dp, self.place.coords.pcp, \
+            self.place.global_rank
         self.drafting = vllm_config.speculative_config is not None
         self.probe = InputProbe()
         self._prompt_lens: dict[str, int] = {}
@@ -83,9 +85,10 @@ class FSMWorkerMixin:
         # names every attribute of it that the worker, the probe and the DP support read.
         self.runner_adapter = adapter_for(self.model_runner)
         opts = self.fsm_options
-        run_dir = shared_run_dir(opts.run_dir, int(self.parallel_config.data_parallel_size))
-        run_id = opts.run_id or Path(run_dir).name
-        audit = AuditLog(run_dir, run_id, self.global_rank, self.dp_rank, self.pcp_rank, shape=self._job_shape())
+        run = agree_run(opts.run_dir, opts.run_id)  # over the whole job, every node
+        run_dir = run.run_dir
+        audit = AuditLog(run_dir, run.run_id, self.global_rank, self.dp_rank, self.pcp_rank,
+                         shape=self._job_shape(run.hosts))
         self.run_dir = run_dir
         self.flight = WorkerFlight(run_dir, self.global_rank, self.parallel_config)
         self.recorder = ReplicaRecorder(audit, Journal(run_dir, self.global_rank),
@@ -102,21 +105,22 @@ class FSMWorkerMixin:
         self.engine_notice.install()
         self.install_extensions()
 
-    def _job_shape(self) -> dict:
-        """The log's first record: the job's shape, the runner and its adapter, the vLLM
+    def _job_shape(self, hosts: dict[str, list[int]]) -> dict:
+        """The log's first record: the job's shape (every dimension, this rank's coordinates,
+        its groups as vLLM built them, every rank's host), the runner and its adapter, the vLLM
         version, and what the worker supplies that the installed vLLM lacks here."""
-        par = self.parallel_config
-        dp_size, pcp_size = int(par.data_parallel_size), int(getattr(par, "prefill_context_parallel_size", 1) or 1)
+        place = self.place
         supplied = []
-        if dp_size > 1 and str(self.device_config.device_type) == "cpu":
+        if place.sizes.dp > 1 and str(self.device_config.device_type) == "cpu":
             cpu_collectives.install()  # DP with an MoE model needs them; a vLLM that has them keeps its own
             supplied += [f"CpuCommunicator.{name}" for name in cpu_collectives.supplied()]
+        self.supplies_pp_buffers = self.runner_adapter.lacks_pp_buffers(self.vllm_config)
+        if self.supplies_pp_buffers:
+            supplied.append("GPUModelRunner.intermediate_tensors (a later pipeline stage, eager on the CPU)")
         # vLLM's DP agreement and its naive DP MoE exchange both run over the DP group: the
-        # same PCP rank of every replica.
-        dp_ranks = [r * pcp_size + self.pcp_rank for r in range(dp_size)]
-        groups = {"dp": dp_ranks, "expert": dp_ranks}
-        if pcp_size > 1:
-            groups["pcp"] = [self.dp_rank * pcp_size + r for r in range(pcp_size)]
+        # ranks at this rank's (pp, pcp, tp) coordinates in every replica.
+        groups = {name: ranks for name, ranks in place_in_groups(place).items()
+                  if len(ranks) > 1 or name in ("dp", "expert")}
         changed = {}
         if str(self.device_config.device_type) == "cpu":
             # Not opt-in: a start-up self-test decides (DESIGN section 10). The verdict opens the
@@ -129,8 +133,10 @@ class FSMWorkerMixin:
             changed["fast_pcp_layout"] = self.runner_adapter.install_fast_pcp_layout()
         if self.fsm_options.inject:  # what the run is meant to test (replay: `injection_not_fired`)
             changed["inject"] = [str(inject.parse(self.fsm_options.inject))]
-        return job_shape_fields(dp_size, pcp_size, self.dp_rank, self.pcp_rank, groups=groups,
-                                vllm=schema.installed_version(), **self.runner_adapter.describe(),
+        sizes, coords = place.sizes, place.coords
+        return job_shape_fields(sizes.dp, sizes.pcp, coords.dp, coords.pcp, tp_size=sizes.tp, tp_rank=coords.tp,
+                                pp_size=sizes.pp, pp_rank=coords.pp, dcp_size=place.dcp_size, groups=groups,
+                                hosts=hosts, vllm=schema.installed_version(), **self.runner_adapter.describe(),
                                 supplied=supplied, **changed)
 
     def install_extensions(self) -> None:
@@ -157,6 +163,8 @@ class FSMWorkerMixin:
     def compile_or_warm_up_model(self):
         schema.check_runner(self.runner_adapter, kv_cache=True)  # the KV cache exists now
         self.runner_adapter.attach_kv()
+        if self.supplies_pp_buffers:
+            self.runner_adapter.supply_pp_buffers()
         self.recorder.start_capture()
         times = super().compile_or_warm_up_model()
         self.recorder.end_capture()

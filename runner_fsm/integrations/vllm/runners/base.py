@@ -137,6 +137,14 @@ class RunnerAdapter:
         the drafter's DP syncs already carry the agreement)."""
         return None
 
+    def lacks_pp_buffers(self, vllm_config: Any) -> bool:
+        """Whether this rank's runner will lack the buffers a later pipeline stage receives into
+        (the worker then supplies them once the model exists: `supply_pp_buffers`)."""
+        return False
+
+    def supply_pp_buffers(self) -> bool:
+        return False
+
     def install_fast_pcp_layout(self) -> dict:
         """The `fast_pcp_layout` option: what was installed, or why not (recorded as is)."""
         return {"installed": False, "reason": f"the {self.name} runner has no PCP manager to speed up"}

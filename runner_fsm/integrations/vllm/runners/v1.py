@@ -30,7 +30,8 @@ class V1Runner(RunnerAdapter):
     ATTRS = ("model", "input_ids", "positions", "query_start_loc", "seq_lens", "max_num_reqs",
              "input_batch.num_reqs", "input_batch.block_table[0].block_table",
              "input_batch.block_table[0].slot_mapping", "parallel_config",
-             "_determine_batch_execution_and_padding", "_dummy_run", "_prepare_inputs")
+             "_determine_batch_execution_and_padding", "_dummy_run", "_prepare_inputs", "intermediate_tensors",
+             "max_num_tokens", "model_config", "device")
     DP_ROWS = len(dp_agreement.VLLM_ROWS)
 
     def buffers(self) -> dict[str, torch.Tensor]:
@@ -68,6 +69,26 @@ class V1Runner(RunnerAdapter):
         from vllm.v1.worker import dp_utils
 
         return dp_utils._get_device_and_group(self.runner.parallel_config)
+
+    def lacks_pp_buffers(self, vllm_config: Any) -> bool:
+        """A later pipeline stage of vLLM's CPU runner in eager mode: vLLM allocates the
+        intermediate tensors such a stage receives only in `_dummy_run`, which the CPU runner's
+        warm-up skips under `CompilationMode.NONE` (`warming_up_model`), so its first step
+        asserts `self.intermediate_tensors is not None` (vLLM 0.32, its default worker too)."""
+        from vllm.config import CompilationMode
+        from vllm.distributed.parallel_state import get_pp_group
+
+        return (str(vllm_config.device_config.device_type) == "cpu" and not get_pp_group().is_first_rank
+                and vllm_config.compilation_config.mode == CompilationMode.NONE)
+
+    def supply_pp_buffers(self) -> bool:
+        """Allocate them as `_dummy_run` would (once the model exists), where vLLM has not."""
+        runner = self.runner
+        if runner.intermediate_tensors is not None:
+            return False
+        runner.intermediate_tensors = runner.model.make_empty_intermediate_tensors(
+            batch_size=runner.max_num_tokens, dtype=runner.model_config.dtype, device=runner.device)
+        return True
 
     def install_faults(self, *, skip_dummy_forward: Callable[[], bool],
                        skip_draft_sync: Callable[[], bool], pcp_fault: Callable[[str], bool] | None = None) -> None:
