@@ -15,7 +15,9 @@ ends without `shutdown` has its end explained by a request:
 Then the `unfinished`, `hang` and `missing_replica` verdicts of those ends, and the faults a
 rank logged after a request (an interrupted step, a peer's closed connection), become one note
 naming the stop. A log that ends with no stop request anywhere in the job before it is a death:
-its verdicts stay, whatever step it ends at. Times are compared only within a host
+its verdicts stay, whatever step it ends at. A stop recorded after a fault on its host is no
+request: the job was failing already, and vLLM's shutdown of it (or the launcher's) explains
+nothing. Times are compared only within a host
 (`t_ns` is the host's monotonic clock; the `job` record's `host`, where a writer names it).
 """
 
@@ -32,8 +34,12 @@ class StopRule:
 
     def __init__(self, facts: RunFacts):
         self.facts = facts
+        # A stop recorded after a fault on its host is vLLM (or the launcher) ending a job that
+        # was failing already, not a request: it explains nothing.
+        self.requests = [s for s in facts.stops
+                         if not any(f.t_ns < s.t_ns and self._same_host(f.rank, s.rank) for f in facts.faults)]
         self.own: dict[int, StopSeen] = {}
-        for stop in sorted(facts.stops, key=lambda s: s.seq):
+        for stop in sorted(self.requests, key=lambda s: s.seq):
             self.own.setdefault(stop.rank, stop)
 
     def _same_host(self, a: int, b: int) -> bool:
@@ -44,7 +50,7 @@ class StopRule:
         """The first stop request recorded on `rank`'s host no later than `t_ns` (its clock)."""
         if t_ns is None:
             return None
-        found = [s for s in self.facts.stops if s.t_ns <= t_ns and self._same_host(s.rank, rank)]
+        found = [s for s in self.requests if s.t_ns <= t_ns and self._same_host(s.rank, rank)]
         return min(found, key=lambda s: s.t_ns, default=None)
 
     def explains_end(self, rank: int) -> bool:
@@ -81,6 +87,11 @@ def settle_stops(verdicts: list[Verdict], facts: RunFacts) -> tuple[list[Verdict
     if not facts.stops:
         return verdicts, ()
     rule = StopRule(facts)
+    if not rule.requests:
+        first = _first(facts.stops)
+        return verdicts + _deaths_in_collectives(rule, verdicts), (
+            f"stop record(s) ({first.text()}, the first of {len(facts.stops)}) all follow a fault: the job was"
+            " ending on a failure, not on a stop request, and they explain nothing",)
     faults = {(f.rank, f.step, f.detail): f for f in facts.faults}
     kept, ended, faulted = [], set(), []
     for verdict in verdicts:
@@ -100,8 +111,9 @@ def settle_stops(verdicts: list[Verdict], facts: RunFacts) -> tuple[list[Verdict
 
 def _deaths_in_collectives(rule: StopRule, kept: list[Verdict]) -> list[Verdict]:
     """A rank that waits in a collective a hang verdict tells of, whose end no stop request
-    explains, died there while its job was still running: said on its own, since the hang
-    blames whoever its peers saw fail (e.g. the peer whose connection its death reset)."""
+    explains, while its peers recorded how they stopped (a request, or vLLM's shutdown of a
+    failing job), died there: said on its own, since the hang blames whoever its peers saw
+    fail (e.g. the peer whose connection its death reset)."""
     named = {rank for v in kept if v.kind in END_KINDS for rank in v.ranks}
     deaths = []
     for hang in [v for v in kept if v.kind == "hang"]:
@@ -111,14 +123,14 @@ def _deaths_in_collectives(rule: StopRule, kept: list[Verdict]) -> list[Verdict]
                 end = rule.facts.ends[rank]
                 deaths.append(Verdict("unfinished", end.replica, end.step, (
                     f"the log ends inside a collective at step {end.step} with no stop request recorded before"
-                    " it (the job's stop came later): the process died there"), (rank,)))
+                    " it, while its peers went on to record how they stopped: the process died there"), (rank,)))
     return deaths
 
 
 def _note(rule: StopRule, facts: RunFacts, ended: set[int], faulted: list[Verdict], kept: list[Verdict]) -> str:
-    first = min(facts.stops, key=lambda s: (s.t_ns, s.rank))
+    first = _first(rule.requests)
     recorded = sorted(rule.own)
-    note = (f"stop requested: {first.text()}, the first of {len(facts.stops)} stop record(s), by rank(s)"
+    note = (f"stop requested: {first.text()}, the first of {len(rule.requests)} stop request(s), by rank(s)"
             f" {_ids(recorded)}")
     if ended:
         note += f"; rank(s) {_ids(ended)} ended after it without logging shutdown (not a finding)"
@@ -129,6 +141,11 @@ def _note(rule: StopRule, facts: RunFacts, ended: set[int], faulted: list[Verdic
     if unexplained:
         note += f"; rank(s) {_ids(unexplained)} ended before any stop request was recorded: a death, not a stop"
     return note
+
+
+def _first(stops: list[StopSeen]) -> StopSeen:
+    # steps count alike on every host, clocks only within one: the earliest step, then time
+    return min(stops, key=lambda s: (s.step if isinstance(s.step, int) else -1, s.t_ns, s.rank))
 
 
 def _ids(ranks) -> str:
