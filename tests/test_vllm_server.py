@@ -186,8 +186,8 @@ def _stop_note(report) -> str:
 
 
 def test_served_dp2_stopped_with_ctrl_c_replays_sound_naming_the_stop(served_dp2):
-    """Done-when (a). Mutation seen to fail it: FSMWorker not chaining its SIGINT handler
-    (`StopSignals.install` not called): the workers killed once idle then leave no record."""
+    """Done-when (a). Mutation seen to fail it: `AuditLog.stop` writing nothing: the workers,
+    killed once idle, then leave no record of the stop."""
     (run_dir, answers, code), reference = served_dp2[0]["ctrl-c"], served_dp2[1]
     assert code == 0 and answers == reference
     per_rank = [transitions(run_dir, rank) for rank in range(2)]

@@ -34,16 +34,36 @@ from runner_fsm.stop_signals import StopSignals
 NOTICE = signal.SIGWINCH  # ignored by default: a process that did not ask for it is untouched
 REGISTRY_ENV = "RUNNER_FSM_ENGINE_REGISTRY"
 _SIGNAL_FILE = "signal"  # the name of the signal the engine core received
+_PREFIX = "runner-fsm-engine-"  # + the engine core's pid
 
 
 def register() -> None:
     """vLLM's plugin entry point, called in every vLLM process (maybe more than once)."""
     if not multiprocessing.current_process().name.startswith("EngineCore") or REGISTRY_ENV in os.environ:
         return
-    registry = tempfile.mkdtemp(prefix=f"runner-fsm-engine-{os.getpid()}-")
-    atexit.register(shutil.rmtree, registry, ignore_errors=True)  # a killed engine core leaves it: a few bytes
+    _remove_stale_registries()
+    registry = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
+    atexit.register(shutil.rmtree, registry, ignore_errors=True)  # vLLM kills engine cores: see above
     os.environ[REGISTRY_ENV] = registry  # inherited by the worker processes vLLM starts from here
     StopSignals(lambda name: tell_workers(registry, name)).install()
+
+
+def _remove_stale_registries() -> None:
+    """The registries of engine cores that are gone (vLLM SIGKILLs them, so atexit never runs)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*"):
+        pid = path.name[len(_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
 
 
 def tell_workers(registry: str, signal_name: str) -> None:
