@@ -90,6 +90,30 @@ def test_a_signal_during_a_write_of_the_same_thread_is_recorded_after_it(tmp_pat
     assert [(r["seq"], r["event"]) for r in records] == [(0, "fault"), (1, "stop")]
 
 
+def test_a_signal_during_another_thread_s_write_waits_for_it(tmp_path):
+    """Another thread holds the lock (a collective's record from its worker thread): the record
+    is on disk when the handler returns, for the process may die right after it (the default
+    action of SIGTERM). Mutation seen to fail this: `write_in_handler` never waiting (wait_s 0)."""
+    out = _child(PRELUDE + """
+    import threading, time
+    taken = threading.Event()
+    def writer():
+        with log._lock:
+            log._holder = threading.get_ident()
+            taken.set()
+            time.sleep(0.05)
+            log._holder = None
+    thread = threading.Thread(target=writer)
+    thread.start()
+    taken.wait()
+    log.stop(3, "signal", "SIGTERM")
+    print(log.next_seq)
+    thread.join()
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
+
+
 def test_not_installed_outside_the_main_thread(tmp_path):
     out = _child(PRELUDE + """
     import threading

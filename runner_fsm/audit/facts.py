@@ -65,6 +65,25 @@ class RunFacts:
     # injection names: what an injection that never fired found there
     kinds: dict[tuple[int, int], str | None] = dataclasses.field(default_factory=dict)
 
+    def note(self, rank: int, record: dict) -> None:
+        """Keep what a `fault`, `stop`, `injected` or `job` record says (ValueError: malformed)."""
+        event, step, seq, t_ns = record["event"], record["step_id"], record["seq"], record.get("t_ns")
+        if event == "job":
+            inject = record.get("inject") or ()
+            self.injections[rank] = tuple(map(str, [inject] if isinstance(inject, str) else inject))
+            self.hosts[rank] = record.get("host")
+        elif event == "injected":
+            self.fired.add((rank, step, str(record["injection"])))
+        elif not (_is_int(seq) and _is_int(t_ns)):
+            if event == "stop":
+                raise ValueError(f"seq {seq!r} and t_ns {t_ns!r} must be integers")
+        elif event == "stop":
+            signal = record.get("signal")
+            self.stops.append(StopSeen(rank, step, seq, t_ns, str(record["source"]),
+                                       None if signal is None else str(signal), str(record.get("detail") or "")))
+        elif event == "fault":
+            self.faults.append(FaultSeen(rank, step, seq, t_ns, f"{record['error']}: {record['message']}"))
+
     def injected_steps(self) -> set[int]:
         from runner_fsm.faults import parse_target  # the embedded and vLLM kinds share the syntax
 
@@ -93,3 +112,7 @@ class RunFacts:
             out.fired |= part.fired
             out.kinds.update(part.kinds)
         return out
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -43,6 +43,10 @@ GRAPH_ACTIONS = ("capture", "replay")
 # `injected`: an injected fault acting (`faults`); the others as DESIGN section 7.
 EVENTS = frozenset({"job", "transition", "collective", "buffers", "graph", "fault", "stop", "injected"})
 STOP_SOURCES = ("signal", "shutdown")
+# How long a signal handler waits for another thread's write (microseconds, normally) before
+# leaving its record to that write: bounded, since the holder may be the interrupted thread
+# itself caught between taking the lock and saying so.
+_HANDLER_WAIT_S = 0.2
 # A transition's fields are a few names from small sets: each body is rendered once.
 _TRANSITION_BODIES: dict[tuple[str, str, str, str], bytes] = {}
 
@@ -199,6 +203,7 @@ class AuditLog(_Records):
         self._next_seq = 0
         self._closed = False
         self._deferred: collections.deque = collections.deque()  # records made in a signal handler
+        self._holder: int | None = None  # the thread writing, while one is
         self._render_lines = RecordRenderer(SCHEMA_VERSION, self._run_id, self._dp_rank, self._pcp_rank).lines
         if shape is not None:
             self._emit("job", None, dict(shape))
@@ -270,14 +275,16 @@ class AuditLog(_Records):
         """Write a record from a signal handler. Python runs the handler in the main thread between
         two bytecodes, possibly while that very thread holds the log's lock in the middle of a
         write: waiting for the lock there would never end. So the record is queued, and written
-        now if the lock is free, else by the write that holds it, as soon as that write is done.
+        now once the lock is free (waiting a moment for another thread's write: the process may
+        die right after the handler), else by the write this thread is in, as soon as it is done.
         On a closed log it is dropped: a handler must never fail the signal's own handling."""
         self._deferred.append((time.monotonic_ns(), event, step_id, fields))
-        self._write_deferred()
+        self._write_deferred(wait_s=0.0 if self._holder == threading.get_ident() else _HANDLER_WAIT_S)
 
-    def _write_deferred(self) -> None:
+    def _write_deferred(self, wait_s: float = 0.0) -> None:
         deferred = self._deferred
-        while deferred and self._lock.acquire(blocking=False):
+        while deferred and self._lock.acquire(wait_s > 0, wait_s if wait_s > 0 else -1):
+            self._holder = threading.get_ident()
             try:
                 records = []
                 while deferred:  # popleft, not a copy: a handler may append meanwhile
@@ -286,6 +293,7 @@ class AuditLog(_Records):
                     self._logger.msg(self._render_lines(self._next_seq, records, time.monotonic_ns()))
                     self._next_seq += len(records)
             finally:
+                self._holder = None
                 self._lock.release()
 
     def rendered(self, event: str, step_id: int | None, body: bytes) -> None:
@@ -301,15 +309,19 @@ class AuditLog(_Records):
         A record of a batch keeps the time it was made, so t_ns may step back by a few
         microseconds against a record another thread wrote meanwhile; seq is the file order."""
         with self._lock:
-            if self._closed:
-                first = records[0]
-                raise AuditLogClosedError(
-                    f"audit log {self.path} is closed; cannot write {first[1]!r} (step {first[2]})"
-                )
-            # seq is only consumed once the lines are written: a record that fails to
-            # serialise leaves no gap behind.
-            self._logger.msg(self._render_lines(self._next_seq, records, time.monotonic_ns()))
-            self._next_seq += len(records)
+            self._holder = threading.get_ident()  # a signal handler must know whether to wait
+            try:
+                if self._closed:
+                    first = records[0]
+                    raise AuditLogClosedError(
+                        f"audit log {self.path} is closed; cannot write {first[1]!r} (step {first[2]})"
+                    )
+                # seq is only consumed once the lines are written: a record that fails to
+                # serialise leaves no gap behind.
+                self._logger.msg(self._render_lines(self._next_seq, records, time.monotonic_ns()))
+                self._next_seq += len(records)
+            finally:
+                self._holder = None
         if self._deferred:  # a signal handler ran while this write held the lock
             self._write_deferred()
 

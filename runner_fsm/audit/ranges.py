@@ -19,7 +19,7 @@ from pathlib import Path
 import orjson
 
 from runner_fsm.audit.crossrank import CrossRankChecker, MissedSteps
-from runner_fsm.audit.facts import RunFacts
+from runner_fsm.audit.facts import RankEnd, RunFacts
 from runner_fsm.audit.mapped import data_end, is_blank
 from runner_fsm.audit.ranks import Groups, RankInfo
 from runner_fsm.audit.read import RankStep, StepMerger
@@ -73,6 +73,12 @@ def scan_rank(info: RankInfo, verdicts: list[Verdict], counter: dict[int, int], 
     last = scanner.finish()
     counter[info.global_rank] = scanner.records_counted
     if last is not None:
+        if facts is not None:  # where the log ends: its last record's time, its state then
+            end = _last_record(info.path)
+            t_ns = end.get("t_ns") if end is not None else None
+            facts.ends[info.global_rank] = RankEnd(info.global_rank, info.dp_rank, last.step,
+                                                   t_ns if isinstance(t_ns, int) else None,
+                                                   scanner.transitions.state, last.hang is not None)
         yield last
 
 
@@ -195,7 +201,13 @@ def seek_step(path: Path, step: int) -> int:
 
 
 def last_step_of(path: Path) -> int | None:
-    """The step of the last readable record of `path` (None when it has none)."""
+    """The step of the last readable record of `path` that has one (None when none has)."""
+    found = _last_record(path, lambda record: isinstance(record.get("step_id"), int))
+    return None if found is None else found["step_id"]
+
+
+def _last_record(path: Path, accept=lambda record: True) -> dict | None:
+    """The last readable record of `path` that `accept` takes (None when there is none)."""
     size = data_end(path)  # without the blank tail of a log that was not closed
     with open(path, "rb") as handle:
         span = _TAIL
@@ -203,9 +215,12 @@ def last_step_of(path: Path) -> int | None:
             handle.seek(max(0, size - span))
             lines = handle.read(size - max(0, size - span)).splitlines()
             for raw in reversed(lines[1:] if size > span else lines):
-                step = _step_of(raw)
-                if step is not None:
-                    return step
+                try:
+                    record = orjson.loads(raw)
+                except orjson.JSONDecodeError:
+                    continue
+                if isinstance(record, dict) and accept(record):
+                    return record
             if span >= size:
                 return None
             span *= 4

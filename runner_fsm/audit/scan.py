@@ -20,7 +20,7 @@ import orjson
 
 from runner_fsm.audit.checks import BufferTracker, TransitionChecker, check_own_agreement, dispatch_problem
 from runner_fsm.audit.context_rule import ContextEvidence
-from runner_fsm.audit.facts import FaultSeen, RankEnd, RunFacts, StopSeen
+from runner_fsm.audit.facts import RunFacts
 from runner_fsm.audit.mapped import is_blank, rest_is_blank
 from runner_fsm.audit.ranks import RankInfo
 from runner_fsm.audit.read import RankStep, StepBuilder, freeze as _freeze
@@ -59,7 +59,6 @@ class RankScanner:
         self.count_from: int | None = None  # count only records of steps from here on
         self._uncounted: int | None = None  # records read before the first such step
         self.contexts = ContextEvidence()
-        self._last_record: dict | None = None  # the last record read (its time: where the log ends)
 
     # -- verdicts ------------------------------------------------------------------
 
@@ -79,48 +78,44 @@ class RankScanner:
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
         handlers = {"collective": self._collective, "transition": self._transition,
                     "buffers": self._buffers, "graph": self._graph, "fault": self._fault,
-                    "stop": self._stop, "injected": self._injected, "job": self._job}
-        record = None
-        try:
-            for line_no, raw in enumerate(lines, 1):
-                self._line = line_no
-                try:
-                    record = loads(raw)
-                    seq, event, step = record["seq"], record["event"], record["step_id"]
-                except decode_error as err:
-                    if is_blank(raw) and rest_is_blank(lines):
-                        return  # the unwritten tail of a log that was not closed (audit.mapped)
-                    self._unparsable(raw, err)
-                    continue
-                except (KeyError, TypeError) as err:
-                    self._malformed(f"record lacks header field {err}" if isinstance(err, KeyError)
-                                    else "line is not a JSON object")
-                    continue
-                self.records += 1
-                if seq == self._next_seq:
-                    self._next_seq = seq + 1
-                else:
-                    self._seq_gap(seq)
-                current = self.current
-                if current is None or (step != current.step and step is not None):
-                    if stop_step is not None and isinstance(step, int) and step >= stop_step:
-                        self.records -= 1  # that record is the next range's
-                        self.stopped = True
-                        if current is not None:
-                            yield current.seal(self.info.global_rank, self._signatures)
-                        return
-                    finished = self._enter_step(step)
-                    if finished is not None:
-                        yield finished
-                self._dangling = None
-                try:
-                    handler = handlers.get(event)
-                    if handler is not None:
-                        handler(record)
-                except (LookupError, TypeError, AttributeError, ValueError) as err:
-                    self._malformed(f"{event!r} record is malformed ({type(err).__name__}: {err})")
-        finally:  # kept once, as the scan leaves: no cost per record
-            self._last_record = record if isinstance(record, dict) else self._last_record
+                    "stop": self._rare, "injected": self._rare, "job": self._rare}
+        for line_no, raw in enumerate(lines, 1):
+            self._line = line_no
+            try:
+                record = loads(raw)
+                seq, event, step = record["seq"], record["event"], record["step_id"]
+            except decode_error as err:
+                if is_blank(raw) and rest_is_blank(lines):
+                    return  # the unwritten tail of a log that was not closed (audit.mapped)
+                self._unparsable(raw, err)
+                continue
+            except (KeyError, TypeError) as err:
+                self._malformed(f"record lacks header field {err}" if isinstance(err, KeyError)
+                                else "line is not a JSON object")
+                continue
+            self.records += 1
+            if seq == self._next_seq:
+                self._next_seq = seq + 1
+            else:
+                self._seq_gap(seq)
+            current = self.current
+            if current is None or (step != current.step and step is not None):
+                if stop_step is not None and isinstance(step, int) and step >= stop_step:
+                    self.records -= 1  # that record is the next range's
+                    self.stopped = True
+                    if current is not None:
+                        yield current.seal(self.info.global_rank, self._signatures)
+                    return
+                finished = self._enter_step(step)
+                if finished is not None:
+                    yield finished
+            self._dangling = None
+            try:
+                handler = handlers.get(event)
+                if handler is not None:
+                    handler(record)
+            except (LookupError, TypeError, AttributeError, ValueError) as err:
+                self._malformed(f"{event!r} record is malformed ({type(err).__name__}: {err})")
 
     @property
     def records_counted(self) -> int:
@@ -152,10 +147,6 @@ class RankScanner:
             hang = last.open_collective()
             timed_out = hang is not None and last.fault is not None
         state = self.transitions.state
-        last_t = self._last_record.get("t_ns") if self._last_record is not None else None
-        self.facts.ends[self.info.global_rank] = RankEnd(self.info.global_rank, self.info.dp_rank, last.step,
-                                                         last_t if isinstance(last_t, int) else None, state,
-                                                         hang is not None)
         if hang is None and not self._truncated and state not in TERMINAL_STATES:
             # Between steps every step it began, it finished; a stop request recorded in the job
             # before the log ends may explain it (`audit.stops`), nothing else does.
@@ -342,27 +333,11 @@ class RankScanner:
         error, message = str(record["error"]), str(record["message"])
         self.current.fault = self.current.fault or (error, message)  # the first one is the cause
         self._verdict("fault", f"{error}: {message}", error=error)
-        seq, t_ns = record["seq"], record.get("t_ns")
-        if _is_int(seq) and _is_int(t_ns):
-            self.facts.faults.append(FaultSeen(self.info.global_rank, record["step_id"], seq, t_ns,
-                                               f"{error}: {message}"))
+        self.facts.note(self.info.global_rank, record)
 
-    # -- rare records: kept whole for the rules judged over the job (`facts`) -------------
-
-    def _stop(self, record) -> None:
-        seq, t_ns, signal = record["seq"], record["t_ns"], record.get("signal")
-        if not (_is_int(seq) and _is_int(t_ns)):
-            raise ValueError(f"seq {seq!r} and t_ns {t_ns!r} must be integers")
-        self.facts.stops.append(StopSeen(self.info.global_rank, record["step_id"], seq, t_ns, str(record["source"]),
-                                         None if signal is None else str(signal), str(record.get("detail") or "")))
-
-    def _injected(self, record) -> None:
-        self.facts.fired.add((self.info.global_rank, record["step_id"], str(record["injection"])))
-
-    def _job(self, record) -> None:
-        inject = record.get("inject") or ()
-        self.facts.injections[self.info.global_rank] = tuple(map(str, [inject] if isinstance(inject, str) else inject))
-        self.facts.hosts[self.info.global_rank] = record.get("host")
+    def _rare(self, record) -> None:
+        """`stop`, `injected`, `job`: kept whole for the rules judged over the job (`facts`)."""
+        self.facts.note(self.info.global_rank, record)
 
     def _buffers(self, record) -> None:
         for detail in self.buffers.buffers(record, self.current.step):
@@ -372,6 +347,3 @@ class RankScanner:
         for detail in self.buffers.graph(record, self.current.step):
             self._verdict("stale_buffer_replay", detail)
 
-
-def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
