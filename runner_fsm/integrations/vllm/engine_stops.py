@@ -72,7 +72,7 @@ def tell_workers(registry: str, signal_name: str) -> None:
     for entry in os.scandir(registry):
         if entry.name.isdigit() and int(entry.name) != os.getpid():  # a worker inside: it heard the signal
             with contextlib.suppress(OSError):
-                pass
+                os.kill(int(entry.name), NOTICE)
 
 
 class WorkerNotice:
