@@ -127,8 +127,9 @@ def _add_replay(sub) -> None:
     p.add_argument("--jobs", type=int, default=None,
                    help="processes, each judging a range of steps (default: 1 for small runs, else one per CPU)")
     p.add_argument("--world-size", type=int, default=None, metavar="N",
-                   help="the job's world size, for a directory of Flight Recorder dumps alone (a gloo job's"
-                        " dumps name no group members): every rank below N must have left a dump")
+                   help="the job's world size: every rank below N must have left a Flight Recorder dump (a gloo"
+                        " job's dumps name no group members) or an audit log; audit logs that declare the"
+                        " job's shape must agree with it")
     p.add_argument("--perfetto", metavar="TRACE.json",
                    help="also write the run as a trace for ui.perfetto.dev / chrome://tracing")
     window = p.add_mutually_exclusive_group()
@@ -155,7 +156,7 @@ def _cmd_replay(args) -> int:
     progress = TerminalProgress()  # on stderr, only when it is a terminal
     try:
         if args.plot:
-            report = replay_with_plot(args.run_dir, args.plot, jobs=args.jobs, **window)
+            report = replay_with_plot(args.run_dir, args.plot, jobs=args.jobs, world_size=args.world_size, **window)
         else:
             report = replay(args.run_dir, jobs=args.jobs, world_size=args.world_size, progress=progress, **window)
     finally:

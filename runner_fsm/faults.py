@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Iterable
+from typing import Callable, Iterable
 
 from runner_fsm.errors import ConfigError
 
@@ -51,19 +51,32 @@ class Injection:
         return f"{self.kind}@replica={self.replica},step={self.step}"
 
 
+def parse_target(text: str) -> tuple[int, int] | None:
+    """(replica, step) of `KIND@replica=R,step=S` whatever the kind (the vLLM worker's kinds are
+    its own, `integrations.vllm.inject`); None when the text is not of that form."""
+    match = _SPEC.match(str(text).strip())
+    return (int(match["replica"]), int(match["step"])) if match else None
+
+
 class Injector:
     """Answers, at each decision point, whether a fault is due on this replica now, and
     remembers which injections it applied (`fired`), so that one that never applied is said."""
 
-    def __init__(self, injections: Iterable[Injection] = ()):
+    def __init__(self, injections: Iterable[Injection] = (), *,
+                 on_fire: Callable[[Injection], None] | None = None):
+        """`on_fire(injection)`: called once, the first time an injection applies (the audit
+        log's `injected` record: the evidence replay reads that it fired)."""
         self.injections = tuple(injections)
         self.fired: set[Injection] = set()
+        self._on_fire = on_fire
 
     def due(self, kind: str, dp_rank: int, step_id: int) -> bool:
         if kind not in KINDS:
             raise ValueError(f"unknown fault kind {kind!r}")
         for injection in self.injections:
             if injection.kind == kind and injection.replica == dp_rank and injection.step == step_id:
+                if injection not in self.fired and self._on_fire is not None:
+                    self._on_fire(injection)
                 self.fired.add(injection)
                 return True
         return False

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
@@ -221,14 +222,67 @@ def _outcome(columns, sizes):
         return type(error).__name__, str(error)
 
 
+class _Group:
+    """One replica's handle on a DP group whose all-reduce the replicas' threads run together."""
+
+    def __init__(self, rank: int, ring: "_AllReduce"):
+        self._rank, self.ring = rank, ring
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self.ring.size
+
+
+class _AllReduce:
+    """gloo's SUM all-reduce among threads: each contributes its own tensor, each gets the sum
+    written into that tensor in place, as `dist.all_reduce` does."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self.tensors: dict[int, torch.Tensor] = {}
+        self.barrier = threading.Barrier(size)
+
+    def __call__(self, tensor, op=None, group=None):
+        self.tensors[group.rank()] = tensor
+        self.barrier.wait()
+        total = sum(t.clone() for t in self.tensors.values())
+        self.barrier.wait()
+        tensor.copy_(total)
+
+
+def _sync_on_every_replica(columns, sizes, monkeypatch) -> list:
+    """Each replica runs `dp.sync` itself (its own pack, its own view of the wire, its own
+    decode of what came back), the all-reduce between them, in one thread per replica."""
+    ring = _AllReduce(len(columns))
+    monkeypatch.setattr(dp.dist, "all_reduce", ring)
+    monkeypatch.setattr(dp.dist, "get_backend", lambda group: "gloo")
+    outcomes: list = [None] * len(columns)
+
+    def replica(rank: int) -> None:
+        try:
+            outcomes[rank] = dp.sync(_Group(rank, ring), columns[rank], capture_sizes=sizes)
+        except (DesyncError, ReplicaFault) as error:
+            outcomes[rank] = type(error).__name__, str(error)
+
+    threads = [threading.Thread(target=replica, args=(rank,)) for rank in range(len(columns))]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=30)
+    return outcomes
+
+
 @settings(max_examples=300, deadline=None)
 @given(_agreements())
 def test_every_replica_reaches_the_same_outcome_from_the_all_reduce(case):
+    """Every replica runs `dp.sync` over the shared all-reduce and must come out with the state
+    (or the error) `agree` gives on the columns. Mutation seen to fail this: `dp.sync` packing
+    its column at index 0 (`pack(local, 0, group.size())`) instead of at its own rank."""
     columns, sizes = case
-    dp_size = len(columns)
-    summed = sum(dp.pack(column, rank, dp_size) for rank, column in enumerate(columns))
-    # Each replica decodes its own copy of the summed tensor, as after the all-reduce.
-    outcomes = [_outcome(dp.unpack(summed.clone()), sizes) for _ in range(dp_size)]
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        outcomes = _sync_on_every_replica(columns, sizes, monkeypatch)
     assert all(outcome == outcomes[0] for outcome in outcomes)
     assert outcomes[0] == _outcome(columns, sizes)
     state = outcomes[0]

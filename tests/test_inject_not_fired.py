@@ -6,6 +6,8 @@ import json
 
 import pytest
 
+from runner_fsm.audit import read_records
+from runner_fsm.audit.replay import replay
 from runner_fsm.cli import main
 from runner_fsm.config import ParallelLayout
 from runner_fsm.engine.api import run_engine
@@ -76,6 +78,14 @@ def test_the_cli_says_which_injection_never_fired_and_exits_3(models, tmp_path, 
         f"runner-fsm run: --inject crash@replica=1,step=500 never fired: replica 1 never reached step 500:"
         f" its run ended at step {lines and lines[1].rsplit(' ', 1)[-1]}"]
     assert (tmp_path / "out" / "outputs.jsonl").exists()  # the run itself went well
+    # Replay says it from the logs alone: the job record names the injections, and no rank logged
+    # either acting (mutation seen to fail this: `check_injections` returning no verdict).
+    report = replay(tmp_path / "out")
+    assert report.exit_code == 1
+    found = [(v.kind, v.replica, v.step) for v in report.verdicts]
+    assert found == [("injection_not_fired", 0, 4), ("injection_not_fired", 1, 500)], report.format()
+    assert "replica 0 ran a decode step at step 4" in report.verdicts[0].detail
+    assert "replica 1's log ends at step" in report.verdicts[1].detail and "before step 500" in report.verdicts[1].detail
 
 
 @pytest.mark.multiproc
@@ -85,3 +95,8 @@ def test_a_fired_injection_is_not_reported(models, tmp_path):
                        collective_timeout_s=3.0, injections=("wrong-dispatch-count@replica=0,step=0",))
     result = run_engine(cfg, WORKLOAD, timeout_s=120)
     assert not result.ok and result.not_fired == {}
+    # the rank it acted on logged it (`injected`): replay finds the fault, not an injection unfired
+    injected = [r for r in read_records(tmp_path / "run" / "rank-0.jsonl") if r["event"] == "injected"]
+    assert [(r["injection"], r["step_id"]) for r in injected] == [("wrong-dispatch-count@replica=0,step=0", 0)]
+    report = replay(tmp_path / "run")
+    assert "injection_not_fired" not in report.counts() and "dispatch_mismatch" in report.counts(), report.format()

@@ -79,8 +79,12 @@ def assert_same_layout(ours, theirs):
 @pytest.mark.parametrize("dcp", [1, 2, 4])
 @pytest.mark.parametrize("seed", [0, 1])
 def test_mrv2_policy_equals_vllm_build_batch_layout(dcp, seed):
+    """Equal layouts on every random batch, and the batches compared cover what they claim to
+    (counted from the batches themselves, after each comparison): every P, prefills cut over the
+    ranks, decodes, both in one batch, padding. Mutation seen to fail this: `random_batch`
+    making no prefill (`prefilling` all False), which every comparison alone would let pass."""
     rng = np.random.default_rng(100 * dcp + seed)
-    checked = 0
+    covered = {"pcp": set(), "prefill": 0, "decode": 0, "mixed": 0, "padded": 0}
     for _ in range(CASES_PER_CONFIG):
         pcp = int(rng.integers(1, 9))
         scheduled, computed, prefilling = random_batch(rng)
@@ -96,8 +100,15 @@ def test_mrv2_policy_equals_vllm_build_batch_layout(dcp, seed):
             dispatch = num_tokens_for_dispatch(scheduled, prefilling, pcp, chunking="mrv2", dcp_size=dcp,
                                                native=native)
             assert_same_layout(plan_as_vllm(plan, dispatch), theirs)
-        checked += 1
-    assert checked == CASES_PER_CONFIG
+        live = scheduled > 0
+        has_prefill, has_decode = bool((prefilling & live).any()), bool((~prefilling & live).any())
+        covered["pcp"].add(pcp)
+        covered["prefill"] += has_prefill
+        covered["decode"] += has_decode
+        covered["mixed"] += has_prefill and has_decode
+        covered["padded"] += padded is not None
+    assert covered["pcp"] == set(range(1, 9)), covered
+    assert min(covered[k] for k in ("prefill", "decode", "mixed", "padded")) >= CASES_PER_CONFIG // 10, covered
 
 
 def test_mrv2_policy_equals_vllm_on_the_benchmark_batch():

@@ -326,3 +326,43 @@ def test_a_schema_1_log_still_replays(tmp_path):
     [verdict] = replay(run).verdicts
     assert (verdict.kind, verdict.replica, verdict.ranks) == ("missing_rank", 1, (2,))
     assert "rank 2 (dp 1, pcp 0) left no audit log" in verdict.detail
+
+
+# --- --world-size beside audit logs, and with --plot: used or refused, never ignored ---------
+
+def test_world_size_beside_logs_that_declare_the_shape_must_agree(tmp_path, capsys):
+    """Mutation seen to fail this: `check_job` ignoring `world_size` (as before: silently dropped)."""
+    run = _run(tmp_path)
+    assert main(["replay", str(run), "--world-size", "4"]) == 0
+    capsys.readouterr()
+    assert main(["replay", str(run), "--world-size", "6"]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1
+    assert "--world-size 6 contradicts the job's shape, run 'synth': dp=2 x pcp=2, world size 4" in err
+
+
+def test_world_size_names_the_missing_ranks_of_logs_without_a_shape(tmp_path, capsys):
+    run = _run(tmp_path, SynthSpec(dp_size=2, pcp_size=2, steps=6, job_shape=False))
+    (run / "rank-3.jsonl").unlink()
+    report = replay(run, world_size=4)
+    missing = [v for v in report.verdicts if v.kind == "missing_rank"]
+    assert [(v.replica, v.ranks) for v in missing] == [(1, (3,))], report.format()
+    assert "--world-size" in missing[0].detail and report.summary.notes[0].endswith("--world-size 4")
+    assert main(["replay", str(run), "--world-size", "2"]) == 2  # rank-2.jsonl lies outside it
+    assert "rank-2.jsonl lies outside --world-size 2" in capsys.readouterr().err
+
+
+def test_world_size_is_used_with_plot_too(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    run = _run(tmp_path)
+    assert main(["replay", str(run), "--plot", str(tmp_path / "t.png"), "--world-size", "6"]) == 2
+    assert "contradicts the job's shape" in capsys.readouterr().err
+
+
+def test_plot_of_flight_recorder_dumps_alone_is_refused_in_one_line(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    for rank in range(2):
+        _nccl_style_dump(tmp_path / f"fr-rank-{rank}.json", "1", range(2), 2)
+    assert main(["replay", str(tmp_path), "--plot", str(tmp_path / "t.png")]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and "holds Flight Recorder dumps only" in err

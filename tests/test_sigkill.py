@@ -1,9 +1,24 @@
-"""A run killed with SIGKILL mid-way: every complete log line parses, and replay reports the
-cut (a hang or a gap) instead of crashing."""
+"""An embedded DP=2 run killed with SIGKILL, every process at once, is never SOUND, wherever the
+kill lands: nothing asked it to stop (no `stop` record), so its logs end in a death.
+
+One run is frozen (SIGSTOP to its process group) until its logs show the moment wanted, five
+moments in order: during start-up; between steps, early; inside a step; inside a collective;
+between steps, late. At the first four the logs are copied while every writer is frozen: a
+copy of a memory-mapped log then is byte for byte what a SIGKILL at that instant leaves on disk
+(the page cache is all there is). At the fifth the whole group is killed for real. Each is
+replayed: every complete line parses, and the verdicts are the cut's (`unfinished`, `hang`,
+`missing_replica`, a `gap` for a cut line), never SOUND.
+
+Mutation seen to fail it: `settle_stops` (audit/stops.py) treating a log that ends between
+steps as explained without any `stop` record (the quiescent-stop rule of before: it read the
+between-steps placements SOUND).
+"""
+
+from __future__ import annotations
 
 import json
 import os
-import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -17,51 +32,216 @@ from runner_fsm.audit.replay import replay
 
 pytestmark = pytest.mark.multiproc
 
-
-def _lines(run_dir: Path) -> int:
-    """Records of rank 0 so far (its log, still open, ends in blank lines: `audit.mapped`)."""
-    path = run_dir / "rank-0.jsonl"
-    return sum(1 for line in path.read_bytes().splitlines() if line.strip()) if path.exists() else 0
+RANKS = 2
 
 
-def test_sigkill_at_a_random_step_leaves_replayable_logs(tmp_path):
-    out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "runner_fsm.cli", "run", "--dp", "2", "--pcp", "2", "--requests", "24",
-           "--max-new-tokens", "24", "--out", str(out)]
-    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    target = random.Random(os.getpid()).randint(60, 300)  # records of rank 0: a random step
-    deadline = time.monotonic() + 120
+def _last(run_dir: Path, rank: int) -> dict | None:
+    """The last complete record of a rank's log (it ends in a blank tail: `audit.mapped`)."""
+    path = run_dir / f"rank-{rank}.jsonl"
+    if not path.exists():
+        return None
+    for line in reversed(path.read_bytes()[: data_end(path)].splitlines()):
+        try:
+            return json.loads(line)
+        except ValueError:
+            continue  # a line cut mid-write
+    return None
+
+
+def _finished(record, at_least: int = 0) -> bool:
+    return (record is not None and record["event"] == "transition" and record["trigger"] == "finish"
+            and isinstance(record["step_id"], int) and record["step_id"] >= at_least)
+
+
+def _in_step(record) -> bool:
+    """A step's record after its agreement and before its end: buffers, a forward's `done`, the
+    step's own transition (logged once its forward is over)."""
+    if not isinstance(record["step_id"], int) or record["step_id"] < 0:
+        return False
+    if record["event"] == "transition":
+        return record["trigger"] != "finish"
+    return record["event"] == "buffers" or (record["event"] == "collective" and record["stage"] == "done")
+
+
+# name -> (every rank's last record says it is now; or, for a moment between steps, the first
+# step it may be after: caught rank by rank, see `_between_steps`)
+MOMENTS = {
+    "start-up": lambda lasts: all(r["step_id"] is None or r["step_id"] < 0 for r in lasts),
+    "between steps, early": 2,
+    "inside a step": lambda lasts: any(_in_step(r) for r in lasts),
+    "between steps, late": 20,
+    "inside a collective": lambda lasts: any(r["event"] == "collective" and r["stage"] == "enqueue"
+                                             for r in lasts),
+}
+
+
+def _session(pid: int) -> list[int]:
+    """Processes of the session `pid` leads (the launcher and its ranks)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[3]) == pid:  # the session id
+                found.append(int(entry.name))
+    return found
+
+
+def _state(pid: int) -> str:
     try:
-        while _lines(out) < target and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.05)
-    finally:
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
-    assert _lines(out) >= target, "the run ended before the kill"
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "X"
 
-    for path in sorted(out.glob("rank-*.jsonl")):
+
+def _stop(pids) -> None:
+    """SIGSTOP each of `pids`, then wait until every one has stopped."""
+    for pid in pids:
+        _signal(pid, signal.SIGSTOP)
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and not all(_state(pid) in "TtZX" for pid in pids):
+        time.sleep(0.0005)
+
+
+def _resume(pids) -> None:
+    for pid in pids:
+        _signal(pid, signal.SIGCONT)
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:  # the run is over
+        pass
+
+
+def _rank_pids(session: int, out: Path) -> dict[int, int]:
+    """{rank: pid}: each rank's process is the one holding its log open."""
+    found = {}
+    for pid in _session(session):
+        try:
+            links = [os.readlink(fd) for fd in (Path("/proc") / str(pid) / "fd").iterdir()]
+        except OSError:
+            continue
+        for rank in range(RANKS):
+            if str(out / f"rank-{rank}.jsonl") in links:
+                found[rank] = pid
+    return found
+
+
+def _ends_with_finish(data: bytes, step: int | None = None):
+    """The step whose `finish` is the last line of a log's bytes, nothing after it but the blank
+    tail (no line being written): None otherwise."""
+    written = data.rstrip(b"\n\x00")
+    try:
+        last = json.loads(written[written.rfind(b"\n") + 1:])
+    except ValueError:
+        return None
+    return last["step_id"] if _finished(last) and (step is None or last["step_id"] == step) else None
+
+
+def _between_steps(out: Path, at_least: int, alive) -> dict[int, bytes] | None:
+    """{rank: its log's bytes} as each rank's log stood right after it logged the end of the
+    same step S >= `at_least`: what a SIGKILL of every process leaves when it lands while all
+    are between steps after S. Each log is read as its own writer leaves it (appending), so the
+    moment is caught per rank: the window in which every rank is between steps at once is too
+    short to hit by freezing them together. None when the run ends first."""
+    paths = [out / f"rank-{rank}.jsonl" for rank in range(RANKS)]
+    while alive():
+        step = max(at_least, *(_step_now(path) + 1 for path in paths))
+        got: dict[int, bytes] = {}
+        while alive() and len(got) < RANKS and all(_step_now(paths[r]) <= step for r in range(RANKS) if r not in got):
+            for rank in range(RANKS):
+                if rank not in got:
+                    data = paths[rank].read_bytes()
+                    if _ends_with_finish(data, step) is not None:
+                        got[rank] = data
+        if len(got) == RANKS:
+            return got
+    return None
+
+
+def _step_now(path: Path) -> int:
+    last = _last(path.parent, int(path.stem.split("-")[1]))
+    return last["step_id"] if last is not None and isinstance(last["step_id"], int) else -1
+
+
+@pytest.fixture(scope="module")
+def killed(tmp_path_factory, models):
+    """Run directories {moment: copy of the logs}, the last one the killed run itself."""
+    root = tmp_path_factory.mktemp("sigkill")
+    out = root / "run"
+    cmd = [sys.executable, "-m", "runner_fsm.cli", "run", "--model", models[0], "--dp", str(RANKS), "--pcp", "1",
+           "--requests", "24", "--max-new-tokens", "96", "--out", str(out)]
+    log = open(root / "run.log", "w")
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
+    seen: dict[str, Path] = {}
+    names = list(MOMENTS)
+    lasts: list = []
+    deadline = time.monotonic() + 240
+    try:
+        while not all(map(_last, [out] * RANKS, range(RANKS))) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        pids = _rank_pids(proc.pid, out)
+        assert sorted(pids) == list(range(RANKS)), pids
+        everyone = [proc.pid, *pids.values()]
+        alive = lambda: proc.poll() is None and time.monotonic() < deadline  # noqa: E731
+        while names and alive():
+            moment, name = MOMENTS[names[0]], names[0]
+            copy = root / name.replace(" ", "_").replace(",", "")
+            if isinstance(moment, int):
+                logs = _between_steps(out, moment, alive)
+                if logs is not None:
+                    copy.mkdir()
+                    for rank, data in logs.items():
+                        (copy / f"rank-{rank}.jsonl").write_bytes(data)
+                    seen[names.pop(0)] = copy
+                continue
+            _stop(everyone)
+            lasts = [_last(out, rank) for rank in range(RANKS)]
+            if all(lasts) and moment(lasts):
+                names.pop(0)
+                if names:  # copied while frozen: what a SIGKILL now would leave
+                    copy.mkdir()
+                    for rank in range(RANKS):
+                        shutil.copyfile(out / f"rank-{rank}.jsonl", copy / f"rank-{rank}.jsonl")
+                    seen[name] = copy
+                else:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    seen[name] = out
+                    break
+            _resume(everyone)
+            time.sleep(0.002)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+        log.close()
+    assert list(seen) == list(MOMENTS), (f"the run ended (exit status {proc.returncode}) before every moment was"
+                                         f" caught: {list(seen)}\n{(root / 'run.log').read_text()[-2000:]}")
+    return seen
+
+
+@pytest.mark.parametrize("moment", list(MOMENTS))
+def test_a_sigkill_is_never_sound(killed, moment):
+    run = killed[moment]
+    for path in sorted(run.glob("rank-*.jsonl")):
         data = path.read_bytes()
         end = data_end(path)  # what was written; the rest of the last chunk is blank
         assert len(data) % CHUNK == 0 and len(data) > end, "the killed writer's file was cut"
         lines = data[:end].split(b"\n")
-        # Every line is a record but the last, which a kill during its copy may have cut.
-        for line in lines[:-2]:
+        for line in lines[:-2]:  # every line is a record but the last, which a kill may have cut
             assert isinstance(json.loads(line), dict)
-        assert len(lines[-2]) < 100_000 and lines[-1] == b""
-
-    report = replay(out)  # must not raise: the cut is a finding, not a crash of the tool
+    report = replay(run)  # must not raise: the cut is a finding, not a crash of the tool
     kinds = {v.kind for v in report.verdicts}
-    # Unsound, unless every rank happened to be between steps after the same step: nothing
-    # was half done then, and replay says so in a note (`settle_quiescent_stop`).
-    quiescent = any("stopped between steps" in note for note in report.summary.notes)
-    assert not report.sound or quiescent, "the cut went unreported"
-    # Every process is killed at once: a rank caught between two steps, with no peer waiting
-    # for it, is `unfinished` (its log stops with no shutdown); one caught in a collective is a
-    # `hang`; one behind its peers is `missing_replica`; a cut line is a `gap`.
+    assert not report.sound, f"{moment}: {report.format()}"
     assert kinds <= {"hang", "gap", "missing_replica", "unfinished"}, report.format()
-    assert quiescent or kinds & {"hang", "missing_replica", "unfinished"}, report.format()
-
-    cli = subprocess.run([sys.executable, "-m", "runner_fsm.cli", "replay", str(out)],
+    assert not any(note.startswith("stop requested") for note in report.summary.notes), report.format()
+    if moment.startswith("between steps"):  # each rank finished its step: nothing but the death to see
+        assert sorted(r for v in report.verdicts for r in v.ranks) == list(range(RANKS)), report.format()
+        assert kinds == {"unfinished"}, report.format()
+    cli = subprocess.run([sys.executable, "-m", "runner_fsm.cli", "replay", str(run)],
                          capture_output=True, text=True, timeout=120)
-    assert cli.returncode in (0, 1), cli.stderr
-    assert "Traceback" not in cli.stderr
+    assert cli.returncode == 1, cli.stdout + cli.stderr

@@ -127,12 +127,14 @@ def test_flight_recorder_dumped_and_joined(runs, kind):
 
 def test_an_injection_that_never_fired_is_a_finding(runs):
     """The run ends normally, but it tested nothing: the replica the fault targets says why on
-    stderr and in a `fault` record, which replay lists (exit 1)."""
+    stderr, and replay names it from the logs alone (`injection_not_fired`, exit 1): the job
+    record names the injection, no rank logged it acting."""
     result, run_dir = runs["never"]
     assert result.codes == [0, 0], result.logs[0][-3000:]
     line = (f"inject {NEVER_FIRES} never fired: replica 0 was not idle at step 4 (it ran a decode step);"
             " skip-dummy-forward acts on a dummy step")
     assert f"FSMWorker: {line}" in result.logs[0] and line not in result.logs[1]
     code, verdicts = c.replay_json(run_dir)
-    assert code == 1 and [(v["kind"], v["replica"]) for v in verdicts] == [("fault", 0)], verdicts
-    assert verdicts[0]["detail"] == f"InjectionNeverFired: {line}"
+    assert code == 1 and [(v["kind"], v["replica"], v["step"]) for v in verdicts] == \
+        [("injection_not_fired", 0, 4)], verdicts
+    assert "replica 0 ran a decode step at step 4" in verdicts[0]["detail"]

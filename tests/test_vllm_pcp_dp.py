@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import vllm_dp_cases as c
-from vllm_checks import mrv2_env
+from vllm_checks import mrv2_env, pid_writing
 
 from runner_fsm.integrations.vllm import harness as h
 from runner_fsm.integrations.vllm.spmd import Job
@@ -43,8 +43,11 @@ VERDICT = {"stale-pcp-context": "stale_context", "skip-buffer-refresh": "stale_b
            "wrong-dispatch-count": "dispatch_mismatch"}
 
 
+TIMEOUT_S = 60  # collective_timeout_s
+
+
 def _kwargs(model: str, run_dir: Path, pcp: int, inject: str | None = None) -> dict:
-    options = {"collective_timeout_s": 60}
+    options = {"collective_timeout_s": TIMEOUT_S}
     if inject:
         options["inject"] = inject
     return h.llm_kwargs(model, run_dir=str(run_dir), block_size=MLA_BLOCK_SIZE,
@@ -120,17 +123,53 @@ def test_idle_replicas_dummies_carry_pcp_evidence_built_for_the_dummy(runs):
         assert any("inputs" in r for r in records if r["event"] == "collective" and r["group"] == "dp")
 
 
+def test_stripping_alone_leaves_no_finding(runs):
+    """The sound run's logs stripped the same way still replay sound: a finding in a stripped
+    faulty run is the evidence's, not the stripping's (it made `seq` gaps before, each a `gap`,
+    enough for exit 1). Mutation seen to fail this: `vllm_dp_cases.stripped` keeping the old `seq`."""
+    _, run_dir, _ = runs["sound"]
+    code, verdicts = c.replay_json(c.stripped(run_dir))
+    assert (code, verdicts) == (0, [])
+
+
 @pytest.mark.parametrize("label", list(INJECTED))
 def test_replay_names_the_injected_pcp_fault_from_the_evidence(runs, label):
+    """Mutation seen to fail this: scan's `_dispatch_evidence` / `_forward_evidence` returning at
+    once (the finding is then missing, though the run still exits 1: the job names an injection
+    no `injected` record says acted, once those are stripped)."""
     result, run_dir, _ = runs[label]
     kind, replica, step = INJECTED[label]
     stripped = c.stripped(run_dir)
-    assert not any(r["event"] == "fault" for rank in range(2 * PCP) for r in _records(stripped, rank))
+    assert not any(r["event"] in c.CONFESSIONS for rank in range(2 * PCP) for r in _records(stripped, rank))
     code, verdicts = c.replay_json(stripped)
     print(f"\n{label}: codes {result.codes}; replay: " + "; ".join(
         f"{v['kind']} replica {v['replica']} step {v['step']}" for v in verdicts))
     assert code == 1
+    found = {(v["kind"], v["replica"], v["step"]) for v in verdicts}
     expected = VERDICT[kind]
-    assert (expected, replica, step) in {(v["kind"], v["replica"], v["step"]) for v in verdicts}, verdicts
+    assert (expected, replica, step) in found, verdicts
+    assert not any(v["kind"] == "gap" for v in verdicts), verdicts  # the stripped copy is whole
     # nothing is blamed on the replica that ran soundly
     assert all(v["replica"] in (replica, None) for v in verdicts if v["kind"] == expected), verdicts
+
+
+FAILING = [label for label, (kind, _, _) in INJECTED.items() if kind == "wrong-dispatch-count"]
+
+
+@pytest.mark.parametrize("label", FAILING)
+def test_every_process_ends_soon_after_one_replica_fails(runs, label):
+    """Done-when (f): the workers of one replica raise mid-step (vLLM's own DPMetadata assert on
+    the count the injection sends, on both PCP ranks); every process of the job, both DP
+    processes and their PCP workers, has ended within collective_timeout_s + 30 s of the
+    first fault, none by the launcher's deadline; replay names the replica and step."""
+    result, run_dir, _ = runs[label]
+    kind, replica, step = INJECTED[label]
+    faults = [r for rank in range(2 * PCP) for r in _records(run_dir, rank) if r["event"] == "fault"]
+    assert {r["dp_rank"] for r in faults if r["error"] == "AssertionError"} == {replica}, faults
+    failed_s = min(r["t_ns"] for r in faults) / 1e9  # CLOCK_MONOTONIC, as `ended_at`
+    assert None not in result.codes, result.codes  # None: killed at the launcher's deadline
+    after = [at - failed_s for at in result.ended_at]
+    assert max(after) <= TIMEOUT_S + 30, after
+    assert not [rank for rank in range(2 * PCP) if pid_writing(run_dir / f"rank-{rank}.jsonl")]  # no worker left
+    code, verdicts = c.replay_json(run_dir)
+    assert code == 1 and ("dispatch_mismatch", replica, step) in {(v["kind"], v["replica"], v["step"]) for v in verdicts}

@@ -20,6 +20,28 @@ from runner_fsm.pcp.plan import num_tokens_for_dispatch
 PCP = 2
 
 
+def mrv2_dispatch_count(scheduled, prefilling, pcp: int) -> int:
+    """MRV2's rule for the PCP-local dispatch count, written out per request here as the
+    reference the code under test is held to (vLLM's `PCPManager._iter_rank_chunks` without
+    DCP): a prefill of L tokens is cut into 2P chunks of ceil(L / 2P) tokens (the last ones
+    short or empty) and rank r takes chunks r and 2P-1-r; a decode row goes whole to one rank,
+    the k-th decode of the batch (rows with no tokens skipped) to rank k mod P. The count is the
+    widest rank."""
+    load, decodes = [0] * pcp, 0
+    for length, is_prefill in zip(scheduled, prefilling):
+        if length == 0:
+            continue
+        if is_prefill:
+            size = -(-length // (2 * pcp))
+            for rank in range(pcp):
+                for chunk in (rank, 2 * pcp - 1 - rank):
+                    load[rank] += max(0, min(size, length - chunk * size))
+        else:
+            load[decodes % pcp] += length
+            decodes += 1
+    return max(load)
+
+
 @dataclasses.dataclass
 class Batch:  # the fields of vLLM's InputBatch the evidence reads
     num_tokens: int
@@ -49,7 +71,7 @@ class FakeManager:
         self._hidden_restore_idx = None
 
     def get_num_tokens_for_dispatch(self, num_scheduled, is_prefilling):
-        return num_tokens_for_dispatch(num_scheduled, is_prefilling, PCP, chunking="mrv2")
+        return mrv2_dispatch_count(num_scheduled, is_prefilling, PCP)
 
     def prepare_inputs_to_capture(self, batch):
         b, n, r = self.input_buffers, batch.num_tokens_after_padding, batch.num_reqs_after_padding
@@ -184,10 +206,14 @@ def test_dispatch_evidence_missing_is_not_a_count():
     ([1, 1, 1], [False, False, False]),  # sharded decodes: 2 on rank 0, 1 on rank 1
     ([1, 1, 9, 1], [False, False, True, False]),
     ([17, 1], [True, False]),
+    ([3, 0, 2, 5], [False, False, False, True]),  # a zero-token row takes no decode turn
 ])
 def test_per_decode_inputs_recompute_mrv2s_count(scheduled, prefilling):
+    """What replay recomputes from the logged inputs is MRV2's count, by the rule written out
+    above. Mutation seen to fail this: `_dispatch_count` (audit/checks.py) summing the `decodes`
+    into one replicated row (`decodes = (decode,)`)."""
     inputs = dispatch_inputs(scheduled, prefilling, PCP, "mrv2", per_decode=True)
-    assert recomputed_dispatch_count(inputs) == num_tokens_for_dispatch(scheduled, prefilling, PCP, chunking="mrv2")
+    assert recomputed_dispatch_count(inputs) == mrv2_dispatch_count(scheduled, prefilling, PCP)
     # a global count is caught even where it equals the decode tokens' sum (the shortcut
     # replay takes for replicated decodes must not apply to sharded ones)
     if not any(prefilling):
@@ -206,3 +232,20 @@ def test_stale_inputs_rule_is_the_shared_one():
     now = {"pcp.seq_lens": (1, [1], 3, 7)}
     assert stale_inputs(now, {"pcp.seq_lens": (1, [1], 3, 7)}, None) is not None
     assert stale_inputs(now, {"pcp.seq_lens": (1, [1], 2, 7)}, None) is None
+
+
+@pytest.mark.parametrize("pcp", [2, 3, 4])
+def test_recomputed_count_is_mrv2s_rule_on_random_batches(pcp):
+    """The count replay recomputes from a batch's logged inputs, and the planner's, against the
+    rule written out in this file, on random mixes of decodes, verify rows, prefills and empty
+    rows. Mutation seen to fail this: `num_tokens_for_dispatch` (pcp/plan.py) replicating MRV2's
+    decodes on every rank."""
+    rng = np.random.default_rng(pcp)
+    for _ in range(400):
+        n = int(rng.integers(1, 12))
+        prefilling = (rng.random(n) < 0.4).tolist()
+        scheduled = [int(rng.integers(1, 60)) if p else int(rng.choice([0, 1, 1, 1, 3])) for p in prefilling]
+        expected = mrv2_dispatch_count(scheduled, prefilling, pcp)
+        inputs = dispatch_inputs(scheduled, prefilling, pcp, "mrv2", per_decode=True)
+        assert recomputed_dispatch_count(inputs) == expected, (scheduled, prefilling)
+        assert num_tokens_for_dispatch(scheduled, prefilling, pcp, chunking="mrv2") == expected, (scheduled, prefilling)

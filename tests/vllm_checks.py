@@ -48,3 +48,38 @@ def mrv2_env(**extra: str) -> dict[str, str]:
     paths = [str(tests / "mrv2_site"), str(tests.parent), os.environ.get("PYTHONPATH", "")]
     return {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, paths)), **extra}
+
+
+def plugin_env(root: Path) -> dict[str, str]:
+    """Environment for a vLLM child process in which vLLM finds this package's plugin
+    (pyproject's `vllm.general_plugins` entry point, `engine_stops`). The installed metadata has
+    it once the package is installed from this checkout; an editable install made before the
+    plugin existed does not, and then a site directory declaring the same entry point, written
+    from pyproject, goes first on PYTHONPATH."""
+    import importlib.metadata
+    import tomllib
+
+    project = Path(__file__).resolve().parent.parent
+    declared = tomllib.loads((project / "pyproject.toml").read_text())["project"]["entry-points"]["vllm.general_plugins"]
+    installed = {ep.name: ep.value for ep in importlib.metadata.entry_points(group="vllm.general_plugins")}
+    if all(installed.get(name) == value for name, value in declared.items()):
+        return {}
+    site = Path(root) / "plugin-site"
+    info = site / "runner_fsm_vllm_plugin-0.dist-info"
+    info.mkdir(parents=True, exist_ok=True)
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: runner-fsm-vllm-plugin\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\n" + "".join(
+        f"{name} = {value}\n" for name, value in declared.items()))
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(site), str(project), os.environ.get("PYTHONPATH", "")]))}
+
+
+def pid_writing(path: Path) -> int | None:
+    """The process holding `path` open (a rank's audit log: its worker), from /proc."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if any(os.readlink(fd) == str(path) for fd in (entry / "fd").iterdir()):
+                    return int(entry.name)
+            except OSError:
+                continue
+    return None

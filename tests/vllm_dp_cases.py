@@ -54,11 +54,21 @@ def replay_json(run_dir: Path) -> tuple[int, list[dict]]:
     return out.returncode, data.get("verdicts", data if isinstance(data, list) else [])
 
 
+CONFESSIONS = ("fault", "injected")  # what a worker says of itself: never evidence of a finding
+
+
 def stripped(run_dir: Path) -> Path:
-    """A copy of the run's logs without a single `fault` record: replay must find the fault in
-    the evidence, not in what the worker said of it."""
+    """A copy of the run's logs without what the workers said of themselves (their `fault` and
+    `injected` records), each log's `seq` renumbered so that the cut leaves no gap: replay must
+    find the fault in the evidence, and the copy must hold no finding of its own making."""
     copy = run_dir.parent / (run_dir.name + "-stripped")
     shutil.copytree(run_dir, copy, dirs_exist_ok=True)
+
+    def without_confessions(records):
+        kept = [r for r in records if r["event"] not in CONFESSIONS]
+        base = records[0]["seq"] if records else 0
+        return [{**r, "seq": base + i} for i, r in enumerate(kept)]
+
     for path in copy.glob("rank-*.jsonl"):  # in full, whatever the encoding on disk
-        rewrite_in_full(path, lambda records: [r for r in records if r["event"] != "fault"])
+        rewrite_in_full(path, without_confessions)
     return copy

@@ -7,7 +7,9 @@ A forward's record carries two identities `{"step", "dummy", "rows", "digest"}`
 (the digest taken from the step's own plan or dummy). Replay recomputes the verdict from the
 pair, never from a record of the runner's own check. A forward without a complete pair cannot
 be judged, and replay says so (a `gap`) rather than read it as sound; a writer that puts the
-identities on none of its forwards (the vLLM worker today) is not judged for `stale_context`.
+identities on none of its forwards is not judged for `stale_context`: the vLLM worker logs them
+where a PCP context exists to identify (Model Runner V2's PCP manager, DP > 1 and PCP > 1,
+`integrations.vllm.pcp_evidence`), not on Model Runner V1 nor without PCP.
 Pure, no torch.
 """
 

@@ -37,13 +37,21 @@ class JobCheck:
         return None if self.shape is None else self.shape.world_size
 
 
-def check_job(infos: list[RankInfo]) -> JobCheck:
-    """The job's shape from `infos` and a `missing_rank` verdict per rank it names with no log."""
+def check_job(infos: list[RankInfo], world_size: int | None = None) -> JobCheck:
+    """The job's shape from `infos` and a `missing_rank` verdict per rank it names with no log.
+
+    `world_size` (the user's `--world-size`): where the logs declare the shape, it must agree
+    (else `ReplayInputError`); where they do not (an older writer), it names the ranks instead."""
+    if world_size is not None and world_size < 1:
+        raise ReplayInputError(f"--world-size must be a positive number of ranks, got {world_size}")
     declared = [info for info in infos if info.shape is not None]
     if not declared:
-        return JobCheck(None, notes=(NO_SHAPE_NOTE,))
+        return JobCheck(None, notes=(NO_SHAPE_NOTE,)) if world_size is None else _given_world(infos, world_size)
     first = declared[0]
     shape = first.shape
+    if world_size is not None and world_size != shape.world_size:
+        raise ReplayInputError(f"--world-size {world_size} contradicts the job's shape, {shape.text()} (the first"
+                               f" record of {first.file})")
     for info in declared[1:]:
         if info.shape != shape:
             raise ReplayInputError(
@@ -92,3 +100,24 @@ def _missing(rank: int, shape: JobShape, source: str, host: str | None) -> Verdi
                    f"{shape.rank_text(rank)}{where} left no audit log: the job's shape ({shape.text()}, in the"
                    f" first record of {source}) names it, and rank-{rank}.jsonl is missing; nothing it did can be"
                    " judged", (rank,), f"rank-{rank}.jsonl")
+
+
+def _given_world(infos: list[RankInfo], world_size: int) -> JobCheck:
+    """Logs of a writer that logs no shape, judged against the user's `--world-size`."""
+    outside = sorted(info.global_rank for info in infos if info.global_rank >= world_size)
+    if outside:
+        raise ReplayInputError(f"rank-{outside[0]}.jsonl lies outside --world-size {world_size}"
+                               f" (global ranks run 0..{world_size - 1})")
+    pcp_size = 1 + max(info.pcp_rank for info in infos)
+    present = {info.global_rank for info in infos}
+    verdicts = []
+    for rank in range(world_size):
+        if rank not in present:
+            replica, pcp_rank = divmod(rank, pcp_size)
+            verdicts.append(Verdict("missing_rank", replica, None,
+                                    f"rank {rank} (replica {replica}, PCP rank {pcp_rank}) left no audit log: the"
+                                    f" job's world size is {world_size} (--world-size), and rank-{rank}.jsonl is"
+                                    " missing; nothing it did can be judged", (rank,), f"rank-{rank}.jsonl"))
+    note = (f"no log begins with the job's shape (logs of an older writer): the ranks are taken from"
+            f" --world-size {world_size}")
+    return JobCheck(None, tuple(verdicts), (note,))

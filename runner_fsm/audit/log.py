@@ -19,6 +19,7 @@ every record back in full. With `max_log_bytes` it is a sequence of segments und
 
 from __future__ import annotations
 
+import collections
 import os
 import threading
 import time
@@ -43,8 +44,15 @@ HEADER_FIELDS = ("schema", "run_id", "seq", "t_ns", "dp_rank", "pcp_rank", "even
 _RESERVED = frozenset(HEADER_FIELDS) | compact.KEYS
 COLLECTIVE_STAGES = ("enqueue", "done")
 GRAPH_ACTIONS = ("capture", "replay")
-# `job`: the job's shape, the first record of a log (`audit.shape`); the others as DESIGN section 7.
-EVENTS = frozenset({"job", "transition", "collective", "buffers", "graph", "fault"})
+# `job`: the job's shape, the first record of a log (`audit.shape`); `stop`: a stop request the rank
+# received (a signal, the engine's shutdown call), written the moment it arrives (`stop_signals`);
+# `injected`: an injected fault acting (`faults`); the others as DESIGN section 7.
+EVENTS = frozenset({"job", "transition", "collective", "buffers", "graph", "fault", "stop", "injected"})
+STOP_SOURCES = ("signal", "shutdown")
+# How long a signal handler waits for another thread's write (microseconds, normally) before
+# leaving its record to that write: bounded, since the holder may be the interrupted thread
+# itself caught between taking the lock and saying so.
+_HANDLER_WAIT_S = 0.2
 # A transition's fields are a few names from small sets: each body is rendered once.
 _TRANSITION_BODIES: dict[tuple[str, str, str, str], bytes] = {}
 
@@ -140,6 +148,11 @@ class _Records:
         self._emit("fault", step_id, {"error": error_name, "message": str(message)})
         self._pin(step_id)  # a capped log keeps the segments that hold it, and the steps before it
 
+    def injected(self, step_id: int | None, injection: str) -> None:
+        """An injected fault (`KIND@replica=R,step=S`) acts now: the evidence that it fired."""
+        self._emit("injected", step_id, {"injection": str(injection), "kind": str(injection).partition("@")[0]})
+        self._pin(step_id)  # a capped log keeps the segments that hold it, and the steps before it
+
 
 class AuditBatch(_Records):
     """Records made now, written together by `write()` (see the module docstring). Each record
@@ -205,6 +218,8 @@ class AuditLog(_Records):
         self._lock = threading.Lock()
         self._next_seq = 0
         self._closed = False
+        self._deferred: collections.deque = collections.deque()  # records made in a signal handler
+        self._holder: int | None = None  # the thread writing, while one is
         self._plain = RecordRenderer(SCHEMA_VERSION, self._run_id, self._dp_rank, self._pcp_rank)
         self._segments = SegmentPolicy(Path(run_dir), global_rank, max_log_bytes, pinned_steps=pinned_steps,
                                        compress=compress_segments) if max_log_bytes else None
@@ -322,6 +337,38 @@ class AuditLog(_Records):
     def _emit(self, event: str, step_id: int | None, fields: dict[str, Any] | bytes) -> None:
         self._write_all(((None, event, step_id, fields),))  # None: stamped under the lock
 
+    def stop(self, step_id: int | None, source: str, signal: str | None = None, detail: str = "") -> None:
+        """A stop request arrived (`source` "signal": `signal` names it; "shutdown": the engine's
+        shutdown call). Safe in a signal handler: see `write_in_handler`."""
+        if source not in STOP_SOURCES:
+            raise ValueError(f"stop source must be one of {STOP_SOURCES}, got {source!r}")
+        self.write_in_handler("stop", step_id, {"source": source, "signal": signal, "detail": str(detail)})
+
+    def write_in_handler(self, event: str, step_id: int | None, fields: dict[str, Any]) -> None:
+        """Write a record from a signal handler. Python runs the handler in the main thread between
+        two bytecodes, possibly while that very thread holds the log's lock in the middle of a
+        write: waiting for the lock there would never end. So the record is queued, and written
+        now once the lock is free (waiting a moment for another thread's write: the process may
+        die right after the handler), else by the write this thread is in, as soon as it is done.
+        On a closed log it is dropped: a handler must never fail the signal's own handling."""
+        self._deferred.append((time.monotonic_ns(), event, step_id, fields))
+        self._write_deferred(wait_s=0.0 if self._holder == threading.get_ident() else _HANDLER_WAIT_S)
+
+    def _write_deferred(self, wait_s: float = 0.0) -> None:
+        deferred = self._deferred
+        while deferred and self._lock.acquire(wait_s > 0, wait_s if wait_s > 0 else -1):
+            self._holder = threading.get_ident()
+            try:
+                records = []
+                while deferred:  # popleft, not a copy: a handler may append meanwhile
+                    records.append(deferred.popleft())
+                if not self._closed:
+                    self._logger.msg(self._render_lines(self._next_seq, records, time.monotonic_ns()))
+                    self._next_seq += len(records)
+            finally:
+                self._holder = None
+                self._lock.release()
+
     def rendered(self, event: str, step_id: int | None, body: bytes) -> None:
         """A record whose fields are rendered already (see `_Records`), written at once (a vLLM
         step's start, before its forward)."""
@@ -335,15 +382,21 @@ class AuditLog(_Records):
         A record of a batch keeps the time it was made, so t_ns may step back by a few
         microseconds against a record another thread wrote meanwhile; seq is the file order."""
         with self._lock:
-            if self._closed:
-                first = records[0]
-                raise AuditLogClosedError(
-                    f"audit log {self.path} is closed; cannot write {first[1]!r} (step {first[2]})"
-                )
-            # seq is only consumed once the lines are written: a record that fails to
-            # serialise leaves no gap behind.
-            self._logger.msg(self._render_lines(self._next_seq, records, time.monotonic_ns()))
-            self._next_seq += len(records)
+            self._holder = threading.get_ident()  # a signal handler must know whether to wait
+            try:
+                if self._closed:
+                    first = records[0]
+                    raise AuditLogClosedError(
+                        f"audit log {self.path} is closed; cannot write {first[1]!r} (step {first[2]})"
+                    )
+                # seq is only consumed once the lines are written: a record that fails to
+                # serialise leaves no gap behind.
+                self._logger.msg(self._render_lines(self._next_seq, records, time.monotonic_ns()))
+                self._next_seq += len(records)
+            finally:
+                self._holder = None
+        if self._deferred:  # a signal handler ran while this write held the lock
+            self._write_deferred()
 
     # -- segments: the write path while a full segment waits for its step to end
 

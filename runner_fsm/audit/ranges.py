@@ -15,6 +15,7 @@ import os
 import traceback
 
 from runner_fsm.audit.crossrank import CrossRankChecker, MissedSteps
+from runner_fsm.audit.facts import RunFacts
 from runner_fsm.audit.ranks import Groups, RankInfo
 from runner_fsm.audit.rankscan import log_last_step, scan_rank
 from runner_fsm.audit.read import StepMerger
@@ -32,9 +33,7 @@ class RangeResult:
     records: int
     first_step: int | None
     last_step: int | None
-    # the last step in which some rank did work, not only log its shutdown (vLLM's worker logs
-    # `shutdown` under the step number after its last step)
-    last_work_step: int | None
+    facts: RunFacts  # stop requests, faults, injections and where each log ends (`facts`)
     # per rank, the steps its capped log no longer held (found so, or rotated away while read)
     rotated: dict[int, list[tuple[int, int]]] = dataclasses.field(default_factory=dict)
 
@@ -44,6 +43,7 @@ def judge_range(infos: list[RankInfo], lo: int | None = None, hi: int | None = N
     """Judge steps [lo, hi) of every rank (None: from the start, to the end); `progress(step)`
     now and then."""
     verdicts: list[Verdict] = []
+    facts = RunFacts()
     counts: dict[int, int] = {}
     cut: set[int] = set()
     streams, ended_before = {}, {}
@@ -56,10 +56,12 @@ def judge_range(infos: list[RankInfo], lo: int | None = None, hi: int | None = N
                 continue
         streams[info.global_rank] = scan_rank(info, verdicts, counts, cut, count_from=lo, stop_step=hi,
                                               start=None if lo is None else lo - WARMUP_STEPS,
-                                              vanished=rotated[info.global_rank])
+                                              vanished=rotated[info.global_rank], facts=facts)
     merger = StepMerger(streams, ended_before=ended_before, cut=cut, rotated=rotated)
     checker = CrossRankChecker(Groups(infos), merger, verdicts)
-    first = last = last_work = None
+    first = last = None
+    by_rank = {info.global_rank: info for info in infos}
+    injected = facts.injected_steps()
     for step, present in merger:
         checker.check(step, present)
         if timeline is not None:
@@ -69,13 +71,14 @@ def judge_range(infos: list[RankInfo], lo: int | None = None, hi: int | None = N
         if lo is None or step >= lo:
             first = step if first is None else first
             last = step
-            if any(s.kind is not None or s.signature or s.fault is not None or s.faulted for s in present.values()):
-                last_work = step
+        if step in injected:  # what each replica ran where an injection should act
+            for summary in present.values():
+                facts.kinds.setdefault((by_rank[summary.rank].dp_rank, step), summary.kind)
     missed = checker.finish()
     if lo is not None:
         verdicts = [v for v in verdicts if v.step is not None and v.step >= lo]  # earlier: another range's
         missed = _own_missed(missed, lo)
-    return RangeResult(verdicts, missed, sum(counts.values()), first, last, last_work, rotated)
+    return RangeResult(verdicts, missed, sum(counts.values()), first, last, facts.own_range(lo), rotated)
 
 
 def _own_missed(missed: list[MissedSteps], lo: int) -> list[MissedSteps]:
@@ -162,7 +165,6 @@ def _result_of(process, receive) -> RangeResult:
 def _combined(results: list[RangeResult]) -> RangeResult:
     firsts = [r.first_step for r in results if r.first_step is not None]
     lasts = [r.last_step for r in results if r.last_step is not None]
-    works = [r.last_work_step for r in results if r.last_work_step is not None]
     rotated: dict[int, list] = {}
     for r in results:
         for rank, spans in r.rotated.items():
@@ -170,7 +172,7 @@ def _combined(results: list[RangeResult]) -> RangeResult:
             rotated[rank] += [span for span in spans if span not in rotated[rank]]
     return RangeResult([v for r in results for v in r.verdicts], [m for r in results for m in r.missed],
                        sum(r.records for r in results), min(firsts, default=None), max(lasts, default=None),
-                       max(works, default=None), rotated)
+                       RunFacts.merge([r.facts for r in results]), rotated)
 
 
 def cpu_count() -> int:

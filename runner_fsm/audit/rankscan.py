@@ -14,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 from runner_fsm.audit.expand import Expander
+from runner_fsm.audit.facts import RankEnd, RunFacts
 from runner_fsm.audit.compress import open_lines
 from runner_fsm.audit.ranklog import SegmentFile, last_step
 from runner_fsm.audit.ranks import RankInfo
@@ -43,15 +44,16 @@ def _start_segment(segments: tuple[SegmentFile, ...], start: int) -> int:
 
 def scan_rank(info: RankInfo, verdicts: list[Verdict], counter: dict[int, int], cut: set[int] | None = None,
               *, start: int | None = None, count_from: int | None = None, stop_step: int | None = None,
-              vanished: list[tuple[int, int]] | None = None) -> Iterator[RankStep]:
+              vanished: list[tuple[int, int]] | None = None, facts: RunFacts | None = None) -> Iterator[RankStep]:
     """The steps of one rank's log, in order; `counter[rank]` ends as its record count.
 
     From step `start` (None: the start of the log) up to `stop_step`; a rank stopped there goes
     into `cut` (its log goes on, in another range). `counter` counts the records of steps from
     `count_from` on (earlier ones, read to warm up, are another range's). A segment deleted
     since it was found (a live writer rotating it away) is skipped, its steps appended to
-    `vanished` (rotated away too)."""
-    scanner = RankScanner(info, verdicts)
+    `vanished` (rotated away too). `facts`: where the stops, faults, injections and the log's
+    end go (`facts`)."""
+    scanner = RankScanner(info, verdicts, facts)
     scanner.count_from = count_from
     segments = info.segments
     try:
@@ -87,6 +89,11 @@ def scan_rank(info: RankInfo, verdicts: list[Verdict], counter: dict[int, int], 
     last = scanner.finish()
     counter[info.global_rank] = scanner.records_counted
     if last is not None:
+        if facts is not None:  # where the log ends: its last record's time, its state then
+            t_ns = (scanner.last_record or {}).get("t_ns")
+            facts.ends[info.global_rank] = RankEnd(info.global_rank, info.dp_rank, last.step,
+                                                   t_ns if isinstance(t_ns, int) else None,
+                                                   scanner.transitions.state, last.hang is not None)
         yield last
 
 

@@ -16,9 +16,10 @@ Verdict kinds: `missing_rank` (a rank the job's shape names left no log: `job`),
 `gap`, `missing_replica`, `agreed_mismatch`, `collective_mismatch`,
 `illegal_transition`, `stale_buffer_replay`, `hang`, and, recomputed from logged evidence,
 `dispatch_mismatch`, `stale_context`, `pcp_divergence`; then `fault` (what the runner said about
-itself: listed, never the evidence of another verdict) and `unfinished` (a log that stops with
-no shutdown, fault or hang to say why; ranks that stopped between steps after the run's last
-step, a quiescent stop, are a note instead).
+itself: listed, never the evidence of another verdict), `injection_not_fired` (an injection the
+job record names left no `injected` record: the run tested nothing) and `unfinished` (a log
+that stops with no shutdown, fault or hang to say why). A stop the job recorded as requested
+explains the ends it caused: a note instead (`stops`).
 
 API: `replay(run_dir, *, timeline=None, jobs=None) -> ReplayReport`, `run_dir` one directory or
 several (a job on several machines: `rundirs`); `report.exit_code` is 0 when
@@ -40,8 +41,9 @@ from runner_fsm.audit.rankscan import log_last_step
 from runner_fsm.audit.ranks import RankInfo, discover, layout_of
 from runner_fsm.audit.report import (ReplayInputError, ReplayReport, RunSummary, Timeline, Verdict,
                                      sort_verdicts)
+from runner_fsm.audit.injections import check_injections
+from runner_fsm.audit.stops import settle_stops
 from runner_fsm.audit.rundirs import RunDirs, label
-from runner_fsm.audit.scan import BETWEEN_STEPS
 from runner_fsm.audit.shape import DIMENSIONS
 
 __all__ = ["ReplayInputError", "ReplayReport", "Verdict", "replay", "replay_with_plot"]
@@ -57,15 +59,16 @@ def replay(run_dir: RunDirs, *, timeline: Timeline | None = None,
 
     `jobs`: processes, each judging a range of steps (None: one for small runs, else one per
     CPU up to MAX_JOBS). A timeline needs every step in one process, so it implies one.
-    `world_size`: the job's, for Flight Recorder dumps alone, which may not name every rank
-    (audit logs carry the job's shape themselves). `steps` (A, B), both included, or `last`
-    N: judge that window alone (`coverage`). `progress`: a `progress.TerminalProgress`, told
-    the steps to judge and, now and then, the step reached.
+    `world_size`: the job's (`--world-size`): for Flight Recorder dumps alone, which may not
+    name every rank; with audit logs, checked against the shape they declare, or, in logs of
+    a writer that declares none, taken as the ranks to expect. `steps` (A, B), both included,
+    or `last` N: judge that window alone (`coverage`). `progress`: a
+    `progress.TerminalProgress`, told the steps to judge and, now and then, the step reached.
     """
     if flight_only(run_dir):  # a plain PyTorch job: Flight Recorder dumps and no audit log
         return replay_flight_only(run_dir, world_size)
     infos = discover(run_dir)
-    job = check_job(infos)  # before the long pass: logs of different runs are refused at once
+    job = check_job(infos, world_size)  # before the long pass: logs of different runs are refused at once
     log_steps = (min(map(first_kept_step, infos)), max((log_last_step(i) or 0 for i in infos), default=0))
     try:
         window = resolve_window(log_steps[1], steps=steps, last=last)
@@ -79,9 +82,8 @@ def replay(run_dir: RunDirs, *, timeline: Timeline | None = None,
         result = judge_in_ranges(infos, jobs, lo, hi, progress=progress)
     else:
         result = judge_range(infos, lo, hi, timeline=timeline, progress=progress)
-    verdicts = list(job.verdicts) + result.verdicts + join_missed(result.missed)
-    verdicts, stop_note = settle_quiescent_stop(verdicts, {i.global_rank for i in infos}, job.expected_ranks,
-                                                result.last_work_step)
+    verdicts = list(job.verdicts) + result.verdicts + join_missed(result.missed) + check_injections(result.facts)
+    verdicts, stop_note = settle_stops(verdicts, result.facts)
     sizes = layout_of(infos)
     summary = RunSummary(label(run_dir), len(infos), sizes.dp, sizes.pcp, result.records,
                          result.first_step, result.last_step, job.expected_ranks, job.notes + stop_note,
@@ -108,35 +110,20 @@ def _size(path) -> int:
 
 
 def replay_with_plot(run_dir: RunDirs, plot_path: str | os.PathLike[str],
-                     *, jobs: int | None = None, **window) -> ReplayReport:
+                     *, jobs: int | None = None, world_size: int | None = None, **window) -> ReplayReport:
     """`replay`, then the timeline picture at `plot_path` (matplotlib is checked first)."""
     from runner_fsm.audit.report import plot, require_matplotlib
 
     require_matplotlib()  # fail before the long pass, not after it
+    if flight_only(run_dir):
+        raise ReplayInputError(f"--plot draws the steps of audit logs; {label(run_dir)} holds Flight Recorder dumps only"
+                               " (replay it without --plot)")
     infos = discover(run_dir)
     timeline = Timeline(info.global_rank for info in infos)
-    report = replay(run_dir, timeline=timeline, jobs=jobs, **window)
+    report = replay(run_dir, timeline=timeline, jobs=jobs, world_size=world_size, **window)
     verdict = "sound" if report.sound else f"{len(report.verdicts)} finding(s)"
     plot(timeline, report.verdicts, plot_path, f"{label(run_dir)}: {verdict}")
     return report
-
-
-def settle_quiescent_stop(verdicts: list[Verdict], ranks: set[int], expected: int | None,
-                          last_step: int | None) -> tuple[list[Verdict], tuple[str, ...]]:
-    """Ranks that stopped between steps after the run's last step (the last in which a rank did
-    more than log its shutdown), without logging shutdown
-    (vLLM force-kills its DP workers on Ctrl-C once they are idle, racing its own shutdown of
-    the others), left nothing half done: their `unfinished` verdicts become one note. A rank
-    stopped mid-step or after an earlier step, or a missing rank, keeps every verdict."""
-    stops = [v for v in verdicts if v.kind == "unfinished" and v.detail.startswith(BETWEEN_STEPS)]
-    if not stops or expected not in (None, len(ranks)) or {v.step for v in stops} != {last_step} \
-            or any(v.kind == "unfinished" and v not in stops for v in verdicts):
-        return verdicts, ()
-    stopped = sorted({rank for v in stops for rank in v.ranks})
-    who = "every rank" if set(stopped) == ranks else f"rank(s) {', '.join(map(str, stopped))}"
-    note = (f"{who} stopped between steps after step {last_step}, the run's last, without logging shutdown"
-            " (killed at a quiescent point, e.g. vLLM's Ctrl-C): nothing was left half done")
-    return [v for v in verdicts if v not in stops], (note,)
 
 
 def name_coordinates(verdicts: list[Verdict], infos: list[RankInfo], job) -> list[Verdict]:

@@ -39,6 +39,7 @@ KINDS = (
     "pcp_divergence",  # the PCP ranks of a replica sampled different tokens
     "hang",
     "source_disagreement",  # the audit log and the Flight Recorder tell different stories
+    "injection_not_fired",  # an injection the job record names never acted: the run tested nothing
     "fault",  # a fault the run logged itself
     "unfinished",  # a log that just stops: no shutdown, no fault, no hang to explain it
 )

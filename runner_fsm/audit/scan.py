@@ -20,6 +20,7 @@ import orjson
 
 from runner_fsm.audit.checks import BufferTracker, TransitionChecker, check_own_agreement, dispatch_problem
 from runner_fsm.audit.context_rule import ContextEvidence
+from runner_fsm.audit.facts import RunFacts
 from runner_fsm.audit.mapped import is_blank, rest_is_blank
 from runner_fsm.audit.ranks import RankInfo
 from runner_fsm.audit.read import RankStep, StepBuilder, freeze as _freeze
@@ -38,11 +39,13 @@ SHAPE_MATCHED_GROUPS = frozenset({"dp", "pcp"})
 class RankScanner:
     """Feeds on one rank's records in file order; appends local verdicts to `verdicts`."""
 
-    def __init__(self, info: RankInfo, verdicts: list[Verdict]):
+    def __init__(self, info: RankInfo, verdicts: list[Verdict], facts: RunFacts | None = None):
         self.info = info
         self.file = info.file  # the file (segment) being read: where verdicts point
         self.verdicts = verdicts
+        self.facts = RunFacts() if facts is None else facts  # stops, faults, injections, the end
         self.records = 0
+        self.last_record: dict | None = None
         self.transitions = TransitionChecker(self._verdict)
         self.current: StepBuilder | None = None
         self._signatures: dict = {}  # equal signatures become one object
@@ -79,7 +82,8 @@ class RankScanner:
         # the header checks are inlined here; each event goes to one handler, rare cases to helpers.
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
         handlers = {"collective": self._collective, "transition": self._transition,
-                    "buffers": self._buffers, "graph": self._graph, "fault": self._fault}
+                    "buffers": self._buffers, "graph": self._graph, "fault": self._fault,
+                    "stop": self._rare, "injected": self._rare, "job": self._rare}
         for line_no, raw in enumerate(lines, first_line):
             self._line = line_no
             try:
@@ -100,6 +104,7 @@ class RankScanner:
                                 else f"malformed compact record ({err})")
                 continue
             self.records += 1
+            self.last_record = record  # where the log ends (`facts.RankEnd`): its time
             if seq == self._next_seq:
                 self._next_seq = seq + 1
             else:
@@ -168,7 +173,8 @@ class RankScanner:
             timed_out = hang is not None and last.fault is not None
         state = self.transitions.state
         if hang is None and not self._truncated and state not in TERMINAL_STATES:
-            # Between steps every step it began, it finished (see replay's `settle_quiescent_stop`).
+            # Between steps every step it began, it finished; a stop request recorded in the job
+            # before the log ends may explain it (`audit.stops`), nothing else does.
             self._verdict("unfinished", f"{BETWEEN_STEPS} after step {last.step}, without shutdown (process killed"
                           " between steps, or still running?)" if state == QUIESCENT_STATE else
                           f"the log ends in state {state!r} at step {last.step} without shutdown, fault or a"
@@ -354,6 +360,11 @@ class RankScanner:
         error, message = str(record["error"]), str(record["message"])
         self.current.fault = self.current.fault or (error, message)  # the first one is the cause
         self._verdict("fault", f"{error}: {message}", error=error)
+        self.facts.note(self.info.global_rank, record)
+
+    def _rare(self, record) -> None:
+        """`stop`, `injected`, `job`: kept whole for the rules judged over the job (`facts`)."""
+        self.facts.note(self.info.global_rank, record)
 
     def _buffers(self, record) -> None:
         for detail in self.buffers.buffers(record, self.current.step):
@@ -362,3 +373,4 @@ class RankScanner:
     def _graph(self, record) -> None:
         for detail in self.buffers.graph(record, self.current.step):
             self._verdict("stale_buffer_replay", detail)
+

@@ -34,6 +34,7 @@ import torch.distributed as dist
 from runner_fsm.config import ParallelLayout
 from runner_fsm.engine.rendezvous import LOOPBACK, free_port, is_loopback, rendezvous_store
 from runner_fsm.errors import ConfigError
+from runner_fsm.stop_signals import StopSignals
 
 # How long a child that exited without a result may still have one in flight in the queue.
 _EXIT_GRACE_S = 0.5
@@ -42,6 +43,8 @@ _POLL_S = 0.05
 _JOIN_GRACE_S = 3.0
 # How long a rank of a failed run keeps its groups (and rank 0 the store) after reporting.
 _STORE_GRACE_S = 2.0
+# How long the ranks of a job told to stop (SIGTERM, forwarded) may take to record it and go.
+_STOP_GRACE_S = 2.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +174,10 @@ def spawn(
     deadline = time.monotonic() + timeout_s
     child_args = (fn, layout, host, port, args, pg_timeout_s or timeout_s, results_queue)
     processes: list[mp.process.BaseProcess] = []
+    # A stop request to the launcher (SIGINT, SIGTERM) reaches every rank as SIGTERM, which each
+    # records in its audit log (`stop_signals`) before it goes; then the launcher stops as before.
+    stops = StopSignals(lambda _name: _terminate_all(processes))
+    stops.install()
     try:
         with _single_threaded_children():
             for rank in range(layout.world_size):
@@ -187,6 +194,7 @@ def spawn(
         # collectives until the gloo timeout, so they are ended now (`finally`), not waited for.
         return [results[rank] for rank in range(layout.world_size)]
     finally:
+        stops.restore()
         _kill_all(processes)
         results_queue.close()
 
@@ -289,6 +297,16 @@ def _dead_without_result(processes, results: dict[int, Any], dead_since: dict[in
 def _join_all(processes, deadline: float) -> None:
     """Every result is in: wait for the children to leave, then end the stragglers."""
     for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+
+
+def _terminate_all(processes) -> None:
+    """SIGTERM to every child still running, then a moment for them to record it and leave."""
+    alive = [p for p in processes if p.is_alive()]
+    for process in alive:
+        process.terminate()
+    deadline = time.monotonic() + _STOP_GRACE_S
+    for process in alive:
         process.join(timeout=max(0.0, deadline - time.monotonic()))
 
 

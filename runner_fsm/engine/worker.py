@@ -35,6 +35,7 @@ from runner_fsm.heartbeat import Heartbeat
 from runner_fsm.pcp.buffers import BUFFER_NAMES
 from runner_fsm.replica import Replica
 from runner_fsm.runner import Outcome, ReplicaRunner
+from runner_fsm.stop_signals import StopSignals
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,9 +97,11 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
     global_rank = cfg.layout.global_rank(dp_rank, pcp_rank)
     rc = cfg.runner_config()
     layout = cfg.layout
+    # `inject`: what the run is meant to test; replay names one that never acted (no `injected` record)
     audit = AuditLog(cfg.run_dir, cfg.run_id, global_rank, dp_rank, pcp_rank,
                      shape=job_shape_fields(layout.dp_size, layout.pcp_size, dp_rank, pcp_rank,
-                                            buffer_names=list(BUFFER_NAMES)),  # its buffers records, in order
+                                            buffer_names=list(BUFFER_NAMES),  # its buffers records, in order
+                                            inject=[str(Injection.parse(i)) for i in cfg.injections]),
                      max_log_bytes=cfg.max_log_bytes, compress_segments=cfg.compress_logs)
     model, drafter = _model_and_drafter(cfg, groups)
     replica = Replica(
@@ -107,14 +110,29 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
         collectives=CollectiveRunner(audit, rc.collective_timeout_s, heartbeat=_heartbeat(cfg, groups),
                                      inline_groups=cfg.layout.groups_without_peers()),
         device=cfg.device,
-        injector=Injector(Injection.parse(i) for i in cfg.injections),
+        injector=Injector((Injection.parse(i) for i in cfg.injections),
+                          on_fire=lambda injection: audit.injected(injection.step, str(injection))),
         pcp_group=groups.pcp if groups else None,
     )
     return ReplicaRunner(replica)
 
 
 async def _serve(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, counts: dict) -> None:
-    """The scheduler feeds the replica's event stream; the runner's task consumes it."""
+    """The scheduler feeds the replica's event stream; the runner's task consumes it.
+
+    SIGINT and SIGTERM go on record the moment they arrive, then stop the rank as before: the
+    handlers are chained here, inside the event loop, in front of asyncio's own SIGINT handler
+    (which cancels the run cleanly), and taken out before the loop ends."""
+    replica = runner.replica
+    stops = StopSignals(lambda name: replica.audit.stop(replica.step_id, "signal", name))
+    stops.install()
+    try:
+        await _serve_events(runner, sched, cfg, counts)
+    finally:
+        stops.restore()
+
+
+async def _serve_events(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, counts: dict) -> None:
     send_events, events = anyio.create_memory_object_stream[Event](1)
     send_outcomes, outcomes = anyio.create_memory_object_stream[Outcome](1)
 

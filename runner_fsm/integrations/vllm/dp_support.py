@@ -36,7 +36,8 @@ class DPSupport:
                  last_phase: int | None = None):
         self.recorder, self.dp_rank, self.audit = recorder, dp_rank, recorder.audit
         self.flight = flight  # the worker's WorkerFlight: dumped when the watchdog fires
-        self.injector = VLLMInjector(injection, dp_rank, on_fire=self.audit.pin)
+        self.injector = VLLMInjector(injection, dp_rank, on_fire=lambda: self.audit.injected(
+            injection.step, str(injection)))
         store = dist.distributed_c10d._get_default_store()  # the job's store, as the embedded engine uses
         # `last_phase` (from the drafter's K, the same on every replica) lets the agreement and the
         # watchdog name a replica that runs a draft pass no step has (`audit.order`, rule 0).

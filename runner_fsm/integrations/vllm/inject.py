@@ -12,6 +12,7 @@ kinds differ, since they act on vLLM's own calls.
 from __future__ import annotations
 
 import dataclasses
+from typing import Callable
 
 from runner_fsm.errors import ConfigError
 from runner_fsm.faults import Injection
@@ -43,19 +44,16 @@ DUMMY_ONLY = frozenset({"skip-dummy-forward", "skip-draft-sync", "draft-steps-mi
                         "skip-buffer-refresh"})
 
 
-class InjectionNeverFired(ConfigError):
-    """The run ended without the injected fault ever applying: it tested nothing."""
-
-
 class VLLMInjector:
     """Answers, at each decision point, whether `kind` is due on this replica now; remembers
     whether it fired and what the replica ran at the injection's step, to say why it did not."""
 
-    def __init__(self, injection: Injection | None, dp_rank: int, on_fire=None):
-        """`on_fire(step)`: called when the fault fires (the audit log keeps that step's segment)."""
-        self.injection, self.dp_rank, self.on_fire = injection, dp_rank, on_fire
+    def __init__(self, injection: Injection | None, dp_rank: int, *, on_fire: Callable[[], None] | None = None):
+        """`on_fire()`: called once, when the injection first acts (the `injected` record replay reads)."""
+        self.injection, self.dp_rank = injection, dp_rank
         self.fired = False
         self.seen: str | None = None  # the kind of step (prefill, decode, idle) run at the injection's step
+        self._on_fire = on_fire
 
     def due(self, kind: str, step_id: int) -> bool:
         """Asked only where `kind` would act now: True means it fires."""
@@ -63,8 +61,8 @@ class VLLMInjector:
             raise ValueError(f"unknown fault kind {kind!r}")
         i = self.injection
         hit = i is not None and i.kind == kind and i.replica == self.dp_rank and i.step == step_id
-        if hit and self.on_fire is not None:
-            self.on_fire(step_id)
+        if hit and not self.fired and self._on_fire is not None:
+            self._on_fire()
         self.fired = self.fired or hit
         return hit
 

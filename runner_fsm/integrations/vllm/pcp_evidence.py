@@ -43,6 +43,11 @@ from runner_fsm.integrations.vllm.runners.base import wrap_method
 PAD_SLOT_ID = -1  # vllm.v1.attention.backends.utils.PAD_SLOT_ID: a token whose KV is not written
 CHUNKING = "mrv2"  # runner_fsm.pcp.plan's policy that is MRV2's partition
 BUFFERS = ("input_ids", "positions", "query_start_loc", "seq_lens")
+# Every name read from the PCP manager (vLLM's `PCPManager`, vLLM-Ascend's `AscendPCPManager`):
+# tests/test_vllm_ascend_source.py resolves each on the manager vLLM-Ascend's runner builds.
+MANAGER_NAMES = ("pcp_world_size", "shard_decode_requests", "get_num_tokens_for_dispatch", "prepare_inputs_to_capture",
+                 "get_dummy_slot_mappings", "_hidden_restore_idx", "_gathered_kv_slot_mappings",
+                 *(f"input_buffers.{name}" for name in BUFFERS))
 
 
 def layout_digest(restore_idx: Any, slot_mapping: Any, query_lens: Any) -> int | None:

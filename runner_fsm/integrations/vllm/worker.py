@@ -14,7 +14,10 @@ of its calls to the worker becomes transitions of the replica (DESIGN section 10
 | `sample_tokens`                   | sampled tokens noted; `draft` if the drafter ran; `finish`|
 | `execute_dummy_batch`             | `idle`, vLLM's dummy run [+ `draft`], `finish`            |
 | `take_draft_token_ids`            | the proposals noted in the journal                        |
-| `check_health` / `shutdown`       | raise while faulted / `shutdown`, logs closed             |
+| `check_health` / `shutdown`       | raise while faulted / `stop` recorded, `shutdown`, logs closed |
+
+SIGINT and SIGTERM are recorded (`stop`) the moment they reach the worker's process, by
+handlers chained in front of vLLM's own (`stop_signals`), which then run as before.
 
 A step with zero scheduled tokens runs no forward and joins no DP collective in vLLM; it is
 no step here either. Before every target forward, real or dummy, the pre-hook fingerprints
@@ -33,17 +36,18 @@ from typing import Any
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.segments import flight_entries
 from runner_fsm.audit.shape import job_shape_fields
-from runner_fsm.integrations.vllm import cpu_collectives, cpu_rope, schema
+from runner_fsm.integrations.vllm import cpu_collectives, cpu_rope, inject, schema
 from runner_fsm.integrations.vllm.dp_support import DPSupport
+from runner_fsm.integrations.vllm.engine_stops import WorkerNotice
 from runner_fsm.integrations.vllm.flight import WorkerFlight, start as start_flight_recorder
 from runner_fsm.integrations.vllm.forwards import forward_context, hook_forward
-from runner_fsm.integrations.vllm.inject import InjectionNeverFired
 from runner_fsm.integrations.vllm.journal import Journal
 from runner_fsm.integrations.vllm.options import WorkerOptions
 from runner_fsm.integrations.vllm.probe import InputProbe
 from runner_fsm.integrations.vllm.recorder import ReplicaRecorder
 from runner_fsm.integrations.vllm.rundir import agree_run, place_in_groups, rank_place
 from runner_fsm.integrations.vllm.runners import RunnerAdapter, adapter_for
+from runner_fsm.stop_signals import StopSignals
 
 
 class FSMWorkerMixin:
@@ -56,6 +60,8 @@ class FSMWorkerMixin:
     rope_installed: str | None = None  # what install_stride_safe_rope did (None: nothing)
     supplies_pp_buffers = False  # a later pipeline stage's intermediate tensors (see `lacks_pp_buffers`)
     flight: WorkerFlight = WorkerFlight()  # no run dir yet: dumps nothing
+    stop_signals: StopSignals | None = None
+    engine_notice: WorkerNotice | None = None
 
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
                  is_driver_worker: bool = False, **kwargs: Any):
@@ -91,6 +97,16 @@ class FSMWorkerMixin:
         journal = Journal(run_dir, self.global_rank)
         audit.add_companion(journal)  # its segments go with the log's, under one cap
         self.recorder = ReplicaRecorder(audit, journal, fingerprints=opts.audit == "full")
+        rec = self.recorder
+        # vLLM installed its handlers first (the worker process's, the engine core's): ours go in
+        # front of them, record the signal, and hand it on; put back at shutdown.
+        self.stop_signals = StopSignals(lambda name: rec.audit.stop(rec.step_id, "signal", name))
+        self.stop_signals.install()
+        # vLLM kills a served engine core's workers before any signal reaches them: the engine
+        # core, told by the plugin `engine_stops`, tells this worker first
+        self.engine_notice = WorkerNotice(lambda name: rec.audit.stop(
+            rec.step_id, "signal", name, detail="received by vLLM's engine core, which told this worker"))
+        self.engine_notice.install()
         self.install_extensions()
 
     def _job_shape(self, hosts: dict[str, list[int]]) -> dict:
@@ -122,6 +138,8 @@ class FSMWorkerMixin:
         if self.drafting:  # not opt-in: installed only where vLLM's own draft path is known to fail
             changed["draft_dp_sync"] = self.runner_adapter.install_draft_dp_sync(place.sizes.dp, place.sizes.pcp)
             changed["num_speculative_tokens"] = int(self.vllm_config.speculative_config.num_speculative_tokens)
+        if self.fsm_options.inject:  # what the run is meant to test (replay: `injection_not_fired`)
+            changed["inject"] = [str(inject.parse(self.fsm_options.inject))]
         sizes, coords = place.sizes, place.coords
         return job_shape_fields(sizes.dp, sizes.pcp, coords.dp, coords.pcp, tp_size=sizes.tp, tp_rank=coords.tp,
                                 pp_size=sizes.pp, pp_rank=coords.pp, dcp_size=place.dcp_size, groups=groups,
@@ -297,6 +315,13 @@ class FSMWorkerMixin:
 
     def shutdown(self) -> None:
         rec = self.recorder
+        if rec is not None and not rec.audit.closed:
+            # First: vLLM may kill this process at any moment from here (its executor's
+            # shutdown force-kills workers it finds still running).
+            rec.audit.stop(rec.step_id, "shutdown", detail="vLLM shut the worker down")
+        if self.stop_signals is not None:
+            self.stop_signals.restore()
+            self.engine_notice.restore()
         unfired = None
         if self.dp_support is not None:
             self.dp_support.close()
@@ -304,10 +329,9 @@ class FSMWorkerMixin:
                 unfired = self.dp_support.injector.never_fired(rec.step_id - 1)
         self.flight.dump("end")  # while vLLM's groups still exist
         try:
+            if unfired is not None:  # the run tested nothing; replay says so from the logs too
+                print(f"FSMWorker: {unfired}", file=sys.stderr, flush=True)
             if rec is not None:
-                if unfired is not None:  # the run tested nothing: a fault replay lists (exit 1)
-                    print(f"FSMWorker: {unfired}", file=sys.stderr, flush=True)
-                    rec.fault(InjectionNeverFired(unfired))
                 rec.shutdown()
         finally:
             super().shutdown()

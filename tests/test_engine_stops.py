@@ -1,0 +1,87 @@
+"""The plugin vLLM loads in its engine cores (`integrations.vllm.engine_stops`), without vLLM: a
+process named as vLLM names its engine cores registers the plugin in front of its own SIGTERM
+handler, starts a worker that joins it (`WorkerNotice`), and is SIGTERMed, then both are
+SIGKILLed at once, children first, as `vllm serve` does on SIGTERM to the server. The worker
+never got a signal from outside, yet its log holds the engine core's SIGTERM.
+
+Mutation seen to fail it: `tell_workers` not signalling the registered workers.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import sys
+import time
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from runner_fsm.audit import read_records
+
+pytestmark = pytest.mark.multiproc
+
+
+def _worker(run_dir: str, ready) -> None:
+    from runner_fsm.audit import AuditLog
+    from runner_fsm.integrations.vllm.engine_stops import WorkerNotice
+
+    log = AuditLog(run_dir, "r", 0, 0, 0)
+    notice = WorkerNotice(lambda name: log.stop(4, "signal", name, detail="told by the engine core"))
+    ready.put(notice.install())
+    while True:
+        time.sleep(0.01)  # idle, as a worker between steps: its handler runs at once
+
+
+def _engine(run_dir: str, ready, worker_pid) -> None:
+    from runner_fsm.integrations.vllm.engine_stops import register
+
+    signal.signal(signal.SIGTERM, lambda *_: None)  # vLLM's engine-core handler, installed first
+    register()
+    context = multiprocessing.get_context("spawn")
+    worker = context.Process(target=_worker, args=(run_dir, ready), name="VLLM::Worker_DP0")
+    worker.start()
+    worker_pid.value = worker.pid
+    while True:
+        time.sleep(0.01)
+
+
+def test_an_engine_core_s_sigterm_reaches_its_workers_log_before_the_kill(tmp_path):
+    import tempfile
+
+    stale = Path(tempfile.mkdtemp(prefix="runner-fsm-engine-4194303-"))  # an engine core long gone (pid_max)
+    context = multiprocessing.get_context("spawn")
+    ready, worker_pid = context.Queue(), context.Value("i", 0)
+    engine = context.Process(target=_engine, args=(str(tmp_path), ready, worker_pid), name="EngineCore_DP0")
+    engine.start()
+    try:
+        assert ready.get(timeout=60) is True  # the worker found its engine core's registry
+        os.kill(engine.pid, signal.SIGTERM)
+        time.sleep(0.2)
+    finally:
+        for pid in (worker_pid.value, engine.pid):  # vLLM's kill_process_tree: children first
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+        engine.join(10)
+    assert not stale.exists()  # vLLM kills engine cores (no atexit): the next one clears what they left
+    records = list(read_records(tmp_path / "rank-0.jsonl"))
+    assert [(r["event"], r["signal"], r["detail"]) for r in records] == [("stop", "SIGTERM", "told by the engine core")]
+
+
+def test_the_plugin_is_inert_outside_an_engine_core(monkeypatch):
+    from runner_fsm.integrations.vllm import engine_stops
+
+    monkeypatch.delenv(engine_stops.REGISTRY_ENV, raising=False)
+    before = signal.getsignal(signal.SIGTERM)
+    engine_stops.register()  # the main process of pytest: not an engine core
+    assert signal.getsignal(signal.SIGTERM) == before and engine_stops.REGISTRY_ENV not in os.environ
+    assert engine_stops.WorkerNotice(lambda name: None).install() is False  # no engine core published one
+
+
+def test_the_package_declares_the_plugin_to_vllm():
+    """vLLM finds it by this entry point only: without it the engine core stays silent."""
+    pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
+    plugins = pyproject["project"]["entry-points"]["vllm.general_plugins"]
+    assert plugins == {"runner_fsm_stops": "runner_fsm.integrations.vllm.engine_stops:register"}
