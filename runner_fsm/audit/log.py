@@ -32,6 +32,7 @@ import structlog
 
 from runner_fsm.errors import RunnerError
 from runner_fsm.audit import compact
+from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD
 from runner_fsm.audit.mapped import MappedFile
 from runner_fsm.audit.records import AuditLogFormatError, TIME_FIELDS, plain_fields, read_records, strip_times  # noqa: F401
 from runner_fsm.audit.render import RecordRenderer, fingerprint_fields
@@ -97,7 +98,15 @@ class _Records:
     def _pin(self, step_id: int | None) -> None:
         raise NotImplementedError
 
-    def transition(self, step_id: int | None, trigger: str, src: str, dst: str, outcome: str) -> None:
+    def transition(self, step_id: int | None, trigger: str, src: str, dst: str, outcome: str,
+                   decided: tuple[int, dict | None] | None = None) -> None:
+        """`decided`: (digest, changed decisions or None) of the step a `finish` ends (`decisions`)."""
+        if decided is not None:
+            fields = {"trigger": trigger, "src": src, "dst": dst, "outcome": outcome, DIGEST_FIELD: decided[0]}
+            if decided[1]:
+                fields[DECISIONS_FIELD] = decided[1]
+            self._emit("transition", step_id, fields)
+            return
         body = _TRANSITION_BODIES.get((trigger, src, dst, outcome))
         if body is None:
             body = compact.transition_body(trigger, src, dst, outcome)

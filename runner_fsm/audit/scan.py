@@ -20,6 +20,7 @@ import orjson
 
 from runner_fsm.audit.checks import BufferTracker, TransitionChecker, check_own_agreement, dispatch_problem
 from runner_fsm.audit.context_rule import ContextEvidence
+from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD
 from runner_fsm.audit.facts import RunFacts
 from runner_fsm.audit.mapped import is_blank, rest_is_blank
 from runner_fsm.audit.ranks import RankInfo
@@ -34,6 +35,7 @@ TIMEOUT_ERRORS = frozenset({"CollectiveTimeout", "TimeoutError"})
 # Groups whose members must pass equal shapes (an all_reduce, an all_gather of equal parts);
 # elsewhere (the expert group's forward) shapes are each rank's own rows: op and phase match.
 SHAPE_MATCHED_GROUPS = frozenset({"dp", "pcp"})
+TARGET_PHASE = 1  # `dp.TARGET`: the agreement on the target forward's rows and graph mode
 
 
 class RankScanner:
@@ -62,6 +64,8 @@ class RankScanner:
         self._uncounted: int | None = None  # records read before the first such step
         self.contexts = ContextEvidence()
         self._resumed = False  # the next step follows a jump in the log (a seek, a rotation gap)
+        self._decisions: dict | None = None  # the rank's decisions as its `finish` records rebuild them
+        self._captured: int | None = None  # the largest graph size it captured
 
     # -- verdicts ------------------------------------------------------------------
 
@@ -143,6 +147,7 @@ class RankScanner:
         self.buffers.forget_steps()
         self.current = self._dangling = None
         self._resumed = True
+        self._decisions = None  # changes logged since the skipped records build on them
 
     def continue_with(self, job: dict | None, *, resumed: bool) -> None:
         """The next segment's `job` record, read past: one record of the log (its seq counts);
@@ -217,6 +222,7 @@ class RankScanner:
         current = self.current
         if current is None:
             self.current = StepBuilder(step if isinstance(step, int) else -1, self._line, self._resumed)
+            self.current.captured = self._captured
             self._resumed = False
             return None
         if step == current.step or step is None:
@@ -225,6 +231,7 @@ class RankScanner:
             self._verdict("gap", f"step_id goes back from {current.step} to {step!r}: records out of order")
             return None
         self.current = StepBuilder(step, self._line, self._resumed)
+        self.current.captured = self._captured
         self._resumed = False
         self.buffers.new_step()
         return current.seal(self.info.global_rank, self._signatures)
@@ -241,6 +248,14 @@ class RankScanner:
                 self.current.kind = trigger
             elif trigger == "draft":
                 self.current.drafted = True
+            elif DIGEST_FIELD in record:  # a step's decisions, on its `finish` (`audit.decisions`)
+                self._decided(record)
+
+    def _decided(self, record) -> None:
+        changed = record.get(DECISIONS_FIELD)
+        if isinstance(changed, dict):  # a new object: the steps sealed before keep theirs
+            self._decisions = {**(self._decisions or {}), **changed}
+        self.current.digest, self.current.decisions = record[DIGEST_FIELD], self._decisions
 
     def _collective(self, record) -> None:
         group, stage, pg_seq = record["group"], record["stage"], record["pg_seq"]
@@ -283,6 +298,8 @@ class RankScanner:
         if op == "forward":
             self._forward_evidence(record)
         elif group == "dp":
+            if phase == TARGET_PHASE and isinstance(sent, dict):
+                step.proposed = (sent.get("num_tokens"), sent.get("graph_mode"))
             if "inputs" in record:
                 self._dispatch_evidence(record["inputs"], sent)
             elif isinstance(sent, dict) and sent.get("status"):
@@ -371,6 +388,9 @@ class RankScanner:
             self._verdict("stale_buffer_replay", detail)
 
     def _graph(self, record) -> None:
+        size = record.get("num_tokens") if record["action"] == "capture" else None
+        if isinstance(size, int) and (self._captured is None or size > self._captured):
+            self._captured = self.current.captured = size
         for detail in self.buffers.graph(record, self.current.step):
             self._verdict("stale_buffer_replay", detail)
 
