@@ -21,6 +21,7 @@ import orjson
 from runner_fsm.audit.checks import BufferTracker, TransitionChecker, check_own_agreement, dispatch_problem
 from runner_fsm.audit.context_rule import ContextEvidence
 from runner_fsm.audit.facts import RunFacts
+from runner_fsm.audit.integrity import LogIntegrity
 from runner_fsm.audit.mapped import is_blank, rest_is_blank
 from runner_fsm.audit.ranks import RankInfo
 from runner_fsm.audit.read import RankStep, StepBuilder, freeze as _freeze
@@ -36,7 +37,7 @@ TIMEOUT_ERRORS = frozenset({"CollectiveTimeout", "TimeoutError"})
 SHAPE_MATCHED_GROUPS = frozenset({"dp", "pcp"})
 
 
-class RankScanner:
+class RankScanner(LogIntegrity):
     """Feeds on one rank's records in file order; appends local verdicts to `verdicts`."""
 
     def __init__(self, info: RankInfo, verdicts: list[Verdict], facts: RunFacts | None = None):
@@ -182,33 +183,6 @@ class RankScanner:
         return last.seal(self.info.global_rank, self._signatures, ended=True, hang=hang, timed_out=timed_out)
 
     # -- gaps ----------------------------------------------------------------------
-
-    def _unparsable(self, raw: bytes, err: Exception) -> None:
-        if self._next_seq is not None:
-            self._next_seq += 1  # the damaged line most likely held one record
-        if not raw.endswith(b"\n"):
-            self._truncated = True
-            self._verdict("gap", f"truncated last line ({len(raw)} bytes, no newline): the process"
-                          " died while writing it; the record is lost")
-        else:
-            self._verdict("gap", f"unparsable line: {err}")
-
-    def _malformed(self, what: str) -> None:
-        self._verdict("gap", f"{what}; the record cannot be checked")
-
-    def _seq_gap(self, seq) -> None:
-        expected = self._next_seq
-        valid = isinstance(seq, int) and not isinstance(seq, bool)
-        self._next_seq = seq + 1 if valid else (expected + 1 if expected is not None else None)
-        if expected is None:  # the first record read after resume_mid_file
-            return
-        if isinstance(seq, int) and seq > expected:
-            missing = f"seq {expected}" if seq == expected + 1 else f"seq {expected}..{seq - 1}"
-            self._verdict("gap", f"{missing} missing: seq jumps from {expected - 1} to {seq}")
-        elif isinstance(seq, int):
-            self._verdict("gap", f"seq {seq} repeated or out of order (expected {expected})")
-        else:
-            self._verdict("gap", f"seq is {seq!r}, expected {expected}")
 
     def _enter_step(self, step) -> RankStep | None:
         if self._uncounted is None and self.count_from is not None and isinstance(step, int) \
