@@ -111,14 +111,15 @@ def test_deadlock_names_the_replica_that_skipped_ahead(tmp_path):
 @pytest.mark.parametrize("replica", [0, 2])
 def test_an_extra_draft_pass_is_named_from_k_in_the_job_record(tmp_path, replica):
     """K = 1, and the culprit entered a DRAFT_DECODE agreement after its draft while its peers
-    finished the step: from the logs alone its peers look like the ones that did not issue it.
-    With K in the job record (`audit.order`, rule 0) the culprit is named, and only it.
+    finished the step and wait in the next one's agreement: from the logs alone its peers look
+    like the ones that did not issue it. With K in the job record (`audit.order`, rule 0) the
+    culprit is named, and only it (at step 5, and as the one its peers wait for at step 6).
     Mutation: `Groups.last_phase` returns None -> the hang blames the peers."""
     spec = SynthSpec(dp_size=3, pcp_size=2, steps=10, spec_tokens=1, job_names_k=True)
     report = _judge(tmp_path, spec, [Defect("extra_draft_pass", replica, 5)])
     assert {(v.kind, v.replica, v.step) for v in report.verdicts} == {
-        ("collective_mismatch", replica, 5), ("hang", replica, 5)}, report.format()
-    hang = next(v for v in report.verdicts if v.kind == "hang")
+        ("collective_mismatch", replica, 5), ("hang", replica, 5), ("hang", replica, 6)}, report.format()
+    hang = next(v for v in report.verdicts if v.kind == "hang" and v.step == 5)
     assert "a phase past the last of any step of this job" in hang.detail
     unnamed = _judge(tmp_path / "without-k", dataclasses.replace(spec, job_names_k=False),
                      [Defect("extra_draft_pass", replica, 5)])

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 
+from runner_fsm.audit.expand import Expander
 from runner_fsm.audit.mapped import CHUNK, data_end
 from runner_fsm.audit.replay import replay
 
@@ -35,17 +36,29 @@ pytestmark = pytest.mark.multiproc
 RANKS = 2
 
 
+def _records(data: bytes) -> tuple[list[dict], bool]:
+    """The complete records of a log's bytes, in full (compact on disk: `audit.expand`), and
+    whether its last line is complete (False: a line being written, cut)."""
+    lines = data.rstrip(b"\n\x00").splitlines()
+    records, expand, whole = [], None, True
+    for i, line in enumerate(lines):
+        try:
+            record = json.loads(line)
+        except ValueError:
+            whole = i + 1 < len(lines)  # a line cut mid-write: only the last one can be
+            continue
+        expand = expand or Expander(record)  # the first record: the job's, in full
+        records.append(expand(record))
+    return records, whole
+
+
 def _last(run_dir: Path, rank: int) -> dict | None:
     """The last complete record of a rank's log (it ends in a blank tail: `audit.mapped`)."""
     path = run_dir / f"rank-{rank}.jsonl"
     if not path.exists():
         return None
-    for line in reversed(path.read_bytes()[: data_end(path)].splitlines()):
-        try:
-            return json.loads(line)
-        except ValueError:
-            continue  # a line cut mid-write
-    return None
+    records, _ = _records(path.read_bytes()[: data_end(path)])
+    return records[-1] if records else None
 
 
 def _finished(record, at_least: int = 0) -> bool:
@@ -134,11 +147,10 @@ def _rank_pids(session: int, out: Path) -> dict[int, int]:
 def _ends_with_finish(data: bytes, step: int | None = None):
     """The step whose `finish` is the last line of a log's bytes, nothing after it but the blank
     tail (no line being written): None otherwise."""
-    written = data.rstrip(b"\n\x00")
-    try:
-        last = json.loads(written[written.rfind(b"\n") + 1:])
-    except ValueError:
+    records, whole = _records(data)
+    if not whole or not records:
         return None
+    last = records[-1]
     return last["step_id"] if _finished(last) and (step is None or last["step_id"] == step) else None
 
 

@@ -74,9 +74,13 @@ def test_a_stop_on_purpose_reads_sound_naming_it(stopped, name):
     run, code = stopped[name]
     signum = STOPS[name]
     assert code == -signum  # the launcher stopped by the signal, as it would have without us
-    for rank in (0, 1):
-        got = [r["signal"] for r in read_records(run / f"rank-{rank}.jsonl") if r["event"] == "stop"]
-        assert got and got[0] == signum.name, (rank, got)  # a SIGTERM may follow: the launcher's
+    # Each rank records the signal when its main thread next runs Python: one blocked in a
+    # collective then (its peer stopped first) may be killed before it does, and its peer's
+    # record covers its end (`stop_signals`). So: a record somewhere, the signal first in each.
+    got = {rank: [r["signal"] for r in read_records(run / f"rank-{rank}.jsonl") if r["event"] == "stop"]
+           for rank in (0, 1)}
+    assert any(got.values()), got
+    assert all(signals[0] == signum.name for signals in got.values() if signals), got  # then the launcher's SIGTERM
     report = replay(run)
     assert report.sound, report.format()
     (note,) = [n for n in report.summary.notes if n.startswith("stop requested")]

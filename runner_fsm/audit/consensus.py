@@ -119,9 +119,9 @@ class ReplicaConsensus:
     def _demoted(self, step: int, present: dict[int, RankStep]) -> None:
         proposals: dict[int, tuple] = {}
         for rank, summary in present.items():
-            proposed, captured = summary.decided[2], summary.decided[3]
+            proposed = summary.decided[2]
             if proposed is not None:
-                proposals.setdefault(self.groups.replica(rank), (*proposed, captured, rank))
+                proposals.setdefault(self.groups.replica(rank), (*proposed, rank))
         busy = [p for p in proposals.values() if isinstance(p[0], int) and p[0] > 0]
         if not busy or any(p[1] != _GRAPH_FULL for p in busy):
             return  # nobody had work, or one with work could not replay: eager was due

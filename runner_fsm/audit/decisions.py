@@ -114,3 +114,21 @@ def first_difference(mine: Mapping | None, theirs: Mapping | None, names=FIELDS,
     if known_only:
         return None
     return (None, None, None) if unknown else (TOKENS, None, None)
+
+
+class DecisionTrail:
+    """One rank's decisions as replay reads them back (`scan`): the changes each `finish`
+    logs, applied in order; after a jump in the log (a seek, segments rotated away) they are
+    unknown until they are logged again."""
+
+    def __init__(self) -> None:
+        self.known: dict | None = None
+
+    def finish(self, step, record: Mapping) -> None:
+        """`step` (the scanner's `read.StepBuilder`) takes the digest of its `finish` `record`
+        and the decisions known then."""
+        changed, known = record.get(DECISIONS_FIELD), None if step.resumed else self.known
+        if isinstance(changed, dict):  # a new object: the steps sealed before keep theirs
+            known = {**(known or {}), **changed}
+        self.known = known
+        step.digest, step.decisions = record[DIGEST_FIELD], known

@@ -20,8 +20,9 @@ import orjson
 
 from runner_fsm.audit.checks import BufferTracker, TransitionChecker, check_own_agreement, dispatch_problem
 from runner_fsm.audit.context_rule import ContextEvidence
-from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD
+from runner_fsm.audit.decisions import DIGEST_FIELD, DecisionTrail
 from runner_fsm.audit.facts import RunFacts
+from runner_fsm.audit.integrity import LogIntegrity
 from runner_fsm.audit.mapped import is_blank, rest_is_blank
 from runner_fsm.audit.ranks import RankInfo
 from runner_fsm.audit.read import RankStep, StepBuilder, freeze as _freeze
@@ -35,10 +36,9 @@ TIMEOUT_ERRORS = frozenset({"CollectiveTimeout", "TimeoutError"})
 # Groups whose members must pass equal shapes (an all_reduce, an all_gather of equal parts);
 # elsewhere (the expert group's forward) shapes are each rank's own rows: op and phase match.
 SHAPE_MATCHED_GROUPS = frozenset({"dp", "pcp"})
-TARGET_PHASE = 1  # `dp.TARGET`: the agreement on the target forward's rows and graph mode
 
 
-class RankScanner:
+class RankScanner(LogIntegrity):
     """Feeds on one rank's records in file order; appends local verdicts to `verdicts`."""
 
     def __init__(self, info: RankInfo, verdicts: list[Verdict], facts: RunFacts | None = None):
@@ -64,8 +64,7 @@ class RankScanner:
         self._uncounted: int | None = None  # records read before the first such step
         self.contexts = ContextEvidence()
         self._resumed = False  # the next step follows a jump in the log (a seek, a rotation gap)
-        self._decisions: dict | None = None  # the rank's decisions as its `finish` records rebuild them
-        self._captured: int | None = None  # the largest graph size it captured
+        self.decisions = DecisionTrail()  # its step decisions, as its `finish` records give them
 
     # -- verdicts ------------------------------------------------------------------
 
@@ -147,7 +146,6 @@ class RankScanner:
         self.buffers.forget_steps()
         self.current = self._dangling = None
         self._resumed = True
-        self._decisions = None  # changes logged since the skipped records build on them
 
     def continue_with(self, job: dict | None, *, resumed: bool) -> None:
         """The next segment's `job` record, read past: one record of the log (its seq counts);
@@ -188,33 +186,6 @@ class RankScanner:
 
     # -- gaps ----------------------------------------------------------------------
 
-    def _unparsable(self, raw: bytes, err: Exception) -> None:
-        if self._next_seq is not None:
-            self._next_seq += 1  # the damaged line most likely held one record
-        if not raw.endswith(b"\n"):
-            self._truncated = True
-            self._verdict("gap", f"truncated last line ({len(raw)} bytes, no newline): the process"
-                          " died while writing it; the record is lost")
-        else:
-            self._verdict("gap", f"unparsable line: {err}")
-
-    def _malformed(self, what: str) -> None:
-        self._verdict("gap", f"{what}; the record cannot be checked")
-
-    def _seq_gap(self, seq) -> None:
-        expected = self._next_seq
-        valid = isinstance(seq, int) and not isinstance(seq, bool)
-        self._next_seq = seq + 1 if valid else (expected + 1 if expected is not None else None)
-        if expected is None:  # the first record read after resume_mid_file
-            return
-        if isinstance(seq, int) and seq > expected:
-            missing = f"seq {expected}" if seq == expected + 1 else f"seq {expected}..{seq - 1}"
-            self._verdict("gap", f"{missing} missing: seq jumps from {expected - 1} to {seq}")
-        elif isinstance(seq, int):
-            self._verdict("gap", f"seq {seq} repeated or out of order (expected {expected})")
-        else:
-            self._verdict("gap", f"seq is {seq!r}, expected {expected}")
-
     def _enter_step(self, step) -> RankStep | None:
         if self._uncounted is None and self.count_from is not None and isinstance(step, int) \
                 and step >= self.count_from:
@@ -222,7 +193,6 @@ class RankScanner:
         current = self.current
         if current is None:
             self.current = StepBuilder(step if isinstance(step, int) else -1, self._line, self._resumed)
-            self.current.captured = self._captured
             self._resumed = False
             return None
         if step == current.step or step is None:
@@ -231,7 +201,6 @@ class RankScanner:
             self._verdict("gap", f"step_id goes back from {current.step} to {step!r}: records out of order")
             return None
         self.current = StepBuilder(step, self._line, self._resumed)
-        self.current.captured = self._captured
         self._resumed = False
         self.buffers.new_step()
         return current.seal(self.info.global_rank, self._signatures)
@@ -248,14 +217,8 @@ class RankScanner:
                 self.current.kind = trigger
             elif trigger == "draft":
                 self.current.drafted = True
-            elif DIGEST_FIELD in record:  # a step's decisions, on its `finish` (`audit.decisions`)
-                self._decided(record)
-
-    def _decided(self, record) -> None:
-        changed = record.get(DECISIONS_FIELD)
-        if isinstance(changed, dict):  # a new object: the steps sealed before keep theirs
-            self._decisions = {**(self._decisions or {}), **changed}
-        self.current.digest, self.current.decisions = record[DIGEST_FIELD], self._decisions
+            elif DIGEST_FIELD in record:  # a step's decisions, on its `finish`
+                self.decisions.finish(self.current, record)
 
     def _collective(self, record) -> None:
         group, stage, pg_seq = record["group"], record["stage"], record["pg_seq"]
@@ -298,8 +261,8 @@ class RankScanner:
         if op == "forward":
             self._forward_evidence(record)
         elif group == "dp":
-            if phase == TARGET_PHASE and isinstance(sent, dict):
-                step.proposed = (sent.get("num_tokens"), sent.get("graph_mode"))
+            if phase == 1 and isinstance(sent, dict):  # TARGET: what it proposed, with its graphs
+                step.proposed = (sent.get("num_tokens"), sent.get("graph_mode"), self.buffers.largest_capture())
             if "inputs" in record:
                 self._dispatch_evidence(record["inputs"], sent)
             elif isinstance(sent, dict) and sent.get("status"):
@@ -310,18 +273,6 @@ class RankScanner:
         keys.append((op, phase, shapes))
         step.open[group].append(pending)
         self._dangling = pending
-
-    def _pg_seq_break(self, group: str, last, pg_seq):
-        """The first collective of a group, or a break in its count: pg_seq as an int (or None)."""
-        if pg_seq is None:
-            return None
-        if not isinstance(pg_seq, int) or isinstance(pg_seq, bool):
-            self._malformed(f"pg_seq of group '{group}' is {pg_seq!r}, not an integer")
-            return None
-        if last is not None:
-            self._verdict("gap", f"pg_seq of group '{group}' jumps from {last} to {pg_seq}: a collective"
-                          " on this group ran without an audit record, or its record is lost")
-        return pg_seq
 
     def _agreed(self, pending: tuple, agreed) -> None:
         if not isinstance(agreed, dict):
@@ -388,9 +339,6 @@ class RankScanner:
             self._verdict("stale_buffer_replay", detail)
 
     def _graph(self, record) -> None:
-        size = record.get("num_tokens") if record["action"] == "capture" else None
-        if isinstance(size, int) and (self._captured is None or size > self._captured):
-            self._captured = self.current.captured = size
         for detail in self.buffers.graph(record, self.current.step):
             self._verdict("stale_buffer_replay", detail)
 

@@ -12,19 +12,15 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
-import orjson
-import zlib
-
-from runner_fsm.audit.compact import FORMAT, FORMAT_FIELD, CompactRenderer
 from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, DecisionLog, StepDecisions
-from runner_fsm.audit.log import SCHEMA_VERSION, AuditLog, log_path
-from runner_fsm.audit.render import RecordRenderer
 from runner_fsm.audit.shape import Coords, coords_of, job_shape_fields
 from runner_fsm.dp import wire_shape
 from runner_fsm.pcp.buffers import BUFFER_NAMES
+from runner_fsm.testing.synth_files import write_rank_log
 
 DEFECTS = ("gap", "missing_replica", "agreed_mismatch", "pg_seq", "collective_mismatch",
            "skip_dummy_forward", "illegal_transition", "stale_buffer_replay", "moved_buffer", "hang",
@@ -252,7 +248,10 @@ class _RankWriter:
                       **self._decided(step, kind, sent, counts, graph, all_idle))
         else:
             self._transition(step, "finish", state, "ready")
-        return not self.has_any("extra_draft_pass", step)
+        if self.has_any("extra_draft_pass", step):  # the peers' next agreement: they wait in it
+            self._agreement(step + 1, 1, 0, 0, None, done=False)
+            return False
+        return True
 
     def _decided(self, step, kind, sent, counts, graph, all_idle) -> dict:
         """The step's decisions, as every rank of the replica takes them (but a RANK_DEFECTS rank)."""
@@ -331,7 +330,7 @@ def write_run(run_dir: str | os.PathLike[str], spec: SynthSpec = SynthSpec(),
     schedule = _Schedule(spec, defects)
     per_replica = spec.pcp_size * spec.tp_size
     for rank in (range(spec.dp_size * per_replica) if ranks is None else ranks):
-        path = _write_rank(run_dir, spec, schedule, rank, defects)
+        path = write_rank_log(run_dir, spec, _RankWriter(spec, schedule, rank, defects))
         if any(d.kind == "truncated" and rank == d.replica * per_replica for d in defects):
             truncate_last_line(path)
     return run_dir
@@ -342,80 +341,3 @@ def truncate_last_line(path: str | os.PathLike[str], keep: float = 0.5) -> None:
     data = Path(path).read_bytes()
     start = data.rstrip(b"\n").rfind(b"\n") + 1
     os.truncate(path, start + int((len(data) - start) * keep))
-
-
-def _steps(spec: SynthSpec, writer: _RankWriter):
-    """The records of the rank, a step at a time: [(event, step_id, fields), ...]."""
-    writer.start()
-    alive, step = True, 0
-    while True:
-        yield writer.records
-        writer.records = []
-        if not alive or step > spec.steps:
-            return
-        if step == spec.steps:
-            writer.finish(spec.steps - 1)
-        else:
-            alive = writer.step(step)
-        step += 1
-
-
-def _write_rank(run_dir: Path, spec: SynthSpec, schedule: _Schedule, rank: int, defects) -> Path:
-    writer = _RankWriter(spec, schedule, rank, defects)
-    if spec.max_log_bytes:
-        return _write_capped(run_dir, spec, writer)
-    header = {"schema": SCHEMA_VERSION, "run_id": spec.run_id, "dp_rank": writer.dp_rank, "pcp_rank": writer.pcp_rank}
-    plain = RecordRenderer(SCHEMA_VERSION, spec.run_id, writer.dp_rank, writer.pcp_rank)
-    compact = None
-    path = log_path(run_dir, rank)
-    seq = 0
-    with open(path, "wb") as out:
-        for records in _steps(spec, writer):
-            lines, dropped = [], False
-            for event, step_id, fields in records:
-                if event == "buffers" and not dropped and writer.has("gap", step_id):
-                    dropped, seq = True, seq + 1  # the lost record leaves its seq unused
-                    continue
-                t_ns = 1_000_000 + seq * 1000
-                if spec.compact and event == "job":
-                    lines.append(plain.line(seq, t_ns, event, step_id, {**fields, FORMAT_FIELD: FORMAT}))
-                    compact = CompactRenderer(t_ns)
-                elif compact is not None:
-                    lines.append(compact.lines(seq, [(t_ns, event, step_id, dict(fields))], t_ns))
-                else:
-                    record = {**header, "seq": seq, "t_ns": t_ns, "event": event, "step_id": step_id, **fields}
-                    lines.append(orjson.dumps(record))
-                seq += 1
-            if lines:
-                out.write(b"\n".join(lines) + b"\n")
-    return path
-
-
-def _write_capped(run_dir: Path, spec: SynthSpec, writer: _RankWriter) -> Path:
-    """The rank's records through `AuditLog` itself, under `spec.max_log_bytes` (segments)."""
-    log = None
-    for records in _steps(spec, writer):
-        for event, step_id, fields in records:
-            if event == "job":
-                log = AuditLog(run_dir, spec.run_id, writer.global_rank, writer.dp_rank, writer.pcp_rank,
-                               shape=fields, max_log_bytes=spec.max_log_bytes, pinned_steps=spec.pinned_steps,
-                               compress_segments=spec.compress_segments)
-                continue
-            fields = dict(fields)
-            if event == "transition":
-                log.transition(step_id, fields["trigger"], fields["src"], fields["dst"], fields["outcome"])
-            elif event == "collective":
-                log.collective(step_id, fields.pop("group"), fields.pop("op"), fields.pop("phase"),
-                               fields.pop("shapes"), fields.pop("pg_seq"), fields.pop("stage"), **fields)
-            elif event == "buffers":
-                log.buffers(step_id, fields["reason"], fields["buffers"])
-            elif event == "graph":
-                log.graph(step_id, fields.pop("action"), **fields)
-            elif event == "fault":
-                log.fault(step_id, fields["error"], fields["message"])
-    if log is None:
-        raise ValueError("a capped synthetic log needs the job's shape (job_shape=True)")
-    log.close()
-    if log.segments.compressor is not None:
-        log.segments.compressor.drain()  # every closed segment compressed: the run is whole
-    return log.path

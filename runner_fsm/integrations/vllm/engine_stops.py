@@ -112,3 +112,22 @@ class WorkerNotice:
             name = None
         with contextlib.suppress(Exception):  # recording must never fail the worker
             self._record(name)
+
+
+class WorkerStops:
+    """Every stop request a worker can hear of, recorded by `record(signal_name, detail)`: a
+    SIGINT/SIGTERM of its own (handlers chained in front of vLLM's, `stop_signals`) and its
+    engine core's NOTICE (`WorkerNotice`: vLLM kills a served engine core's workers before any
+    signal reaches them). `restore()` at shutdown puts vLLM's handlers back."""
+
+    def __init__(self, record: Callable[[str, str], None]):
+        self.signals = StopSignals(lambda name: record(name, ""))
+        self.notice = WorkerNotice(lambda name: record(name, "received by vLLM's engine core, which told this worker"))
+
+    def install(self) -> None:
+        self.signals.install()
+        self.notice.install()
+
+    def restore(self) -> None:
+        self.signals.restore()
+        self.notice.restore()

@@ -38,7 +38,7 @@ from runner_fsm.audit.segments import flight_entries
 from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.integrations.vllm import cpu_collectives, cpu_rope, inject, schema
 from runner_fsm.integrations.vllm.dp_support import DPSupport
-from runner_fsm.integrations.vllm.engine_stops import WorkerNotice
+from runner_fsm.integrations.vllm.engine_stops import WorkerStops
 from runner_fsm.integrations.vllm.flight import WorkerFlight, start as start_flight_recorder
 from runner_fsm.integrations.vllm.forwards import forward_context, hook_forward
 from runner_fsm.integrations.vllm.journal import Journal
@@ -47,7 +47,6 @@ from runner_fsm.integrations.vllm.probe import InputProbe
 from runner_fsm.integrations.vllm.recorder import ReplicaRecorder
 from runner_fsm.integrations.vllm.rundir import agree_run, place_in_groups, rank_place
 from runner_fsm.integrations.vllm.runners import RunnerAdapter, adapter_for
-from runner_fsm.stop_signals import StopSignals
 
 
 class FSMWorkerMixin:
@@ -60,8 +59,7 @@ class FSMWorkerMixin:
     rope_installed: str | None = None  # what install_stride_safe_rope did (None: nothing)
     supplies_pp_buffers = False  # a later pipeline stage's intermediate tensors (see `lacks_pp_buffers`)
     flight: WorkerFlight = WorkerFlight()  # no run dir yet: dumps nothing
-    stop_signals: StopSignals | None = None
-    engine_notice: WorkerNotice | None = None
+    stops: WorkerStops | None = None
 
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
                  is_driver_worker: bool = False, **kwargs: Any):
@@ -98,15 +96,9 @@ class FSMWorkerMixin:
         audit.add_companion(journal)  # its segments go with the log's, under one cap
         self.recorder = ReplicaRecorder(audit, journal, fingerprints=opts.audit == "full")
         rec = self.recorder
-        # vLLM installed its handlers first (the worker process's, the engine core's): ours go in
-        # front of them, record the signal, and hand it on; put back at shutdown.
-        self.stop_signals = StopSignals(lambda name: rec.audit.stop(rec.step_id, "signal", name))
-        self.stop_signals.install()
-        # vLLM kills a served engine core's workers before any signal reaches them: the engine
-        # core, told by the plugin `engine_stops`, tells this worker first
-        self.engine_notice = WorkerNotice(lambda name: rec.audit.stop(
-            rec.step_id, "signal", name, detail="received by vLLM's engine core, which told this worker"))
-        self.engine_notice.install()
+        # vLLM installed its handlers first (the worker process's, the engine core's): ours go in front
+        self.stops = WorkerStops(lambda name, detail: rec.audit.stop(rec.step_id, "signal", name, detail=detail))
+        self.stops.install()
         self.install_extensions()
 
     def _job_shape(self, hosts: dict[str, list[int]]) -> dict:
@@ -319,9 +311,8 @@ class FSMWorkerMixin:
             # First: vLLM may kill this process at any moment from here (its executor's
             # shutdown force-kills workers it finds still running).
             rec.audit.stop(rec.step_id, "shutdown", detail="vLLM shut the worker down")
-        if self.stop_signals is not None:
-            self.stop_signals.restore()
-            self.engine_notice.restore()
+        if self.stops is not None:
+            self.stops.restore()
         unfired = None
         if self.dp_support is not None:
             self.dp_support.close()

