@@ -40,6 +40,7 @@ from runner_fsm.pcp.context import PCPAttentionContext, PCPContextState, dummy_d
 from runner_fsm.pcp.plan import PlanWorkspace, plan_batch
 from runner_fsm.spec import tokens_per_request
 from runner_fsm.states import Trigger
+from runner_fsm.step_consensus import consensus_row, disagreement, gather_rows
 from runner_fsm.written_positions import WrittenPositions
 
 
@@ -115,13 +116,15 @@ class Replica(DraftStep):
             Trigger.DECODE: Handler(before=self._begin_real, after=self._run_real),
             Trigger.IDLE: Handler(before=self._begin_dummy, after=self._run_dummy),
             Trigger.DRAFT: Handler(after=self._run_draft),
+            **({Trigger.FINISH: Handler(after=self._check_consensus)} if self.config.consensus else {}),
         }
 
     # -- audit ------------------------------------------------------------------------
 
     def _record_transition(self, trigger, src, dst, outcome) -> None:
         if self.audit is not None:
-            end = trigger is Trigger.FINISH and outcome == "ok" and self.decided is not None
+            # a step's decisions, on its `finish`: also when its online consensus check failed
+            end = trigger is Trigger.FINISH and outcome in ("ok", "error") and self.decided is not None
             self.audit.transition(self.step_id, trigger.value, src.value, dst.value, outcome,
                                   self._decision_log.entry(self.decided) if end else None)
 
@@ -313,6 +316,17 @@ class Replica(DraftStep):
         if len({d for _, d in gathered}) > 1 or any(s != self.step_id for s, _ in gathered):
             raise DesyncError(f"replica {self.dp_rank}, step {self.step_id}: its PCP ranks sampled"
                               f" different tokens (output digest per PCP rank {[d for _, d in gathered]})")
+
+    async def _check_consensus(self, _event) -> None:
+        """`consensus`: the replica's ranks compare this step's decisions, after its `finish`."""
+        if self.pcp_group is None or self.decided is None:
+            return  # no peers in the replica, or a step that decided nothing (it faulted)
+        row = consensus_row(self.step_id, self.decided)
+        rows = await self.collectives.run("pcp", "all_gather", gather_rows, self.pcp_group, row,
+                                          step_id=self.step_id, phase=dp.TARGET, shapes=[(len(row),)])
+        problem = disagreement(rows, self.step_id, lambda pcp_rank: f"PCP rank {pcp_rank}")
+        if problem is not None:
+            raise DesyncError(f"replica {self.dp_rank}, step {self.step_id}: {problem}")
 
     def _log_buffers(self, reason: str, fingerprint: Fingerprints | None = None) -> Fingerprints:
         """Log the buffers' fingerprint; returned so the forward's check need not take it again."""

@@ -86,3 +86,26 @@ def test_an_idle_replica_that_demotes_the_graph_mode_is_named(tmp_path):
     found = [(v.kind, v.replica, v.step) for v in report.verdicts if v.kind != "injection_not_fired"]
     assert found == [("graph_mode_demoted", 0, 4), ("graph_mode_demoted", 2, 6)], report.format()
     assert replay(run).exit_code == 1
+
+
+@pytest.mark.parametrize("kind,rank", [("tp-skip-draft", 0), ("rank-graph-mode", 2),
+                                       pytest.param("tp-skip-draft", 2, marks=pytest.mark.slow),
+                                       pytest.param("rank-graph-mode", 0, marks=pytest.mark.slow)])
+def test_online_consensus_stops_the_replica_naming_the_rank(tmp_path, kind, rank):
+    """With `consensus` on, every rank of the replica stops at the fault's step with a
+    DesyncError naming the PCP rank and the decision (a majority of three knows which rank), and
+    replay of the stripped logs names the same. The default suite runs each kind on one end, the
+    slow tier on the other. Mutation: `disagreement` comparing step ids only -> the run ends
+    cleanly."""
+    requests = [Request(f"r{i}", tuple(range(5 + i, 17 + i)), 8, 0) for i in range(2)]
+    cfg = EngineConfig(model_dir=None, model_factory=FAKES, run_dir=str(tmp_path / "run"), layout=ParallelLayout(1, 3),
+                       num_speculative_tokens=1, graph_mode=GraphMode.FULL_DECODE_ONLY, collective_timeout_s=3.0,
+                       injections=(f"{kind}@replica=0,step=4,rank={rank}",), consensus=True)
+    result = run_engine(cfg, requests, timeout_s=120)
+    errors = [r.error for r in result.ranks]
+    want = f"PCP rank {rank} {DECISION[kind]}"
+    assert all(e is not None and e["type"] == "DesyncError" and "step 4" in e["message"] and want in e["message"]
+               for e in errors), errors
+    report = replay(stripped(tmp_path / "run"))
+    found = [(v.kind, v.replica, v.step, v.ranks) for v in report.verdicts if v.kind != "injection_not_fired"]
+    assert found == [("replica_divergence", 0, 4, (rank,))], report.format()

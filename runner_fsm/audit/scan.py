@@ -217,8 +217,8 @@ class RankScanner(LogIntegrity):
                 self.current.kind = trigger
             elif trigger == "draft":
                 self.current.drafted = True
-            elif DIGEST_FIELD in record:  # a step's decisions, on its `finish`
-                self.decisions.finish(self.current, record)
+        if DIGEST_FIELD in record:  # a step's decisions, on its `finish` (ok, or its consensus check failed)
+            self.decisions.finish(self.current, record)
 
     def _collective(self, record) -> None:
         group, stage, pg_seq = record["group"], record["stage"], record["pg_seq"]
