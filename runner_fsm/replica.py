@@ -40,7 +40,7 @@ from runner_fsm.pcp.context import PCPAttentionContext, PCPContextState, dummy_d
 from runner_fsm.pcp.plan import PlanWorkspace, plan_batch
 from runner_fsm.spec import tokens_per_request
 from runner_fsm.states import Trigger
-from runner_fsm.step_consensus import consensus_row, disagreement, gather_rows
+from runner_fsm.step_consensus import ConsensusExchange, consensus_row, disagreement
 from runner_fsm.written_positions import WrittenPositions
 
 
@@ -98,7 +98,7 @@ class Replica(DraftStep):
         self._step_start_fingerprint = None
         self._last_real_inputs = None  # fingerprint (with digests) of the last real batch's buffers
         # this step's decisions (logged on its `finish`), and the graph size its forward replayed (0: eager)
-        self.decided, self._graph_rows, self._decision_log = None, 0, DecisionLog()
+        self.decided, self._graph_rows, self._decision_log, self._exchange = None, 0, DecisionLog(), None
         self.machine = ReplicaMachine(self._handlers(), on_record=self._record_transition,
                                       on_fault=self._record_fault)
 
@@ -322,7 +322,8 @@ class Replica(DraftStep):
         if self.pcp_group is None or self.decided is None:
             return  # no peers in the replica, or a step that decided nothing (it faulted)
         row = consensus_row(self.step_id, self.decided)
-        rows = await self.collectives.run("pcp", "all_gather", gather_rows, self.pcp_group, row,
+        self._exchange = self._exchange or ConsensusExchange(self.pcp_group)  # its tensors, made once
+        rows = await self.collectives.run("pcp", "all_gather", self._exchange, row,
                                           step_id=self.step_id, phase=dp.TARGET, shapes=[(len(row),)])
         problem = disagreement(rows, self.step_id, lambda pcp_rank: f"PCP rank {pcp_rank}")
         if problem is not None:

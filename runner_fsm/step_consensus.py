@@ -21,15 +21,26 @@ def consensus_row(step_id: int, decided: StepDecisions) -> list[int]:
     return [step_id, decided.digest(), *decided.fields().values()]
 
 
-def gather_rows(group, row: list[int]) -> list[list[int]]:
-    """Every rank's row, in group order, by one all_gather of int64 over `group` (gloo, CPU)."""
-    import torch
-    import torch.distributed as dist
+class ConsensusExchange:
+    """Every rank's row, in group order, by one all_gather of int64 over `group` (gloo, CPU).
+    Its tensors are made once and filled through numpy views: making them each step cost more
+    than the rule itself."""
 
-    mine = torch.tensor(row, dtype=torch.int64)
-    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(parts, mine, group=group)
-    return [part.tolist() for part in parts]
+    def __init__(self, group):
+        self.group = group
+        self._mine = self._parts = self._views = None
+
+    def __call__(self, row: list[int]) -> list[list[int]]:
+        import torch
+        import torch.distributed as dist
+
+        if self._mine is None or len(self._mine) != len(row):
+            self._mine = torch.zeros(len(row), dtype=torch.int64)
+            self._parts = [torch.zeros_like(self._mine) for _ in range(dist.get_world_size(self.group))]
+            self._views = (self._mine.numpy(), [part.numpy() for part in self._parts])
+        self._views[0][:] = row
+        dist.all_gather(self._parts, self._mine, group=self.group)
+        return [view.tolist() for view in self._views[1]]
 
 
 def disagreement(rows: list[list[int]], step_id: int, rank_text=lambda index: f"rank {index}") -> str | None:

@@ -141,3 +141,24 @@ def test_an_idle_replica_that_demotes_the_graph_mode_is_named(tmp_path, replica)
         assert [(v.kind, v.replica, v.step) for v in report.verdicts] == [("graph_mode_demoted", replica, 5)], \
             report.format()
         assert report.exit_code == 1
+
+
+def test_rank_faults_name_one_rank_of_the_replica():
+    """`KIND@replica=R,step=S,rank=K`: required by the kinds that make one rank disagree,
+    refused by the others, checked against the ranks a replica has; replay's injection records
+    read the same target. Mutation: `due` ignoring `rank` -> every rank of the replica fires."""
+    from runner_fsm.errors import ConfigError
+    from runner_fsm.faults import Injection, Injector, parse_target, static_problem
+
+    injection = Injection.parse("tp-skip-draft@replica=1,step=5,rank=2")
+    assert (injection.replica, injection.step, injection.rank) == (1, 5, 2)
+    assert str(injection) == "tp-skip-draft@replica=1,step=5,rank=2"
+    assert parse_target(str(injection)) == (1, 5)
+    with pytest.raises(ConfigError, match="add ,rank=K"):
+        Injection.parse("rank-graph-mode@replica=0,step=3")
+    with pytest.raises(ConfigError, match="takes no rank"):
+        Injection.parse("crash@replica=0,step=3,rank=1")
+    assert "no rank 2" in static_problem(injection, dp_size=2, pcp_size=2, spec_tokens=1)
+    assert static_problem(injection, dp_size=2, pcp_size=3, spec_tokens=1) is None
+    injector = Injector([injection])
+    assert [injector.due("tp-skip-draft", 1, 5, rank) for rank in range(3)] == [False, False, True]

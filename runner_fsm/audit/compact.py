@@ -34,7 +34,8 @@ the time base. Every other record says only what is its own, in short keys:
   its batch's (`batch`, the same record), and each identity's `step` left out where it is the
   record's; a DP agreement's dispatch `inputs` as `in`: [decode, prefill, pcp, chunking(,
   decodes)]; a step's `output` digest as `out`: [digest, tokens]; and, on a step's `finish`
-  transition, its `decision_digest` as `dg` and its changed `decisions` as `dc` (`decisions`).
+  transition, its `decision_digest` as `dg` and its changed `decisions` as `dc`: their values in
+  `decisions.FIELDS` order, null where unchanged, trailing nulls left out.
 
 `expand.Expander` turns them back into the records of DESIGN section 7, every header field
 filled from the segment's `job` record (what `read_records` and replay read). `CompactRenderer`
@@ -47,7 +48,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD
+from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, FIELDS as DECISION_FIELDS
 from runner_fsm.audit.render import dumps_record
 from runner_fsm.states.table import TRANSITIONS
 
@@ -217,8 +218,12 @@ def _decided(fields: dict) -> dict:
     other field of its own as it is."""
     out = {key: value for key, value in fields.items() if key not in _TRANSITION_FIELDS}
     out["dg"] = out.pop(DIGEST_FIELD)
-    if DECISIONS_FIELD in out:
-        out["dc"] = out.pop(DECISIONS_FIELD)
+    changed = out.pop(DECISIONS_FIELD, None)
+    if changed:  # by position in FIELDS, null where unchanged: a third of the bytes of the names
+        values = [changed.get(name) for name in DECISION_FIELDS]
+        while values[-1] is None:
+            values.pop()
+        out["dc"] = values if len(changed) == sum(v is not None for v in values) else changed
     return out
 
 

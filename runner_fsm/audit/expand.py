@@ -13,7 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from runner_fsm.audit.compact import DEST, INPUTS_FIELDS, NAMES_FIELD, ONLY_SOURCE, SAME
-from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD
+from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, FIELDS as DECISION_FIELDS
 
 _NEW_STEP = object()  # not a step's first record
 _UNKNOWN = (None, None, None, None)  # a done whose enqueue was not read (a seek)
@@ -88,8 +88,10 @@ class Expander:
             self.state = record["dst"]
             if "dg" in record:  # a step's decisions, on its `finish`
                 record[DIGEST_FIELD] = record.pop("dg")
-                if "dc" in record:
-                    record[DECISIONS_FIELD] = record.pop("dc")
+                changed = record.pop("dc", None)
+                if changed is not None:  # by position, null where unchanged (`compact`)
+                    record[DECISIONS_FIELD] = changed if type(changed) is dict else {
+                        name: value for name, value in zip(DECISION_FIELDS, changed) if value is not None}
         elif "b" in record:
             buffers = self._buffers(record, step)
             record["event"], record["reason"], record["buffers"] = "buffers", record.pop("b"), buffers
