@@ -162,3 +162,29 @@ def test_rank_faults_name_one_rank_of_the_replica():
     assert static_problem(injection, dp_size=2, pcp_size=3, spec_tokens=1) is None
     injector = Injector([injection])
     assert [injector.due("tp-skip-draft", 1, 5, rank) for rank in range(3)] == [False, False, True]
+
+
+def test_a_window_names_the_divergence_without_the_decisions_logged_before_it(tmp_path):
+    """`--last 20` seeks past the steps that logged the decisions: the digests still name the
+    rank and step, and the detail says the decision is not known (not taken for the sampled
+    tokens, which between PCP peers would be `pcp_divergence`). Mutation: `first_difference`
+    taking unknown decisions for equal ones -> pcp_divergence."""
+    run = write_run(tmp_path, SynthSpec(dp_size=3, pcp_size=3, steps=400, decisions=True, compact=True),
+                    [Defect("rank_graph_mode", 2, 391, 2)])
+    whole, window = replay(run), replay(run, last=20)
+    assert [(v.kind, v.replica, v.step, v.ranks) for v in whole.verdicts] == [("replica_divergence", 2, 391, (8,))]
+    assert [(v.kind, v.replica, v.step, v.ranks) for v in window.verdicts] == [("replica_divergence", 2, 391, (8,))]
+    assert "decided graph=" in whole.verdicts[0].detail
+    assert "logged before the steps read" in window.verdicts[0].detail, window.format()
+
+
+def test_a_capped_log_keeps_its_digests(tmp_path):
+    """Written under a byte cap (segments rotated away), the digests are still on every kept
+    `finish` and a divergence after the rotation is named. Mutation: the capped writer dropping
+    `decided` from the transition -> sound."""
+    spec = SynthSpec(dp_size=2, pcp_size=3, steps=300, decisions=True, compact=True, max_log_bytes=40_000,
+                     pinned_steps=5)
+    run = write_run(tmp_path, spec, [Defect("rank_graph_mode", 1, 292, 2)])
+    report = replay(run)
+    assert report.summary.rotated, report.format()
+    assert _verdicts(run) == [("replica_divergence", 1, 292, (5,))], report.format()
