@@ -223,3 +223,32 @@ def test_a_closed_segments_step_index_points_at_its_steps(tmp_path):
     assert (index.first_step, index.last_step, index.size) == (min(starts), max(starts), len(data))
     for step_id in (index.first_step, index.first_step + 17, (index.first_step + index.last_step) // 2, index.last_step):
         assert locate(closed, step_id, compact=True) == starts[step_id]
+
+
+def test_a_segment_rotated_away_while_it_is_compressed_stays_away(tmp_path):
+    """The writer's thread compresses a closed segment while rotation deletes it (both in the
+    writer's process, the deletion under the compressor's lock): the compressed form, finished
+    after the deletion, must not bring the segment (or its step index) back as a kept one.
+    Seen before the lock: a rotated segment came back, and replay found a replica missing from
+    its steps. Mutation seen to fail this: `compress` putting its output in place without
+    checking that the segment is still there."""
+    import threading
+
+    from runner_fsm.audit import compress as gz
+    from runner_fsm.audit.stepindex import index_path
+
+    path = tmp_path / "rank-0.3.jsonl"
+    path.write_bytes(b"".join(b'{"s":%d,"q":%d,"t":5,"tr":"decode"}\n' % (i, i) for i in range(5000)))
+    lock = threading.Lock()
+    result = []
+    with lock:  # the rotation: the compressor waits for it to put its output in place
+        worker = threading.Thread(target=lambda: result.append(gz.compress(path, lock)))
+        worker.start()
+        while not (tmp_path / "rank-0.3.jsonl.gz.tmp").exists() or worker.is_alive() and \
+                (tmp_path / "rank-0.3.jsonl.gz.tmp").stat().st_size == 0:
+            pass
+        for stale in (path, index_path(path)):
+            stale.unlink(missing_ok=True)
+    worker.join(timeout=30)
+    assert result == [None]
+    assert sorted(p.name for p in tmp_path.iterdir()) == []

