@@ -30,7 +30,8 @@ def _write(log: AuditLog) -> None:
 
 def test_decisions_read_back_in_full_from_a_compact_log(tmp_path):
     """The digest and the changed decisions on `finish` come back as written, compact or not;
-    the second step repeats no decision. Mutation: the expander not renaming `dc` -> fails."""
+    the second step repeats no decision. Mutation: the expander dropping `dc` (or the writer
+    listing it in another order than `FIELDS`) -> fails."""
     with AuditLog(tmp_path / "full", "run-c", 0, 0, 0) as full:
         _write(full)
     with AuditLog(tmp_path / "compact", "run-c", 0, 0, 0, shape=job_shape_fields(1, 1, 0, 0)) as compact:
