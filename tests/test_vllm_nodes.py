@@ -37,7 +37,8 @@ from vllm_checks import plugin_env
 from runner_fsm.audit.replay import replay
 from runner_fsm.integrations.vllm import harness as h
 
-pytestmark = pytest.mark.vllm
+# vLLM's launch modes and stops are its front end's, not the model runner's: once, in the V1 leg
+pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 REQUESTS = h.mixed_workload(num=4, seed=11, long_prompt=40)
