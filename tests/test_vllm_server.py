@@ -25,6 +25,9 @@ from vllm_checks import assert_replays_sound, pid_writing, plugin_env, transitio
 from runner_fsm.integrations.vllm import harness as h
 
 pytestmark = pytest.mark.vllm
+# How a served job stops (signals, vLLM's shutdown, the engine core's plugin) is the front end's and
+# the worker's, not the model runner's: those tests run once, in the V1 leg.
+ONCE = pytest.mark.runner_independent
 
 REQUESTS = h.mixed_workload(num=6, seed=7, long_prompt=80)
 
@@ -187,6 +190,7 @@ def _stop_note(report) -> str:
     return note
 
 
+@ONCE
 def test_served_dp2_stopped_with_ctrl_c_replays_sound_naming_the_stop(served_dp2):
     """Done-when (a). Mutation seen to fail it: `AuditLog.stop` writing nothing: the workers,
     killed once idle, then leave no record of the stop."""
@@ -200,6 +204,7 @@ def test_served_dp2_stopped_with_ctrl_c_replays_sound_naming_the_stop(served_dp2
     assert report.summary.ranks == 2 and _stop_note(report).startswith("stop requested: SIGINT (rank ")
 
 
+@ONCE
 def test_served_dp2_sigterm_to_the_server_alone_replays_sound_naming_the_stop(served_dp2):
     """Done-when (b): no signal reaches a worker before vLLM kills it; the engine core's record
     of SIGTERM does. Mutation seen to fail it: `engine_stops.tell_workers` not signalling."""
@@ -210,6 +215,7 @@ def test_served_dp2_sigterm_to_the_server_alone_replays_sound_naming_the_stop(se
     assert note.startswith("stop requested: SIGTERM (received by vLLM's engine core"), note
 
 
+@ONCE
 def test_served_dp2_with_a_worker_killed_mid_run_names_it(served_dp2):
     """Done-when (d): replica 1's worker is SIGKILLed mid-run; vLLM then stops the rest, and
     those record it, after rank 1's log ended: rank 1's end is a death, named."""
@@ -220,6 +226,7 @@ def test_served_dp2_with_a_worker_killed_mid_run_names_it(served_dp2):
     assert named and named[0].replica == 1, report.format()
 
 
+@ONCE
 def test_served_dp2_injection_that_never_fired_is_named_after_ctrl_c(served_dp2):
     """Done-when (e): vLLM's force-kill skips FSMWorker.shutdown; the job record and the missing
     `injected` record say it anyway. Mutation seen to fail it: `check_injections` returning []."""
