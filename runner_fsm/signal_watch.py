@@ -62,8 +62,9 @@ class SignalWatch:
         return self._pipe is not None
 
     def subscribe(self, signum: int, callback: Callable[[int], None]) -> Subscription | None:
-        """Hand each arrival of `signum` to `callback(signum)` from the watch thread; None where
-        no watch can run (not the main thread, or another wakeup fd is set)."""
+        """Call `callback(signum)` from the watch thread for each arrival of `signum` that no
+        handler claimed (`settle`) in `_HANDLER_GRACE_S`; None where no watch can run (not the
+        main thread, or another wakeup fd is set)."""
         with self._lock:
             if not self._start():
                 return None
