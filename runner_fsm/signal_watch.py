@@ -130,9 +130,7 @@ class SignalWatch:
         if self._pipe is None or threading.current_thread() is not threading.main_thread():
             return  # off the main thread the wakeup fd cannot be reset: the watch stays, idle
         read_end, write_end = self._pipe
-        current = signal.set_wakeup_fd(-1)
-        if current != write_end:  # replaced since (an asyncio loop's): leave theirs
-            signal.set_wakeup_fd(current)
+        _release_wakeup_fd(write_end)
         self._pipe = None
         with contextlib.suppress(OSError):
             os.write(write_end, bytes([_STOP_BYTE]))  # the thread closes both ends
@@ -146,9 +144,7 @@ class SignalWatch:
                         return  # stopped (or forgotten after a fork)
                     self._drain()
         finally:
-            for fd in (read_end, write_end):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            _close(read_end, write_end)
 
     def _drain(self) -> None:
         """The watch thread, under the lock: each arrival in the pipe left to its handler for
@@ -193,13 +189,22 @@ class SignalWatch:
         if self._pipe is not None:
             read_end, write_end = self._pipe
             self._pipe = None
-            with contextlib.suppress(ValueError):
-                current = signal.set_wakeup_fd(-1)
-                if current != write_end:
-                    signal.set_wakeup_fd(current)
-            for fd in (read_end, write_end):
-                with contextlib.suppress(OSError):
-                    os.close(fd)
+            with contextlib.suppress(ValueError):  # forked from a thread Python does not take as main
+                _release_wakeup_fd(write_end)
+            _close(read_end, write_end)
+
+
+def _release_wakeup_fd(ours: int) -> None:
+    """No wakeup fd where `ours` is still the one set; one set since (an asyncio loop's) stays."""
+    current = signal.set_wakeup_fd(-1)
+    if current != ours:
+        signal.set_wakeup_fd(current)
+
+
+def _close(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
 
 
 WATCH = SignalWatch()
