@@ -173,7 +173,8 @@ def test_a_main_thread_blocked_in_c_still_records_the_stop_before_the_kill(tmp_p
 
 def test_each_arrival_is_recorded_once_though_both_the_watch_and_the_handler_hear_it(tmp_path):
     """Three SIGTERMs with a free main thread, whose handler runs at once each time: three
-    records, not six (`settle`), and the previous handler after each."""
+    records, not six (`settle`), and the previous handler after each. Mutation seen to fail
+    this: `SignalWatch.settle` always returning False (the watch records each arrival again)."""
     out = _child(PRELUDE + """
     import time
     calls = []
@@ -191,7 +192,9 @@ def test_each_arrival_is_recorded_once_though_both_the_watch_and_the_handler_hea
 
 
 def test_a_wakeup_fd_someone_set_is_left_to_them(tmp_path):
-    """An asyncio loop's wakeup fd: no watch, the handler records, and theirs stays set."""
+    """An asyncio loop's wakeup fd: no watch, the handler records, and theirs stays set.
+    Mutation seen to fail this: `_start` taking any wakeup fd it replaced as free
+    (`if previous is None:` for `if previous != -1:`)."""
     out = _child(PRELUDE + """
     import socket
     theirs, _ = socket.socketpair()
@@ -217,7 +220,8 @@ def test_a_wakeup_fd_someone_set_is_left_to_them(tmp_path):
 
 def test_a_forked_child_does_not_feed_its_parents_watch(tmp_path):
     """After fork the pipe is the parent's: the child forgets it, so a signal to the child is
-    not recorded as the parent's, and the child can start a watch of its own."""
+    not recorded as the parent's, and the child can start a watch of its own. Mutation seen
+    to fail this: no `os.register_at_fork` (the child keeps the parent's pipe as its wakeup fd)."""
     out = _child(PRELUDE + """
     import time
     from runner_fsm.signal_watch import WATCH
