@@ -7,10 +7,14 @@ action): it calls `record(signal_name)`, then hands the signal on to that previo
 the process stops exactly as it would have. `restore()` puts the previous handlers back (only
 where ours is still the one installed: whoever replaced it since keeps their own).
 
-Python runs a handler only in the main thread, between two bytecodes. A rank blocked in a
-collective (C++, gloo) runs it only when the collective returns; if it is killed first, it
-leaves no record, and its peers' records of the same stop explain its end (`audit.stops`).
-`record` must be safe to call at any bytecode: `AuditLog.stop` is (`write_in_handler`).
+Python runs a handler only in the main thread, between two bytecodes: a rank blocked in C (a
+gloo collective, an idle wait the kernel did not interrupt) would run it only when that call
+returns, maybe after vLLM's SIGKILL. So the arrival is also heard from `signal_watch`'s thread
+the moment it happens (`early`, the default), and recorded from there; the handler then only
+hands the signal on. Where no watch can run (another wakeup fd is set), the handler records, and
+a rank killed before it runs leaves no record: its peers' records of the same stop explain its
+end (`audit.stops`). `record` must be safe to call at any bytecode and from another thread:
+`AuditLog.stop` is (`write_in_handler`).
 """
 
 from __future__ import annotations
@@ -20,15 +24,19 @@ import signal
 import threading
 from typing import Callable
 
+from runner_fsm.signal_watch import WATCH, Subscription
+
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
 
 class StopSignals:
     """Chained SIGINT/SIGTERM handlers that record the request, then do what was done before."""
 
-    def __init__(self, record: Callable[[str], None]):
+    def __init__(self, record: Callable[[str], None], early: bool = True):
         self._record = record
+        self._early = early  # also heard from the watch thread (see the module's docstring)
         self._previous: dict[int, object] = {}
+        self._subscriptions: dict[int, Subscription | None] = {}
 
     @property
     def installed(self) -> bool:
@@ -45,6 +53,8 @@ class StopSignals:
                 continue
             signal.signal(signum, self._handle)
             self._previous[signum] = previous
+            if self._early:
+                self._subscriptions[signum] = WATCH.subscribe(signum, self._heard)
         return self.installed
 
     def restore(self) -> None:
@@ -54,12 +64,25 @@ class StopSignals:
             if signal.getsignal(signum) == self._handle:
                 signal.signal(signum, previous)
         self._previous.clear()
+        for subscription in self._subscriptions.values():
+            WATCH.unsubscribe(subscription)
+        self._subscriptions.clear()
+
+    @property
+    def early(self) -> bool:
+        """Whether arrivals are heard from the watch thread (False: from the handler only)."""
+        return any(s is not None for s in self._subscriptions.values())
+
+    def _heard(self, signum: int) -> None:
+        """From the watch thread, the moment the signal arrives."""
+        self._record(signal.Signals(signum).name)
 
     def _handle(self, signum: int, frame) -> None:
-        try:
-            self._record(signal.Signals(signum).name)
-        except Exception:  # noqa: BLE001 - recording must never change how the signal is handled
-            pass
+        if not WATCH.settle(self._subscriptions.get(signum)):  # not recorded from the watch yet
+            try:
+                self._record(signal.Signals(signum).name)
+            except Exception:  # noqa: BLE001 - recording must never change how the signal is handled
+                pass
         hand_on(self._previous.get(signum, signal.SIG_DFL), signum, frame)
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import sys
 import time
 import tomllib
 from pathlib import Path
@@ -24,37 +23,49 @@ from runner_fsm.audit import read_records
 pytestmark = pytest.mark.multiproc
 
 
-def _worker(run_dir: str, ready) -> None:
+def _worker(run_dir: str, ready, blocked: bool) -> None:
     from runner_fsm.audit import AuditLog
-    from runner_fsm.integrations.vllm.engine_stops import WorkerNotice
+    from runner_fsm.integrations.vllm.engine_stops import NOTICE, WorkerNotice
 
     log = AuditLog(run_dir, "r", 0, 0, 0)
     notice = WorkerNotice(lambda name: log.stop(4, "signal", name, detail="told by the engine core"))
     ready.put(notice.install())
+    _idle(blocked, NOTICE)
+
+
+def _idle(blocked: bool, signum: int) -> None:
+    if blocked:  # as inside a collective: the main thread cannot run a Python handler
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signum})
+        time.sleep(3600)
     while True:
-        time.sleep(0.01)  # idle, as a worker between steps: its handler runs at once
+        time.sleep(0.01)  # idle, as between steps: the handler runs at once
 
 
-def _engine(run_dir: str, ready, worker_pid) -> None:
+def _engine(run_dir: str, ready, worker_pid, blocked: bool) -> None:
     from runner_fsm.integrations.vllm.engine_stops import register
 
     signal.signal(signal.SIGTERM, lambda *_: None)  # vLLM's engine-core handler, installed first
     register()
     context = multiprocessing.get_context("spawn")
-    worker = context.Process(target=_worker, args=(run_dir, ready), name="VLLM::Worker_DP0")
+    worker = context.Process(target=_worker, args=(run_dir, ready, blocked), name="VLLM::Worker_DP0")
     worker.start()
     worker_pid.value = worker.pid
-    while True:
-        time.sleep(0.01)
+    _idle(blocked, signal.SIGTERM)
 
 
-def test_an_engine_core_s_sigterm_reaches_its_workers_log_before_the_kill(tmp_path):
+@pytest.mark.parametrize("blocked", [False, True], ids=["idle", "both-blocked-in-c"])
+def test_an_engine_core_s_sigterm_reaches_its_workers_log_before_the_kill(tmp_path, blocked):
+    """both-blocked-in-c: the engine core's main thread and the worker's wait in C (a DP
+    all-reduce, a collective): the engine core's watch thread tells the worker, whose watch
+    thread records it (`signal_watch`). Mutation seen to fail that case: `WATCH.subscribe`
+    returning None (no watch: handlers only)."""
     import tempfile
 
     stale = Path(tempfile.mkdtemp(prefix="runner-fsm-engine-4194303-"))  # an engine core long gone (pid_max)
     context = multiprocessing.get_context("spawn")
     ready, worker_pid = context.Queue(), context.Value("i", 0)
-    engine = context.Process(target=_engine, args=(str(tmp_path), ready, worker_pid), name="EngineCore_DP0")
+    engine = context.Process(target=_engine, args=(str(tmp_path), ready, worker_pid, blocked),
+                             name="EngineCore_DP0")
     engine.start()
     try:
         assert ready.get(timeout=60) is True  # the worker found its engine core's registry

@@ -49,6 +49,14 @@ def _kill(path, *, stop_at: int | None = None, keep=lambda r: True, signal="SIGI
     return records[-1]
 
 
+def _inside_last_expert_exchange(path) -> list[dict]:
+    """A rank's records up to its enqueue of the last step's expert exchange: it waits there."""
+    records = _records(path)
+    cut = next(i for i, r in enumerate(records) if r["step_id"] == LAST and r.get("group") == "expert"
+               and r.get("stage") == "enqueue")
+    return records[: cut + 1]
+
+
 def _end_ns(path) -> int:
     return _records(path)[-1]["t_ns"]
 
@@ -183,10 +191,7 @@ def test_every_member_inside_a_collective_when_one_recorded_the_stop(tmp_path, r
         run = write_run(tmp_path / case.replace(" ", "-"), DP_ONLY)
         for rank in (recorded, silent):
             path = run / f"rank-{rank}.jsonl"
-            records = _records(path)
-            cut = next(i for i, r in enumerate(records) if r["step_id"] == LAST and r.get("group") == "expert"
-                       and r.get("stage") == "enqueue")
-            records = records[: cut + 1]
+            records = _inside_last_expert_exchange(path)
             last = records[-1]
             if rank == recorded and case == "after a fault":
                 header = {k: last[k] for k in ("schema", "run_id", "dp_rank", "pcp_rank")}
@@ -216,10 +221,7 @@ def test_a_rank_killed_inside_a_collective_before_the_stop_is_named(tmp_path, ki
     run = write_run(tmp_path / "run", DP_ONLY)
     for rank in (killed, peer):
         path = run / f"rank-{rank}.jsonl"
-        records = _records(path)
-        cut = next(i for i, r in enumerate(records) if r["step_id"] == LAST and r.get("group") == "expert"
-                   and r.get("stage") == "enqueue")
-        records = records[: cut + 1]
+        records = _inside_last_expert_exchange(path)
         if rank == peer:
             last = records[-1]
             t = last["t_ns"]

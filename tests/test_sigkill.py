@@ -37,17 +37,26 @@ RANKS = 2
 
 
 def _records(data: bytes) -> tuple[list[dict], bool]:
-    """The complete records of a log's bytes, in full (compact on disk: `audit.expand`), and
-    whether its last line is complete (False: a line being written, cut)."""
-    lines = data.rstrip(b"\n\x00").splitlines()
-    records, expand, whole = [], None, True
+    """The complete records of the last step in a log's bytes, in full (compact on disk:
+    `audit.expand`, read from that step's first record: each poll costs a step, not the log),
+    and whether its last line is complete (False: a line being written, cut)."""
+    text = data.rstrip(b"\n\x00")
+    head_end = text.find(b"\n")
+    try:
+        job = json.loads(text if head_end < 0 else text[:head_end])  # the job's record, in full
+    except ValueError:
+        return [], False
+    start = max(text.rfind(b'\n{"s":'), head_end)
+    lines = text[start + 1:].split(b"\n") if head_end >= 0 else []
+    expand = Expander(job)
+    expand.resume()
+    records, whole = [job], True
     for i, line in enumerate(lines):
         try:
             record = json.loads(line)
         except ValueError:
             whole = i + 1 < len(lines)  # a line cut mid-write: only the last one can be
             continue
-        expand = expand or Expander(record)  # the first record: the job's, in full
         records.append(expand(record))
     return records, whole
 

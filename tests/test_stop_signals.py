@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 
@@ -137,3 +138,108 @@ def test_a_stop_on_a_closed_log_is_dropped_quietly(tmp_path):
     os.kill(os.getpid(), signal.SIGTERM)
     """, tmp_path)
     assert out.returncode == 0 and out.stdout.strip() == "handed on", out.stderr
+
+
+def test_a_main_thread_blocked_in_c_still_records_the_stop_before_the_kill(tmp_path):
+    """The rank's main thread cannot run a Python handler (it waits in C, as in a gloo
+    collective: here it blocks SIGTERM, so the kernel hands the signal to another thread and
+    the main thread's wait goes on). The watch thread records the stop at once; then the
+    process is SIGKILLed, as vLLM does right after its SIGTERM. Mutation seen to fail this:
+    `StopSignals(early=False)` as the default (no record: the handler never ran)."""
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(PRELUDE + """
+    import threading, time
+    assert stops.install() and stops.early
+    threading.Thread(target=time.sleep, args=(60,), daemon=True).start()  # a thread that takes it
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
+    print("ready", flush=True)
+    time.sleep(60)  # blocked in C: the Python handler cannot run before the kill
+    """))
+    child = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        log = tmp_path / "run" / "rank-0.jsonl"
+        child.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + 10
+        while not _records(log) and time.monotonic() < deadline and child.poll() is None:
+            time.sleep(0.01)
+        assert child.poll() is None  # still blocked: only the watch could have written
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    assert [(r["event"], r["step_id"], r["signal"]) for r in _records(log)] == [("stop", 7, "SIGTERM")]
+
+
+def test_each_arrival_is_recorded_once_though_both_the_watch_and_the_handler_hear_it(tmp_path):
+    """Three SIGTERMs with a free main thread, whose handler runs at once each time: three
+    records, not six (`settle`), and the previous handler after each. Mutation seen to fail
+    this: `SignalWatch.settle` always returning False (the watch records each arrival again)."""
+    out = _child(PRELUDE + """
+    import time
+    calls = []
+    signal.signal(signal.SIGTERM, lambda signum, frame: calls.append(log.next_seq))
+    assert stops.install() and stops.early
+    for _ in range(3):
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(0.05)
+    stops.restore()
+    print(calls)
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[1, 2, 3]"
+    assert [r["signal"] for r in read_records(tmp_path / "run" / "rank-0.jsonl")] == ["SIGTERM"] * 3
+
+
+def test_a_wakeup_fd_someone_set_is_left_to_them(tmp_path):
+    """An asyncio loop's wakeup fd: no watch, the handler records, and theirs stays set.
+    Mutation seen to fail this: `_start` taking any wakeup fd it replaced as free
+    (`if previous is None:` for `if previous != -1:`)."""
+    out = _child(PRELUDE + """
+    import socket
+    theirs, _ = socket.socketpair()
+    theirs.setblocking(False)
+    signal.set_wakeup_fd(theirs.fileno())
+    assert stops.install() and not stops.early
+    os.kill(os.getpid(), signal.SIGINT)
+    """, tmp_path)
+    assert "KeyboardInterrupt" in out.stderr  # handed on to Python's own handler
+    (record,) = read_records(tmp_path / "run" / "rank-0.jsonl")
+    assert record["signal"] == "SIGINT"
+    out = _child(PRELUDE + """
+    import socket
+    theirs, _ = socket.socketpair()
+    theirs.setblocking(False)
+    signal.set_wakeup_fd(theirs.fileno())
+    stops.install()
+    stops.restore()
+    print(signal.set_wakeup_fd(-1) == theirs.fileno())
+    """, (tmp_path / "again").mkdir() or tmp_path / "again")
+    assert out.stdout.strip() == "True", out.stderr
+
+
+def test_a_forked_child_does_not_feed_its_parents_watch(tmp_path):
+    """After fork the pipe is the parent's: the child forgets it, so a signal to the child is
+    not recorded as the parent's, and the child can start a watch of its own. Mutation seen
+    to fail this: no `os.register_at_fork` (the child keeps the parent's pipe as its wakeup fd)."""
+    out = _child(PRELUDE + """
+    import time
+    from runner_fsm.signal_watch import WATCH
+    assert stops.install() and WATCH.active
+    pid = os.fork()
+    if pid == 0:
+        ok = not WATCH.active and signal.set_wakeup_fd(-1) == -1
+        os._exit(0 if ok else 3)
+    _, status = os.waitpid(pid, 0)
+    time.sleep(0.1)
+    print(os.waitstatus_to_exitcode(status), log.next_seq)
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "0 0"
+
+
+def _records(path) -> list[dict]:
+    try:
+        return list(read_records(path))
+    except (OSError, ValueError):
+        return []

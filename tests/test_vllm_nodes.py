@@ -37,7 +37,8 @@ from vllm_checks import plugin_env
 from runner_fsm.audit.replay import replay
 from runner_fsm.integrations.vllm import harness as h
 
-pytestmark = pytest.mark.vllm
+# vLLM's launch modes and stops are its front end's, not the model runner's: once, in the V1 leg
+pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 REQUESTS = h.mixed_workload(num=4, seed=11, long_prompt=40)
@@ -277,3 +278,24 @@ def test_a_node_killed_mid_run_is_named_never_sound(jobs):
     assert not report.sound
     named = [v for v in report.verdicts if v.kind in ("unfinished", "hang", "missing_replica") and 1 in v.ranks]
     assert named and named[0].replica == 1, report.format() + _server_tail(job)
+
+
+def test_the_readme_replay_commands_run_as_written(jobs):
+    """README's `<!-- nodes: replay -->` block, run by the shell in the head-first job's directory
+    (where `nodeA/` and `nodeB/` are): both directories, SOUND, exit 0; node A's alone, exit 1,
+    `missing_rank` naming rank 1. Mutation seen to fail it: the block's second line given both
+    directories (exit 0)."""
+    job = job_of(jobs, "head-first")
+    where = job["dirs"][0].parent.parent.parent  # <root>/head-first, holding nodeA/ and nodeB/
+    script = Path(sys.executable).parent / "runner-fsm"  # the package's console script, this venv's
+    together, alone = readme_block("replay")
+    results = []
+    for line in (together, alone):
+        words = shlex.split(line)
+        assert words[0] == "runner-fsm", line
+        results.append(subprocess.run([str(script), *words[1:]], cwd=where, capture_output=True, text=True,
+                                      timeout=300))
+    both, one = results
+    assert both.returncode == 0 and "SOUND" in both.stdout and "UNSOUND" not in both.stdout, both.stdout + both.stderr
+    assert one.returncode == 1 and "missing_rank" in one.stdout, one.stdout + one.stderr
+    assert re.search(r"missing_rank[^\n]*rank 1\b", one.stdout), one.stdout

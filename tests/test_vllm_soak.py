@@ -30,7 +30,7 @@ from runner_fsm.testing.logs import files_bytes
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 
 STEPS = int(os.environ.get("RUNNER_FSM_SOAK_STEPS", "20000"))
-CAP = 2 << 20
+CAP = max(512 << 10, (2 << 20) * STEPS // 20000)  # 2 MiB at 20,000 steps: rotated however long the run
 PINNED = 200
 CLIENTS = 4
 def serve_until_it_stops(port: int, model: str, deadline: float) -> int:

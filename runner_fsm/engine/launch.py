@@ -176,7 +176,9 @@ def spawn(
     processes: list[mp.process.BaseProcess] = []
     # A stop request to the launcher (SIGINT, SIGTERM) reaches every rank as SIGTERM, which each
     # records in its audit log (`stop_signals`) before it goes; then the launcher stops as before.
-    stops = StopSignals(lambda _name: _terminate_all(processes))
+    # early=False: this main thread waits in Python, so its handler runs at once; and it
+    # terminates the ranks, which is the handler's work, not a watch thread's.
+    stops = StopSignals(lambda _name: _terminate_all(processes), early=False)
     stops.install()
     try:
         with _single_threaded_children():

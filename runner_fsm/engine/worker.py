@@ -124,7 +124,11 @@ async def _serve(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, cou
     handlers are chained here, inside the event loop, in front of asyncio's own SIGINT handler
     (which cancels the run cleanly), and taken out before the loop ends."""
     replica = runner.replica
-    stops = StopSignals(lambda name: replica.audit.stop(replica.step_id, "signal", name))
+    # early=False: handlers only, as tested here for long. With the watch thread
+    # (`signal_watch`) a Ctrl-C of `runner-fsm run --dp 2` (SIGINT to the group, then the
+    # launcher's SIGTERM) was seen, 1 run in 8, to record SIGTERM (from the watch) before SIGINT
+    # (from the handler) on one rank; until that is understood, the watch is vLLM's only.
+    stops = StopSignals(lambda name: replica.audit.stop(replica.step_id, "signal", name), early=False)
     stops.install()
     try:
         await _serve_events(runner, sched, cfg, counts)

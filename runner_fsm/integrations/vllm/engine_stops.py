@@ -29,6 +29,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable
 
+from runner_fsm.signal_watch import WATCH
 from runner_fsm.stop_signals import StopSignals
 
 NOTICE = signal.SIGWINCH  # ignored by default: a process that did not ask for it is untouched
@@ -82,6 +83,7 @@ class WorkerNotice:
         self._record = record
         self._registry = os.environ.get(REGISTRY_ENV)
         self._previous = None
+        self._subscription = None  # heard from the watch thread too (`signal_watch`)
 
     def install(self) -> bool:
         """Register this process with its engine core (False: none published a registry here)."""
@@ -92,6 +94,7 @@ class WorkerNotice:
             self._previous = signal.signal(NOTICE, self._handle)
         except ValueError:  # not the main thread: Python sets no handler here
             return False
+        self._subscription = WATCH.subscribe(NOTICE, lambda _signum: self._told())
         Path(registry, str(os.getpid())).touch()
         return True
 
@@ -101,11 +104,17 @@ class WorkerNotice:
         with contextlib.suppress(ValueError):
             if signal.getsignal(NOTICE) == self._handle:
                 signal.signal(NOTICE, self._previous)
+        WATCH.unsubscribe(self._subscription)
+        self._subscription = None
         with contextlib.suppress(OSError):
             Path(self._registry, str(os.getpid())).unlink()
         self._previous = None
 
     def _handle(self, _signum, _frame) -> None:
+        if not WATCH.settle(self._subscription):  # not told from the watch thread already
+            self._told()
+
+    def _told(self) -> None:
         try:
             name = Path(self._registry, _SIGNAL_FILE).read_text().strip() or None
         except OSError:
