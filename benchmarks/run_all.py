@@ -60,6 +60,7 @@ SUITE = {
     "perfetto": "bench_perfetto",  # Flight Recorder on vs off; replay --perfetto export speed
     "logbytes": "bench_log_bytes",  # audit log bytes per decode step: embedded, and vLLM (.venv-vllm) at both audits
     "seek": "bench_seek",  # replay --last 1000 of a 64-rank x 100k-step run; the whole run with --jobs 2
+    "consensus": "bench_consensus",  # the online consensus check per step (2 ranks); digest bytes per step
     "replay": None,  # hook: benchmarks/bench_replay.py (owned elsewhere)
     "vllm": None,  # hook: benchmarks/bench_vllm_worker.py with .venv-vllm (owned elsewhere)
     "vllm-mrv2": None,  # the same on vLLM's Model Runner V2 (Triton's interpreter on the CPU)

@@ -102,6 +102,7 @@ class RunnerConfig:
     max_blocks_per_req: int = 64
     capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16)
     collective_timeout_s: float = 60.0
+    consensus: bool = False  # the replica's ranks compare their step decisions online (`step_consensus`)
 
     @property
     def num_segments(self) -> int:

@@ -1,6 +1,7 @@
 """Fault injection: reproduce, on purpose, the hand-off bugs the runner exists to catch.
 
-`runner-fsm run --inject KIND@replica=R,step=S` makes replica R misbehave at step S.
+`runner-fsm run --inject KIND@replica=R,step=S` makes replica R misbehave at step S
+(`...,rank=K`: only its rank K, for the kinds that make one rank disagree with its peers).
 Each kind breaks one rule of DESIGN.md section 6; the online checks must stop every
 process with a typed error naming R and S, and `runner-fsm replay` must name them too.
 """
@@ -24,9 +25,18 @@ KINDS = (
     "pcp-divergence",  # one PCP rank of the replica samples another token than its peers
     "draft-count-mismatch",  # the replica runs one draft-decode forward fewer than agreed
     "corrupt-agreement",  # the replica's copy of the agreed result is altered after the all-reduce
+    # One rank of the replica decides otherwise than its peers (`KIND@replica=R,step=S,rank=K`):
+    "tp-skip-draft",  # rank K skips its drafter's forwards for the step (vLLM #49027)
+    "rank-graph-mode",  # rank K takes the other graph/eager mode for the step (SGLang #31566)
+    # The idle replica proposes eager where it could replay a graph: every replica runs eager
+    # (vllm-ascend #15347); `graph_mode_demoted` in replay.
+    "demote-graph-mode",
 )
+# Kinds that act on one rank of the replica: `rank=K` (K: the rank within the replica, in vLLM's
+# order; in the embedded engine, whose replicas have no TP or PP, its PCP rank) is required.
+RANK_KINDS = frozenset({"tp-skip-draft", "rank-graph-mode"})
 
-_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@replica=(?P<replica>\d+),step=(?P<step>\d+)$")
+_SPEC = re.compile(r"^(?P<kind>[a-z-]+)@replica=(?P<replica>\d+),step=(?P<step>\d+)(,rank=(?P<rank>\d+))?$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,19 +46,25 @@ class Injection:
     kind: str
     replica: int
     step: int
+    rank: int | None = None  # the rank within the replica it acts on (None: every rank of it)
 
     @classmethod
     def parse(cls, text: str) -> "Injection":
         match = _SPEC.match(text.strip())
         if not match:
-            raise ConfigError(f"--inject expects KIND@replica=R,step=S, got {text!r}")
+            raise ConfigError(f"--inject expects KIND@replica=R,step=S[,rank=K], got {text!r}")
         kind = match["kind"]
         if kind not in KINDS:
             raise ConfigError(f"unknown fault kind {kind!r}; known kinds: {', '.join(KINDS)}")
-        return cls(kind, int(match["replica"]), int(match["step"]))
+        rank = None if match["rank"] is None else int(match["rank"])
+        if (kind in RANK_KINDS) != (rank is not None):
+            raise ConfigError(f"--inject {text.strip()}: {kind} " + (
+                "acts on one rank of the replica: add ,rank=K" if rank is None else "takes no rank=K"))
+        return cls(kind, int(match["replica"]), int(match["step"]), rank)
 
     def __str__(self) -> str:
-        return f"{self.kind}@replica={self.replica},step={self.step}"
+        rank = "" if self.rank is None else f",rank={self.rank}"
+        return f"{self.kind}@replica={self.replica},step={self.step}{rank}"
 
 
 def parse_target(text: str) -> tuple[int, int] | None:
@@ -70,11 +86,13 @@ class Injector:
         self.fired: set[Injection] = set()
         self._on_fire = on_fire
 
-    def due(self, kind: str, dp_rank: int, step_id: int) -> bool:
+    def due(self, kind: str, dp_rank: int, step_id: int, rank: int | None = None) -> bool:
+        """`rank`: this process's rank within its replica, where `kind` acts on one rank only."""
         if kind not in KINDS:
             raise ValueError(f"unknown fault kind {kind!r}")
         for injection in self.injections:
-            if injection.kind == kind and injection.replica == dp_rank and injection.step == step_id:
+            if injection.kind == kind and injection.replica == dp_rank and injection.step == step_id \
+                    and injection.rank in (None, rank):
                 if injection not in self.fired and self._on_fire is not None:
                     self._on_fire(injection)
                 self.fired.add(injection)
@@ -88,7 +106,7 @@ class Injector:
 
 # What a step must be for each kind to apply, beyond being replica R's step S.
 _NEEDS_REAL = frozenset({"wrong-dispatch-count", "pcp-divergence"})
-_NEEDS_DUMMY = frozenset({"skip-dummy-forward", "skip-buffer-refresh", "stale-pcp-context"})
+_NEEDS_DUMMY = frozenset({"skip-dummy-forward", "skip-buffer-refresh", "stale-pcp-context", "demote-graph-mode"})
 
 
 def why_not_fired(injection: Injection, seen: tuple[str, bool] | None, last_step: int | None) -> str:
@@ -122,6 +140,11 @@ def static_problem(injection: Injection, dp_size: int, pcp_size: int, spec_token
                 f" got {spec_tokens}")
     if injection.kind == "pcp-divergence" and pcp_size < 2:
         return f"--inject {injection}: needs pcp_size >= 2 (PCP ranks to diverge), got {pcp_size}"
+    if injection.rank is not None and injection.rank >= pcp_size:
+        return (f"--inject {injection}: there is no rank {injection.rank} in replica {injection.replica}"
+                f" (its ranks are its {pcp_size} PCP rank(s))")
+    if injection.kind == "tp-skip-draft" and spec_tokens < 1:
+        return f"--inject {injection}: the run drafts nothing (num_speculative_tokens=0), so there is no drafter to skip"
     if injection.kind == "wrong-dispatch-count" and pcp_size < 2:
         return (f"--inject {injection}: needs pcp_size >= 2 (with one PCP rank the global token count is"
                 f" the PCP-local one: nothing would be wrong), got {pcp_size}")

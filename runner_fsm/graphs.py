@@ -78,6 +78,10 @@ class GraphRunner:
     def sizes(self) -> tuple[int, ...]:
         return tuple(sorted(self._captured))
 
+    def can_replay(self, size: int) -> bool:
+        """Whether a graph of exactly `size` rows was captured."""
+        return size in self._captured
+
     def capture(self, sizes, *, step_id: int | None = None) -> None:
         for size in sizes:
             self.buffers.write_dummy(1, size)  # capture reads a well-formed dummy

@@ -9,7 +9,7 @@ validate -> plan / dummy -> DP agreement -> buffers -> forward -> restore -> sam
   the agreed size, a PCP context built from the dummy alone (never from saved state), the
   buffers refreshed for the dummy (same storage), and the forward.
 - `draft_sync`: on every replica, fresh agreements for the replicated draft: DRAFT_PREFILL
-  and, when K > 1, DRAFT_DECODE. The target's PCP-local agreement is never reused.
+  and, when K > 1, DRAFT_DECODE. The target's PCP-local agreement is never reused (`draft_step`).
 """
 
 from __future__ import annotations
@@ -24,9 +24,11 @@ import numpy as np
 from runner_fsm import dp, evidence
 from runner_fsm.audit.checks import dispatch_inputs, output_digest, own_agreement_problem
 from runner_fsm.audit.context_rule import context_problem
+from runner_fsm.audit.decisions import DecisionLog, StepDecisions, batch_identity, tokens_digest
 from runner_fsm.batch import ScheduledBatch, validate_batch
 from runner_fsm.collectives import CollectiveRunner
 from runner_fsm.components import Agreement, Drafter, ForwardStep, Model
+from runner_fsm.draft_step import DraftStep
 from runner_fsm.config import GraphMode, RunnerConfig
 from runner_fsm.events import RealStep
 from runner_fsm.faults import NO_FAULTS, Injector
@@ -38,6 +40,7 @@ from runner_fsm.pcp.context import PCPAttentionContext, PCPContextState, dummy_d
 from runner_fsm.pcp.plan import PlanWorkspace, plan_batch
 from runner_fsm.spec import tokens_per_request
 from runner_fsm.states import Trigger
+from runner_fsm.step_consensus import ConsensusExchange, consensus_row, disagreement
 from runner_fsm.written_positions import WrittenPositions
 
 
@@ -62,7 +65,7 @@ class StepOutput:
     drafts: dict[str, list[int]] = dataclasses.field(default_factory=dict)
 
 
-class Replica:
+class Replica(DraftStep):
     """The step work of one (dp_rank, pcp_rank) process, driven by its `ReplicaMachine`."""
 
     def __init__(self, config: RunnerConfig, *, dp_rank: int, pcp_rank: int, model: Model,
@@ -94,11 +97,13 @@ class Replica:
         self._batch: ScheduledBatch | None = None
         self._step_start_fingerprint = None
         self._last_real_inputs = None  # fingerprint (with digests) of the last real batch's buffers
+        # this step's decisions (logged on its `finish`), and the graph size its forward replayed (0: eager)
+        self.decided, self._graph_rows, self._decision_log, self._exchange = None, 0, DecisionLog(), None
         self.machine = ReplicaMachine(self._handlers(), on_record=self._record_transition,
                                       on_fault=self._record_fault)
 
     def fault_due(self, kind: str) -> bool:
-        return self.injector.due(kind, self.dp_rank, self.step_id)
+        return self.injector.due(kind, self.dp_rank, self.step_id, self.pcp_rank)
 
     @property
     def drafting(self) -> bool:
@@ -111,13 +116,17 @@ class Replica:
             Trigger.DECODE: Handler(before=self._begin_real, after=self._run_real),
             Trigger.IDLE: Handler(before=self._begin_dummy, after=self._run_dummy),
             Trigger.DRAFT: Handler(after=self._run_draft),
+            **({Trigger.FINISH: Handler(after=self._check_consensus)} if self.config.consensus else {}),
         }
 
     # -- audit ------------------------------------------------------------------------
 
     def _record_transition(self, trigger, src, dst, outcome) -> None:
         if self.audit is not None:
-            self.audit.transition(self.step_id, trigger.value, src.value, dst.value, outcome)
+            # a step's decisions, on its `finish`: also when its online consensus check failed
+            end = trigger is Trigger.FINISH and outcome in ("ok", "error") and self.decided is not None
+            self.audit.transition(self.step_id, trigger.value, src.value, dst.value, outcome,
+                                  self._decision_log.entry(self.decided) if end else None)
 
     def _record_fault(self, error: BaseException) -> None:
         if self.audit is not None:
@@ -141,6 +150,7 @@ class Replica:
     def _begin_step(self) -> None:
         self.step_id += 1
         self.output, self.agreed_this_step = None, False
+        self.decided, self._graph_rows = None, 0
         self._step_start_fingerprint = self.buffers.fingerprint()
         if self.fault_due("crash"):
             os._exit(CRASH_EXIT_CODE)  # injected: the process dies without a word
@@ -220,9 +230,11 @@ class Replica:
         await self._compare_outputs(sampled)
         self.requests.record(batch)
         self.output = StepOutput(self.step_id, event.trigger, agreed, padded, agreed.use_graph, sampled)
+        self.decided = StepDecisions(True, batch_identity(batch.req_ids, batch.num_scheduled), n, padded,
+                                     self._graph_rows, 0, tokens_digest(sampled))
 
     async def _run_dummy(self, event) -> None:
-        graph = dp.GRAPH_FULL if self.graphs.sizes else dp.GRAPH_EAGER
+        graph = dp.GRAPH_FULL if self.graphs.sizes and not self.fault_due("demote-graph-mode") else dp.GRAPH_EAGER
         pending = getattr(event, "pending", 0)
         agreed = await self._agree(dp.LocalDispatch(self.step_id, dp.TARGET, dp.STATUS_OK, 0, graph, 0, pending))
         rows = 0
@@ -241,6 +253,7 @@ class Replica:
                 local = await self._forward(step, written, evidence.context_identity(ctx), batch_id)
                 self.model.restore(local, ctx)
         self.output = StepOutput(self.step_id, Trigger.IDLE, agreed, rows, agreed.use_graph)
+        self.decided = StepDecisions(False, 0, 0, rows, self._graph_rows, 0)
 
     def _dummy_context(self, rows: int) -> PCPAttentionContext:
         """The dummy's own context, built from the dummy alone for this step."""
@@ -257,7 +270,10 @@ class Replica:
         evidence as one that ran, and replay judges it without the runner's word.
         A dummy must not run on the bytes of the last real batch (`last_real`)."""
         last_real = self._last_real_inputs if step.is_dummy else None
-        if step.agreed.use_graph:
+        # injected rank-graph-mode: this rank alone takes the other mode (eager can always run)
+        use_graph = step.agreed.use_graph != self.fault_due("rank-graph-mode") and self.graphs.can_replay(step.num_rows)
+        self._graph_rows = step.num_rows if use_graph else 0
+        if use_graph:
             run = functools.partial(self.graphs.replay, step.num_rows, step_id=self.step_id,
                                     since=self._step_start_fingerprint, last_real=last_real)
         else:
@@ -268,7 +284,7 @@ class Replica:
             "expert", "forward", self._checked_forward, run, ctx_id, batch_id,
             step_id=self.step_id, phase=dp.TARGET, shapes=[(step.num_rows,)],
             # Its rows are its shapes', its dispatch count the agreement's (`sent`): not repeated.
-            enqueue_extra={"graph": step.agreed.use_graph, "ctx": ctx_id, "batch": batch_id},
+            enqueue_extra={"graph": use_graph, "ctx": ctx_id, "batch": batch_id},
             done_extra=self._exchange_stats)
 
     def _checked_forward(self, run, ctx_id: dict, batch_id: dict):
@@ -301,28 +317,17 @@ class Replica:
             raise DesyncError(f"replica {self.dp_rank}, step {self.step_id}: its PCP ranks sampled"
                               f" different tokens (output digest per PCP rank {[d for _, d in gathered]})")
 
-    async def _run_draft(self, _event) -> None:
-        batch, k, drafter = self._batch, self.config.num_speculative_tokens, self.drafter
-        sampled = self.output.sampled if self.output is not None else {}
-        # The draft is replicated: it runs the global batch, so its counts are global too.
-        rows = drafter.prefill_rows(batch, sampled) if batch is not None else 0
-        reqs = batch.num_reqs if batch is not None else 0
-        agreed = await self._agree(dp.LocalDispatch(self.step_id, dp.DRAFT_PREFILL, 0, rows, 0, 0, reqs))
-        if not agreed.all_idle:
-            step = ForwardStep(self.step_id, max(1, rows), agreed, rows, is_dummy=batch is None)
-            await self.collectives.run("expert", "draft_prefill", drafter.prefill, batch, sampled, step,
-                                       step_id=self.step_id, phase=dp.DRAFT_PREFILL, shapes=[(step.num_rows,)])
-        if k > 1:
-            agreed = await self._agree(dp.LocalDispatch(self.step_id, dp.DRAFT_DECODE, 0, reqs, 0, 0, reqs))
-            if not agreed.all_idle:
-                step = ForwardStep(self.step_id, max(1, reqs), agreed, reqs, is_dummy=batch is None)
-                # injected draft-count-mismatch: one draft forward fewer than agreed (vLLM #26086)
-                for _ in range(k - 1 - int(self.fault_due("draft-count-mismatch"))):
-                    await self.collectives.run("expert", "draft_decode", drafter.decode, step,
-                                               step_id=self.step_id, phase=dp.DRAFT_DECODE,
-                                               shapes=[(step.num_rows,)])
-        if batch is not None:
-            self.output = dataclasses.replace(self.output, drafts=drafter.proposals())
+    async def _check_consensus(self, _event) -> None:
+        """`consensus`: the replica's ranks compare this step's decisions, after its `finish`."""
+        if self.pcp_group is None or self.decided is None:
+            return  # no peers in the replica, or a step that decided nothing (it faulted)
+        row = consensus_row(self.step_id, self.decided)
+        self._exchange = self._exchange or ConsensusExchange(self.pcp_group)  # its tensors, made once
+        rows = await self.collectives.run("pcp", "all_gather", self._exchange, row,
+                                          step_id=self.step_id, phase=dp.TARGET, shapes=[(len(row),)])
+        problem = disagreement(rows, self.step_id, lambda pcp_rank: f"PCP rank {pcp_rank}")
+        if problem is not None:
+            raise DesyncError(f"replica {self.dp_rank}, step {self.step_id}: {problem}")
 
     def _log_buffers(self, reason: str, fingerprint: Fingerprints | None = None) -> Fingerprints:
         """Log the buffers' fingerprint; returned so the forward's check need not take it again."""

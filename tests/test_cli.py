@@ -79,7 +79,7 @@ BAD_RUNS = {
     "unknown fault kind": (["--model", "{model}", "--inject", "bogus@replica=0,step=1"],
                            "ConfigError: unknown fault kind 'bogus'"),
     "malformed injection": (["--model", "{model}", "--inject", "garbage"],
-                            "ConfigError: --inject expects KIND@replica=R,step=S, got 'garbage'"),
+                            "ConfigError: --inject expects KIND@replica=R,step=S[,rank=K], got 'garbage'"),
     "dp 0": (["--model", "{model}", "--dp", "0"], "ConfigError: dp_size must be an integer >= 1, got 0"),
     "pcp -1": (["--model", "{model}", "--pcp", "-1"], "ConfigError: pcp_size must be an integer >= 1, got -1"),
     "no kv blocks": (["--model", "{model}", "--kv-blocks", "0"], "ConfigError: num_kv_blocks and block_size must be >= 1"),

@@ -32,7 +32,7 @@ from pathlib import Path
 
 import pytest
 from test_vllm_server import free_port, wait_ready
-from vllm_checks import plugin_env
+from vllm_checks import log_tail, plugin_env, stop_note
 
 from runner_fsm.audit.replay import replay
 from runner_fsm.integrations.vllm import harness as h
@@ -222,13 +222,7 @@ def job_of(jobs, name: str) -> dict:
 
 
 def _server_tail(job: dict) -> str:
-    return "\n".join(f"--- {path}:\n{path.read_text()[-3000:]}" for path in job["logs"])
-
-
-def _stop_note(report) -> str:
-    notes = [n for n in report.summary.notes if n.startswith("stop requested")]
-    assert notes, report.format()
-    return notes[0]
+    return "\n" + "\n".join(log_tail(path) for path in job["logs"])
 
 
 @pytest.mark.parametrize("name", ["head-first", "node-first", "hybrid-lb", "external-lb"])
@@ -243,7 +237,7 @@ def test_two_nodes_stopped_in_either_order_replay_as_one_sound_run(jobs, name):
     report = replay(job["dirs"])
     assert report.sound, report.format() + _server_tail(job)
     assert report.summary.ranks == 2 and report.summary.replicas == 2
-    assert "SIGINT" in _stop_note(report)
+    assert "SIGINT" in stop_note(report)
 
 
 @pytest.mark.parametrize("name", ["head-first", "external-lb"])

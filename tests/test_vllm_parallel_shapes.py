@@ -8,7 +8,8 @@ DP, pipeline parallelism; on the runner of the leg (V1, then MRV2 under `make te
   supplies them, and says so in that rank's `job` record);
 - every rank writes its own log, the `job` record names its coordinates and its groups as vLLM
   built them, every log replays sound, and a deleted TP rank's log is `missing_rank` naming the
-  rank's coordinates;
+  rank's coordinates; every step's `finish` carries its decision digest, and the ranks of each
+  replica agree on it (replay judges `replica_divergence`);
 - decode context parallelism is vLLM's to refuse on this CPU, and its reason reaches the user
   (FSMWorker refuses no shape of its own).
 All runs start together in one fixture (one process per DP rank, vLLM's `mp` executor for the
@@ -26,6 +27,7 @@ import vllm_dp_cases as c
 from conftest import EXPECTED_RUNNER
 from vllm_checks import records
 
+from runner_fsm.audit.decisions import DIGEST_FIELD
 from runner_fsm.audit.replay import replay
 from runner_fsm.integrations.vllm import harness as h
 from runner_fsm.integrations.vllm.spmd import Job
@@ -149,6 +151,8 @@ def test_each_rank_logs_its_coordinates_and_vllms_groups_and_replays_sound(runs,
             assert job["groups"]["pp"] == [rank % (pcp * tp) + s * pcp * tp for s in range(pp)]
         assert job["groups"]["dp"] == [rank % (pp * pcp * tp) + d * pp * pcp * tp for d in range(dp)]
         assert set(job["hosts"]) == {job["host"]} and job["hosts"][job["host"]] == list(range(world))
+        finishes = [r for r in records(run_dir, rank) if r.get("trigger") == "finish"]
+        assert finishes and all(DIGEST_FIELD in r for r in finishes), rank  # each step's decisions (Part 20)
     report = replay(run_dir)
     assert report.sound, report.format()
     assert (report.summary.replicas, report.summary.pp_size, report.summary.tp_size) == (dp, pp, tp)

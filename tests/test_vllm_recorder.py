@@ -322,3 +322,33 @@ def test_a_replay_reading_other_storage_than_its_capture_is_named(tmp_path):
     report = replay(_two_size_run(tmp_path, move_storage=True))
     assert [(v.kind, v.step) for v in report.verdicts] == [("stale_buffer_replay", 1)]
     assert "reads storage that differs from capture: slot_mapping" in report.verdicts[0].detail
+
+
+def test_each_step_ends_with_its_decisions(tmp_path):
+    """FSMWorker's recorder logs each step's decisions on its `finish` (`audit.decisions`): the
+    batch vLLM scheduled, the forward's padded size and graph mode (vLLM's forward context), the
+    drafter's steps, the sampled tokens; only the changed decisions after the first step.
+    Mutation: `end_step` firing `finish` without the decisions -> no digest."""
+    from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, StepDecisions, batch_identity
+
+    run_dir = str(tmp_path / "run")
+    rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0), None)
+    rec.start_capture()
+    rec.end_capture()
+    scheduled = {"a": 1, "b": 1, "c": 1}
+    for tokens in ([[1], [2], [3]], [[4], [5], [6]]):
+        rec.begin_step("decode", {"tokens": 3}, scheduled)
+        rec.on_forward(None, [], False, "FULL", (4, 3, True), None)
+        rec.note(sampled=tokens)
+        rec.end_step(True, 2)
+    rec.begin_step("idle")
+    rec.on_forward(None, [], True, "NONE", (1, 1, False), None)
+    rec.end_step(True, 2)
+    rec.shutdown()
+    finishes = [r for r in records(run_dir) if r.get("trigger") == "finish"]
+    batch = batch_identity(scheduled, scheduled.values())
+    assert finishes[0][DECISIONS_FIELD] == {"real": 1, "batch": batch, "dispatch": 3, "padded": 4, "graph": 4,
+                                            "draft": 2}
+    assert DECISIONS_FIELD not in finishes[1] and finishes[1][DIGEST_FIELD] != finishes[0][DIGEST_FIELD]
+    assert finishes[2][DECISIONS_FIELD] == {"real": 0, "batch": 0, "dispatch": 0, "padded": 1, "graph": 0}
+    assert finishes[2][DIGEST_FIELD] == StepDecisions(False, 0, 0, 1, 0, 2).digest()

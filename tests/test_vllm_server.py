@@ -20,7 +20,7 @@ import threading
 import time
 
 import pytest
-from vllm_checks import assert_replays_sound, pid_writing, plugin_env, records, transitions
+from vllm_checks import assert_replays_sound, log_tail, pid_writing, plugin_env, records, stop_note, transitions
 
 from runner_fsm.integrations.vllm import harness as h
 
@@ -108,8 +108,7 @@ def test_http_server_answers_equal_the_default_worker(vllm_models, tmp_path):
     # vLLM force-kills the worker right after Ctrl-C (`--shutdown-timeout 0`), maybe before its
     # shutdown transition: what must be there is the stop, recorded the moment SIGINT arrived.
     stops = [r for r in records(run_dir, 0) if r["event"] == "stop" and r["source"] == "signal"]
-    assert stops and stops[0]["signal"] == "SIGINT", f"server exit status {proc.returncode}:\n" \
-        + log_path.read_text(errors="replace")[-3000:]
+    assert stops and stops[0]["signal"] == "SIGINT", f"server exit status {proc.returncode}\n" + log_tail(log_path)
     assert_replays_sound(run_dir)
 
 
@@ -190,11 +189,6 @@ def served_dp2(vllm_models, tmp_path_factory):
     return out, reference
 
 
-def _stop_note(report) -> str:
-    (note,) = [n for n in report.summary.notes if n.startswith("stop requested")]
-    return note
-
-
 @ONCE
 def test_served_dp2_stopped_with_ctrl_c_replays_sound_naming_the_stop(served_dp2):
     """Done-when (a). Mutation seen to fail it: `AuditLog.stop` writing nothing: the workers,
@@ -206,7 +200,7 @@ def test_served_dp2_stopped_with_ctrl_c_replays_sound_naming_the_stop(served_dp2
     assert "prefill" in served and served.count("decode") >= REQUESTS[1].max_new_tokens - 2
     assert idle.count("idle") >= REQUESTS[1].max_new_tokens - 1 and "prefill" not in idle
     report = assert_replays_sound(run_dir)
-    assert report.summary.ranks == 2 and _stop_note(report).startswith("stop requested: SIGINT (rank ")
+    assert report.summary.ranks == 2 and stop_note(report).startswith("stop requested: SIGINT (rank ")
 
 
 @ONCE
@@ -216,7 +210,7 @@ def test_served_dp2_sigterm_to_the_server_alone_replays_sound_naming_the_stop(se
     run_dir, answers, code = served_dp2[0]["sigterm-to-server"]
     assert code == 0 and answers
     report = assert_replays_sound(run_dir)
-    note = _stop_note(report)
+    note = stop_note(report)
     assert note.startswith("stop requested: SIGTERM (received by vLLM's engine core"), note
 
 
@@ -240,14 +234,12 @@ def test_served_dp2_injection_that_never_fired_is_named_after_ctrl_c(served_dp2)
     assert [(v.kind, v.replica, v.step) for v in report.verdicts] == [("injection_not_fired", 1, 100000)], \
         report.format() + _server_tail(run_dir, code, answers)
     assert code == 0 and answers
-    assert _stop_note(report).startswith("stop requested: SIGINT")
+    assert stop_note(report).startswith("stop requested: SIGINT")
 
 
 def _server_tail(run_dir, code, answers) -> str:
-    """What the server said last (its log beside the run directory), for a failure message."""
-    log = run_dir.parent / f"{run_dir.name}.log"
-    tail = log.read_text(errors="replace")[-3000:] if log.exists() else "(no server log)"
-    return f"\nserver exit status {code}, answered: {bool(answers)}; its log's end:\n{tail}"
+    """The server's exit status and what it said last (its log beside the run directory)."""
+    return f"\nserver exit status {code}, answered: {bool(answers)}\n" + log_tail(run_dir.parent / f"{run_dir.name}.log")
 
 
 def replay_report(run_dir):

@@ -25,6 +25,20 @@ def assert_replays_sound(run_dir):
     return report
 
 
+def log_tail(path, chars: int = 3000) -> str:
+    """The end of a server's or node's log, for a failure message (what it said last)."""
+    path = Path(path)
+    text = path.read_text(errors="replace")[-chars:] if path.exists() else "(no log)"
+    return f"--- the end of {path}:\n{text}"
+
+
+def stop_note(report) -> str:
+    """Replay's note of the run's stop ("stop requested: SIGINT ..."); fails naming the report."""
+    notes = [n for n in report.summary.notes if n.startswith("stop requested")]
+    assert notes, report.format()
+    return notes[0]
+
+
 def hf_greedy(model_dir: str, prompts: dict[str, list[int]], new_tokens: int) -> dict[str, list[int]]:
     """Hugging Face transformers' greedy continuation of each prompt (float32, no vLLM)."""
     import torch

@@ -170,6 +170,10 @@ class BufferTracker:
         self._capture_size = None
         self.forget_steps()
 
+    def largest_capture(self) -> int | None:
+        """The largest graph size captured (None: none, or sizes not logged)."""
+        return max((size for size in self._captured if isinstance(size, int)), default=None)
+
     def forget_steps(self) -> None:
         """Drop what earlier steps left (a scan resumed mid-file); captures are kept."""
         self._previous = None  # last snapshot of an earlier step

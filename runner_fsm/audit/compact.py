@@ -33,7 +33,9 @@ the time base. Every other record says only what is its own, in short keys:
   those differ from the record's own; a forward's context identity `ctx` as `"="` where it is
   its batch's (`batch`, the same record), and each identity's `step` left out where it is the
   record's; a DP agreement's dispatch `inputs` as `in`: [decode, prefill, pcp, chunking(,
-  decodes)]; and a step's `output` digest as `out`: [digest, tokens].
+  decodes)]; a step's `output` digest as `out`: [digest, tokens]; and, on a step's `finish`
+  transition, its `decision_digest` as `dg` and its changed `decisions` as `dc`: their values in
+  `decisions.FIELDS` order, null where unchanged, trailing nulls left out.
 
 `expand.Expander` turns them back into the records of DESIGN section 7, every header field
 filled from the segment's `job` record (what `read_records` and replay read). `CompactRenderer`
@@ -46,12 +48,14 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, FIELDS as DECISION_FIELDS
 from runner_fsm.audit.render import dumps_record
 from runner_fsm.states.table import TRANSITIONS
 
 FORMAT_FIELD, FORMAT = "record_format", "compact"  # in the `job` record of a compact log
 # Keys of a compact record; a record's own fields may not use them.
-KEYS = frozenset({"s", "q", "t", "tr", "c", "d", "b", "buf", "p0", "v", "g", "f", "e", "ag", "sn", "in", "out"})
+KEYS = frozenset({"s", "q", "t", "tr", "c", "d", "b", "buf", "p0", "v", "g", "f", "e", "ag", "sn", "in", "out",
+                  "dg", "dc"})
 NAMES_FIELD = "buffer_names"  # in the `job` record: the buffers a `buffers` record lists, in order
 INPUTS_FIELDS = ("decode", "prefill", "pcp", "chunking", "decodes")  # `checks.dispatch_inputs`
 IDENTITY_FIELDS = ("step", "dummy", "rows", "digest")  # `context_rule`
@@ -63,6 +67,7 @@ _INPUTS_KEYS = (set(INPUTS_FIELDS[:4]), set(INPUTS_FIELDS))  # replicated decode
 _IDENTITY_KEYS = frozenset(IDENTITY_FIELDS)
 _OUTPUT_KEYS = {"digest", "tokens"}  # `checks.output_digest`
 _COLLECTIVE_FIELDS = frozenset({"group", "op", "phase", "shapes", "pg_seq", "stage"})
+_TRANSITION_FIELDS = frozenset({"trigger", "src", "dst", "outcome"})
 _AGREED_KEYS = frozenset(AGREED_FIELDS) | {"step_id", "phase"}
 _NEW_STEP = object()  # no record yet in this segment: the next one starts a step
 # Each trigger has one destination in the table; some have one source too.
@@ -155,6 +160,8 @@ class CompactRenderer:
                 if edge[2] is not None and edge[0] == self._state:
                     body = edge[2]
                 self._state = edge[1]
+            if len(fields) > 4:  # a step's decisions on its `finish`
+                return body[:-1] + b"," + dumps_record(_decided(fields))[1:]
             return body
         if event == "buffers":
             rest = dict(fields)
@@ -204,6 +211,20 @@ class CompactRenderer:
             if type(identity) is dict and identity.get("step") == step_id and identity.keys() == _IDENTITY_KEYS:
                 fields[name] = {key: value for key, value in identity.items() if key != "step"}
         return dumps_record({**head, **fields})
+
+
+def _decided(fields: dict) -> dict:
+    """A `finish` transition's decision digest and changed decisions as `dg` and `dc`, and any
+    other field of its own as it is."""
+    out = {key: value for key, value in fields.items() if key not in _TRANSITION_FIELDS}
+    out["dg"] = out.pop(DIGEST_FIELD)
+    changed = out.pop(DECISIONS_FIELD, None)
+    if changed:  # by position in FIELDS, null where unchanged: a third of the bytes of the names
+        values = [changed.get(name) for name in DECISION_FIELDS]
+        while values[-1] is None:
+            values.pop()
+        out["dc"] = values if len(changed) == sum(v is not None for v in values) else changed
+    return out
 
 
 def _buffers(buffers: dict, names: tuple | None) -> dict:

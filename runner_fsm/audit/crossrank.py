@@ -1,8 +1,9 @@
 """The checks across ranks, run once per merged step: collective sequences and hangs
 (`sequences`), the DP agreements paired across steps and their culprit (`pairing`, by the rule
 of `dp.agree`), agreements that differ between ranks (`agreed_mismatch`), PCP ranks that
-sampled different tokens (`pcp_divergence`), and ranks missing from a step others agreed on
-(`missing_replica`).
+sampled different tokens (`pcp_divergence`), the ranks of a replica that decided otherwise than
+their peers and idle replicas that demoted the graph mode (`consensus`), and ranks missing from
+a step others agreed on (`missing_replica`).
 
 `DPSyncState` is identical on every replica by contract (DESIGN section 5), and the PCP ranks
 of a replica send the same column, so for one step and phase every rank of the run must have
@@ -21,6 +22,7 @@ import dataclasses
 import orjson
 
 from runner_fsm.audit.checks import divergent_outputs
+from runner_fsm.audit.consensus import ReplicaConsensus
 from runner_fsm.audit.pairing import AgreementPairs
 from runner_fsm.audit.ranks import Groups
 from runner_fsm.audit.read import RankStep, StepMerger
@@ -57,6 +59,7 @@ class CrossRankChecker:
         self.ranks = tuple(sorted(groups.infos))
         self.sequences = SequenceChecker(groups, self.emit)
         self.pairs = AgreementPairs(groups, self.emit)
+        self.consensus = ReplicaConsensus(groups, self.emit)
         self.missed: list[MissedSteps] = []  # closed runs; see finish()
         self._open: dict[int, MissedSteps] = {}
 
@@ -72,7 +75,7 @@ class CrossRankChecker:
         self.sequences.check(step, present)
         self.pairs.check(step, present)
         check_agreed(step, present, self.groups, self.emit)
-        check_outputs(step, present, self.groups, self.emit)
+        self.consensus.check(step, present, check_outputs(step, present, self.groups, self.emit))
         check_hangs(step, present, self.groups, self.merger, self.emit)
 
     def finish(self) -> list[MissedSteps]:
@@ -101,18 +104,22 @@ class CrossRankChecker:
                 missed.agreed_by |= agreed_by
 
 
-def check_outputs(step: int, present: dict[int, RankStep], groups: Groups, emit) -> None:
-    """`pcp_divergence`: the PCP ranks of a replica logged digests of different sampled tokens."""
+def check_outputs(step: int, present: dict[int, RankStep], groups: Groups, emit) -> set[int]:
+    """`pcp_divergence`: the PCP ranks of a replica logged digests of different sampled tokens;
+    returns the replicas it was found for."""
     by_replica: dict[int, dict[int, int]] = {}
+    found = set()
     for rank, summary in present.items():
         if summary.output is not None:
             by_replica.setdefault(groups.replica(rank), {})[rank] = summary.output
     for replica, digests in by_replica.items():
         if divergent_outputs(digests) is None:
             continue
+        found.add(replica)
         each = ", ".join(f"rank {rank}: {digest:#010x}" for rank, digest in sorted(digests.items()))
         emit(Verdict("pcp_divergence", replica, step, f"the PCP ranks of replica {replica} sampled different"
                      f" tokens at step {step} (output digests {each})", tuple(sorted(digests))))
+    return found
 
 
 def join_missed(runs: list[MissedSteps]) -> list[Verdict]:

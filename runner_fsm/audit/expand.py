@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from runner_fsm.audit.compact import DEST, INPUTS_FIELDS, NAMES_FIELD, ONLY_SOURCE, SAME
+from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, FIELDS as DECISION_FIELDS
 
 _NEW_STEP = object()  # not a step's first record
 _UNKNOWN = (None, None, None, None)  # a done whose enqueue was not read (a seek)
@@ -85,6 +86,12 @@ class Expander:
                 record["event"], record["trigger"], record["src"], record["dst"] = "transition", edge[0], edge[1], edge[2]
                 record["outcome"] = edge[3] if len(edge) > 3 else "ok"
             self.state = record["dst"]
+            if "dg" in record:  # a step's decisions, on its `finish`
+                record[DIGEST_FIELD] = record.pop("dg")
+                changed = record.pop("dc", None)
+                if changed is not None:  # by position, null where unchanged (`compact`)
+                    record[DECISIONS_FIELD] = changed if type(changed) is dict else {
+                        name: value for name, value in zip(DECISION_FIELDS, changed) if value is not None}
         elif "b" in record:
             buffers = self._buffers(record, step)
             record["event"], record["reason"], record["buffers"] = "buffers", record.pop("b"), buffers

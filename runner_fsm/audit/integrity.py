@@ -2,6 +2,9 @@
 record is lost; a last line without its newline is one the process died writing), a record
 without its header (`gap`: it cannot be checked), and `seq` running gapless from 0 (`gap`).
 
+A collective's `pg_seq` must count on by one per group: a jump means a collective ran without
+its record, or the record is lost (`gap`).
+
 `LogIntegrity` is the part of `scan.RankScanner` that does them; the scanner gives it
 `_verdict` and keeps `_next_seq` (None right after a seek: nothing to compare the first
 record read with) and `_truncated`.
@@ -43,3 +46,15 @@ class LogIntegrity:
             self._verdict("gap", f"seq {seq} repeated or out of order (expected {expected})")
         else:
             self._verdict("gap", f"seq is {seq!r}, expected {expected}")
+
+    def _pg_seq_break(self, group: str, last, pg_seq):
+        """The first collective of a group, or a break in its count: pg_seq as an int (or None)."""
+        if pg_seq is None:
+            return None
+        if not isinstance(pg_seq, int) or isinstance(pg_seq, bool):
+            self._malformed(f"pg_seq of group '{group}' is {pg_seq!r}, not an integer")
+            return None
+        if last is not None:
+            self._verdict("gap", f"pg_seq of group '{group}' jumps from {last} to {pg_seq}: a collective"
+                          " on this group ran without an audit record, or its record is lost")
+        return pg_seq

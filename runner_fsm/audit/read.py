@@ -28,7 +28,7 @@ class StepBuilder:
     """The step a scanner is reading; sealed into a `RankStep` when the next one starts."""
 
     __slots__ = ("step", "line", "keys", "first_pg", "open", "agreed", "fault", "kind", "drafted", "output",
-                 "faulted", "aborted", "resumed")
+                 "faulted", "aborted", "resumed", "digest", "decisions", "proposed")
 
     def __init__(self, step: int, line: int, resumed: bool = False):
         self.step, self.line = step, line
@@ -46,6 +46,10 @@ class StepBuilder:
         self.output: int | None = None  # digest of what this rank sampled, when logged
         self.faulted = False  # its state machine took the `faulted` edge in this step
         self.aborted = False  # it sent a non-ok status to a DP agreement: the step is aborted
+        self.digest: int | None = None  # its decision digest (`audit.decisions`), on its `finish`
+        self.decisions: dict | None = None  # its decisions as known so far (None: none logged)
+        # (num_tokens, graph_mode) it sent to the target agreement, and its largest graph captured
+        self.proposed: tuple | None = None
 
     def open_collective(self) -> tuple | None:
         """The last collective of the step still awaiting its `done`."""
@@ -63,17 +67,20 @@ class StepBuilder:
         hung = (hang[0], hang[1], hang[4]) if hang is not None else None
         return RankStep(rank, self.step, self.line, signature, first_pg, open_ or None, self.agreed,
                         self.fault, self.kind, self.drafted, ended, hung, timed_out, self.output,
-                        self.faulted, self.aborted, self.resumed)
+                        self.faulted, self.aborted, self.resumed,
+                        (self.digest, self.decisions, self.proposed))
 
 
 class RankStep:
     """What one rank did in one step, as far as its peers must match it; read-only."""
 
     __slots__ = ("rank", "step", "line", "signature", "first_pg", "open", "agreed", "fault", "kind",
-                 "drafted", "ended", "hang", "hang_timed_out", "output", "faulted", "aborted", "resumed")
+                 "drafted", "ended", "hang", "hang_timed_out", "output", "faulted", "aborted", "resumed",
+                 "decided")
 
     def __init__(self, rank, step, line, signature, first_pg, open_, agreed, fault, kind, drafted,
-                 ended, hang, hang_timed_out, output=None, faulted=False, aborted=False, resumed=False):
+                 ended, hang, hang_timed_out, output=None, faulted=False, aborted=False, resumed=False,
+                 decided=(None, None, None)):
         self.rank, self.step, self.line = rank, step, line
         self.signature = signature  # ((group, ((op, phase, shapes), ...)), ...) in issue order
         self.first_pg = first_pg  # per group of the signature: pg_seq of its first collective
@@ -87,11 +94,16 @@ class RankStep:
         self.faulted = faulted  # its transitions show it faulted in this step
         self.aborted = aborted  # it sent a non-ok status to a DP agreement in this step
         self.resumed = resumed  # its log jumped to this step (a seek, steps rotated away before it)
+        # what `audit.consensus` compares across the replica's ranks: (decision digest or None,
+        # decisions as known or None, (num_tokens, graph_mode, largest graph captured) of its
+        # target agreement or None)
+        self.decided = decided
 
     def __reduce__(self):
         return (RankStep, (self.rank, self.step, self.line, self.signature, self.first_pg, self.open,
                            self.agreed, self.fault, self.kind, self.drafted, self.ended, self.hang,
-                           self.hang_timed_out, self.output, self.faulted, self.aborted, self.resumed))
+                           self.hang_timed_out, self.output, self.faulted, self.aborted, self.resumed,
+                           self.decided))
 
     def keys(self, group: str) -> tuple:
         for name, keys in self.signature:

@@ -12,6 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from runner_fsm.audit import compact
+from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD
 from runner_fsm.audit.render import fingerprint_fields
 
 if TYPE_CHECKING:
@@ -46,7 +47,15 @@ class _Records:
     def _pin(self, step_id: int | None) -> None:
         raise NotImplementedError
 
-    def transition(self, step_id: int | None, trigger: str, src: str, dst: str, outcome: str) -> None:
+    def transition(self, step_id: int | None, trigger: str, src: str, dst: str, outcome: str,
+                   decided: tuple[int, dict | None] | None = None) -> None:
+        """`decided`: (digest, changed decisions or None) of the step a `finish` ends (`decisions`)."""
+        if decided is not None:
+            fields = {"trigger": trigger, "src": src, "dst": dst, "outcome": outcome, DIGEST_FIELD: decided[0]}
+            if decided[1]:
+                fields[DECISIONS_FIELD] = decided[1]
+            self._emit("transition", step_id, fields)
+            return
         body = _TRANSITION_BODIES.get((trigger, src, dst, outcome))
         if body is None:
             body = compact.transition_body(trigger, src, dst, outcome)

@@ -15,7 +15,8 @@ Only one step per rank is held at a time, so memory stays flat however long the 
 Verdict kinds: `missing_rank` (a rank the job's shape names left no log: `job`), the contract's
 `gap`, `missing_replica`, `agreed_mismatch`, `collective_mismatch`,
 `illegal_transition`, `stale_buffer_replay`, `hang`, and, recomputed from logged evidence,
-`dispatch_mismatch`, `stale_context`, `pcp_divergence`; then `fault` (what the runner said about
+`dispatch_mismatch`, `stale_context`, `pcp_divergence`, and from the ranks' decision digests
+`replica_divergence` and `graph_mode_demoted` (`consensus`); then `fault` (what the runner said about
 itself: listed, never the evidence of another verdict), `injection_not_fired` (an injection the
 job record names left no `injected` record: the run tested nothing) and `unfinished` (a log
 that stops with no shutdown, fault or hang to say why). A stop the job recorded as requested

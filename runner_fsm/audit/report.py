@@ -36,7 +36,9 @@ KINDS = (
     "dispatch_mismatch",  # a replica sent another count than its logged batch yields
     "stale_context",  # a forward on a PCP context built for another batch
     "stale_buffer_replay",
+    "replica_divergence",  # a rank of a replica took other step decisions than its TP/PCP peers
     "pcp_divergence",  # the PCP ranks of a replica sampled different tokens
+    "graph_mode_demoted",  # an idle replica proposed eager where every replica could replay a graph
     "hang",
     "source_disagreement",  # the audit log and the Flight Recorder tell different stories
     "injection_not_fired",  # an injection the job record names never acted: the run tested nothing

@@ -20,6 +20,7 @@ import orjson
 
 from runner_fsm.audit.checks import BufferTracker, TransitionChecker, check_own_agreement, dispatch_problem
 from runner_fsm.audit.context_rule import ContextEvidence
+from runner_fsm.audit.decisions import DIGEST_FIELD, DecisionTrail
 from runner_fsm.audit.facts import RunFacts
 from runner_fsm.audit.integrity import LogIntegrity
 from runner_fsm.audit.mapped import is_blank, rest_is_blank
@@ -63,6 +64,7 @@ class RankScanner(LogIntegrity):
         self._uncounted: int | None = None  # records read before the first such step
         self.contexts = ContextEvidence()
         self._resumed = False  # the next step follows a jump in the log (a seek, a rotation gap)
+        self.decisions = DecisionTrail()  # its step decisions, as its `finish` records give them
 
     # -- verdicts ------------------------------------------------------------------
 
@@ -215,6 +217,8 @@ class RankScanner(LogIntegrity):
                 self.current.kind = trigger
             elif trigger == "draft":
                 self.current.drafted = True
+        if DIGEST_FIELD in record:  # a step's decisions, on its `finish` (ok, or its consensus check failed)
+            self.decisions.finish(self.current, record)
 
     def _collective(self, record) -> None:
         group, stage, pg_seq = record["group"], record["stage"], record["pg_seq"]
@@ -257,6 +261,8 @@ class RankScanner(LogIntegrity):
         if op == "forward":
             self._forward_evidence(record)
         elif group == "dp":
+            if phase == 1 and isinstance(sent, dict):  # TARGET: what it proposed, with its graphs
+                step.proposed = (sent.get("num_tokens"), sent.get("graph_mode"), self.buffers.largest_capture())
             if "inputs" in record:
                 self._dispatch_evidence(record["inputs"], sent)
             elif isinstance(sent, dict) and sent.get("status"):
@@ -267,18 +273,6 @@ class RankScanner(LogIntegrity):
         keys.append((op, phase, shapes))
         step.open[group].append(pending)
         self._dangling = pending
-
-    def _pg_seq_break(self, group: str, last, pg_seq):
-        """The first collective of a group, or a break in its count: pg_seq as an int (or None)."""
-        if pg_seq is None:
-            return None
-        if not isinstance(pg_seq, int) or isinstance(pg_seq, bool):
-            self._malformed(f"pg_seq of group '{group}' is {pg_seq!r}, not an integer")
-            return None
-        if last is not None:
-            self._verdict("gap", f"pg_seq of group '{group}' jumps from {last} to {pg_seq}: a collective"
-                          " on this group ran without an audit record, or its record is lost")
-        return pg_seq
 
     def _agreed(self, pending: tuple, agreed) -> None:
         if not isinstance(agreed, dict):

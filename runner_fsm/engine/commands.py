@@ -36,8 +36,10 @@ def add_run(sub) -> None:
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest prompt + new tokens accepted (default: the model's max_position_embeddings)")
     p.add_argument("--out", required=True, help="run directory: outputs.jsonl and the audit logs")
-    p.add_argument("--inject", action="append", default=[], metavar="KIND@replica=R,step=S")
+    p.add_argument("--inject", action="append", default=[], metavar="KIND@replica=R,step=S[,rank=K]")
     p.add_argument("--collective-timeout", type=float, default=60.0, help="watchdog, seconds")
+    p.add_argument("--consensus", action="store_true",
+                   help="each replica's ranks compare their step decisions online, every step")
     p.add_argument("--max-log-bytes", type=_log_bytes, default=DEFAULT_MAX_LOG_BYTES, metavar="BYTES",
                    help="cap on what each rank writes (audit log segments, Flight Recorder dump), e.g. 512M;"
                         " the oldest segments go first (default 2G; 0: one file, no cap)")
@@ -57,7 +59,7 @@ def _cmd_run(args) -> int:
         layout=ParallelLayout(args.dp, args.pcp), num_speculative_tokens=args.spec_tokens,
         graph_mode=GraphMode(args.graph_mode), chunking=args.chunking, token_budget=args.budget,
         num_kv_blocks=args.kv_blocks, max_model_len=args.max_model_len, collective_timeout_s=args.collective_timeout,
-        injections=tuple(args.inject), progress_every=1, listen_address=args.listen_address,
+        injections=tuple(args.inject), progress_every=1, listen_address=args.listen_address, consensus=args.consensus,
         max_log_bytes=args.max_log_bytes, compress_logs=args.compress_logs,
     ).validate()
     vocab = check_model_dir(model).vocab_size  # a bad model directory is a one-line error

@@ -47,6 +47,7 @@ class EngineConfig:
     # "module:function" building (model, drafter) from (config, groups) in each rank, instead
     # of loading model_dir: how tests and benchmarks run the engine with fakes.
     model_factory: str | None = None
+    consensus: bool = False  # each replica's ranks compare their step decisions online (`step_consensus`)
 
     def runner_config(self) -> RunnerConfig:
         # A rank never executes more rows than the global budget, or a capture size above it.
@@ -56,7 +57,7 @@ class EngineConfig:
             num_speculative_tokens=self.num_speculative_tokens, chunking=self.chunking,
             max_num_reqs=self.max_num_reqs, max_num_tokens=rows, block_size=self.block_size,
             max_blocks_per_req=self.max_blocks_per_req, capture_sizes=self.capture_sizes,
-            collective_timeout_s=self.collective_timeout_s,
+            collective_timeout_s=self.collective_timeout_s, consensus=self.consensus,
         ).validate()
 
     def scheduler_config(self) -> SchedulerConfig:

@@ -12,9 +12,11 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
+from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, DecisionLog, StepDecisions
 from runner_fsm.audit.shape import Coords, coords_of, job_shape_fields
 from runner_fsm.dp import wire_shape
 from runner_fsm.pcp.buffers import BUFFER_NAMES
@@ -22,7 +24,9 @@ from runner_fsm.testing.synth_files import write_rank_log
 
 DEFECTS = ("gap", "missing_replica", "agreed_mismatch", "pg_seq", "collective_mismatch",
            "skip_dummy_forward", "illegal_transition", "stale_buffer_replay", "moved_buffer", "hang",
-           "deadlock", "truncated", "fault", "extra_draft_pass")
+           "deadlock", "truncated", "fault", "extra_draft_pass", "rank_graph_mode", "rank_tokens", "graph_demoted")
+# Defects of one rank of the replica (`Defect.rank`), in the decisions it logs (`SynthSpec.decisions`).
+RANK_DEFECTS = frozenset({"rank_graph_mode", "rank_tokens"})
 CAPTURE_SIZES = (1, 2, 4, 8)
 _SHAPES = {"query_start_loc": [33], "seq_lens": [32], "block_tables": [32, 64]}
 
@@ -50,6 +54,7 @@ class SynthSpec:
     max_log_bytes: int | None = None  # written through AuditLog under this cap (`audit.segments`)
     pinned_steps: int = 1000
     compress_segments: bool = False  # under the cap, closed segments gzip-compressed (`audit.compress`)
+    decisions: bool = False  # each `finish` carries the step's decision digest (`audit.decisions`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -57,11 +62,15 @@ class Defect:
     """One injected defect: `kind` (one of DEFECTS) on replica `replica` at step `step`.
     `extra_draft_pass` (K = 1): the replica enters a DRAFT_DECODE agreement no step has after
     its draft (vllm-ascend #12036) and waits there; its peers finish the step and wait outside
-    the log (vLLM's engine loop), so every log ends in that step."""
+    the log (vLLM's engine loop), so every log ends in that step.
+    With `SynthSpec.decisions`: `rank_graph_mode` (the replica's rank `rank` logs the other
+    graph/eager mode), `rank_tokens` (it logs other sampled tokens), `graph_demoted` (the
+    replica is idle and proposes eager while the others, decoding, propose a graph)."""
 
     kind: str
     replica: int
     step: int
+    rank: int | None = None  # RANK_DEFECTS: the rank within the replica (None: its last)
 
     def __post_init__(self) -> None:
         if self.kind not in DEFECTS:
@@ -76,8 +85,9 @@ class _Schedule:
         # A stale replay needs an idle replica on a graph step: force that schedule.
         self.forced = {(d.step, r): ("idle" if r == d.replica else "decode")
                        for d in defects if d.kind in ("stale_buffer_replay", "moved_buffer", "skip_dummy_forward",
-                                                      "deadlock")
+                                                      "deadlock", "graph_demoted")
                        for r in range(spec.dp_size)}
+        self.demoted = {(d.step, d.replica) for d in defects if d.kind == "graph_demoted"}
 
     def work(self, step: int, replica: int) -> str:
         forced = self.forced.get((step, replica))
@@ -97,7 +107,8 @@ class _Schedule:
         work = [self.work(step, r) for r in range(self.spec.dp_size)]
         sent = [self.tokens(step, r, k) for r, k in enumerate(work)]
         all_idle = not any(sent)
-        graph = self.spec.graphs and not all_idle and "prefill" not in work
+        graph = self.spec.graphs and not all_idle and "prefill" not in work and \
+            not any(s == step for s, _ in self.demoted)
         agreed = list(sent)
         if graph:  # every replica pads to the smallest captured size that fits the largest
             agreed = [next(s for s in CAPTURE_SIZES if s >= max(sent))] * len(sent)
@@ -118,7 +129,11 @@ class _RankWriter:
         coords = coords_of(global_rank, Coords(spec.dp_size, 1, spec.pcp_size, spec.tp_size))
         self.dp_rank, self.pcp_rank, self.tp_rank = coords.dp, coords.pcp, coords.tp
         self.global_rank = global_rank
-        self.defects = {(d.kind, d.step) for d in defects if d.replica == self.dp_rank}
+        per_replica = spec.pcp_size * spec.tp_size
+        within = global_rank - self.dp_rank * per_replica
+        self.defects = {(d.kind, d.step) for d in defects if d.replica == self.dp_rank and (
+            d.kind not in RANK_DEFECTS or (per_replica - 1 if d.rank is None else d.rank) == within)}
+        self.decision_log = DecisionLog()
         self.peer_defects = {(d.kind, d.step) for d in defects if d.replica != self.dp_rank}
         self.pg = {"dp": 0, "pcp": 0, "expert": 0}
         self.version = 0
@@ -200,7 +215,7 @@ class _RankWriter:
             return False  # never arrives: the log ends with the previous step
         work, sent, counts, graph, all_idle = self.schedule.facts(step)
         kind, me = work[self.dp_rank], self.dp_rank
-        wants_graph = 2 if self.spec.graphs and kind != "prefill" else 0
+        wants_graph = 2 if self.spec.graphs and kind != "prefill" and not self.has("graph_demoted", step) else 0
         if ("hang", step) in self.peer_defects or self.has_any("truncated", step):
             self._agreement(step, 1, sent[me], wants_graph, None, done=False)
             return False  # waits in the agreement: the log ends on its `enqueue`
@@ -228,11 +243,28 @@ class _RankWriter:
         if self.has("extra_draft_pass", step):
             self._agreement(step, 3, 1, 0, None, done=False)
             return False
-        self._transition(step, "finish", state, "ready")
+        if self.spec.decisions:
+            self._add("transition", step, trigger="finish", src=state, dst="ready", outcome="ok",
+                      **self._decided(step, kind, sent, counts, graph, all_idle))
+        else:
+            self._transition(step, "finish", state, "ready")
         if self.has_any("extra_draft_pass", step):  # the peers' next agreement: they wait in it
             self._agreement(step + 1, 1, 0, 0, None, done=False)
             return False
         return True
+
+    def _decided(self, step, kind, sent, counts, graph, all_idle) -> dict:
+        """The step's decisions, as every rank of the replica takes them (but a RANK_DEFECTS rank)."""
+        me, real = self.dp_rank, kind != "idle"
+        rows = 0 if all_idle else max(1, counts[me])
+        graph_rows = rows if graph else 0
+        if self.has("rank_graph_mode", step):
+            graph_rows = 0 if graph_rows else rows
+        tokens = zlib.crc32(b"%d:%d:%d" % (step, me, self.has("rank_tokens", step))) if real else 0
+        decided = StepDecisions(real, zlib.crc32(b"%d:%s" % (me, kind.encode())) if real else 0,
+                                sent[me], rows, graph_rows, 0 if all_idle else self.spec.spec_tokens, tokens)
+        digest, changed = self.decision_log.entry(decided)
+        return {DIGEST_FIELD: digest, **({DECISIONS_FIELD: changed} if changed else {})}
 
     def _forward(self, step, kind, rows, graph) -> None:
         if not self.has("stale_buffer_replay", step):

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from runner_fsm.audit.compact import FORMAT, FORMAT_FIELD, CompactRenderer
+from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD
 from runner_fsm.audit.log import SCHEMA_VERSION, AuditLog, log_path
 from runner_fsm.audit.render import RecordRenderer
 
@@ -77,7 +78,8 @@ def _write_capped(run_dir: Path, spec: SynthSpec, writer: _RankWriter) -> Path:
                 continue
             fields = dict(fields)
             if event == "transition":
-                log.transition(step_id, fields["trigger"], fields["src"], fields["dst"], fields["outcome"])
+                decided = (fields[DIGEST_FIELD], fields.get(DECISIONS_FIELD)) if DIGEST_FIELD in fields else None
+                log.transition(step_id, fields["trigger"], fields["src"], fields["dst"], fields["outcome"], decided)
             elif event == "collective":
                 log.collective(step_id, fields.pop("group"), fields.pop("op"), fields.pop("phase"),
                                fields.pop("shapes"), fields.pop("pg_seq"), fields.pop("stage"), **fields)

@@ -19,6 +19,7 @@ from __future__ import annotations
 from typing import Any
 
 from runner_fsm.audit import AuditLog
+from runner_fsm.audit.decisions import DecisionLog, StepDecisions, batch_identity, tokens_digest
 from runner_fsm.audit.log import AuditBatch
 from runner_fsm.integrations.vllm.fsm import StepMachine
 from runner_fsm.integrations.vllm.journal import Journal
@@ -44,6 +45,8 @@ class ReplicaRecorder:
         self._entry: dict | None = None  # this step's journal entry
         self._later: tuple[str, Any, str] | None = None  # its field read when it is written (`note_later`)
         self._end = audit.batch()  # the records of a step's end (one batch, reused every step)
+        self._decision_log = DecisionLog()
+        self._batch = (0, 0)  # this step's batch: (its identity, the tokens scheduled)
 
     # -- start-up -------------------------------------------------------------------
 
@@ -64,12 +67,13 @@ class ReplicaRecorder:
     def in_step(self) -> bool:
         return self.kind is not None
 
-    def begin_step(self, kind: str, decision: dict | None = None) -> int:
-        """Enter a step of `kind`; returns its id."""
+    def begin_step(self, kind: str, decision: dict | None = None, scheduled: dict | None = None) -> int:
+        """Enter a step of `kind`; returns its id. `scheduled`: {request id: tokens} of a real step."""
         if self._entry is not None:
             self._flush_entry()
         self.machine.fire(STEP_TRIGGERS[kind], self.step_id)  # raises StepRefused: nothing changed
         self.kind = kind
+        self._batch = (batch_identity(scheduled, scheduled.values()), sum(scheduled.values())) if scheduled else (0, 0)
         self._entry = {"step": self.step_id, "kind": kind, **(decision or {})}
         return self.step_id
 
@@ -99,20 +103,34 @@ class ReplicaRecorder:
             self._entry[name] = None  # keeps the field's place in the entry
             self._later = (name, source, attr)
 
-    def end_step(self, drafted: bool = False) -> None:
+    def end_step(self, drafted: bool = False, draft_steps: int = 0) -> None:
         """The step's forwards are over. Its records (buffers and graph records, `draft` when
-        the drafter ran — proposals, or its dummy run on an idle replica — and `finish`) are
-        written together, in one write."""
+        the drafter ran — proposals, or its dummy run on an idle replica — and `finish`, with the
+        step's decisions: `draft_steps` drafter steps) are written together, in one write."""
         batch = self._end
         try:
+            decided = self._decided(draft_steps if drafted else 0)
             self._write_forwards(self.step_id, batch)
             if drafted:
                 self.machine.fire(Trigger.DRAFT, self.step_id, batch)
-            self.machine.fire(Trigger.FINISH, self.step_id, batch)
+            self.machine.fire(Trigger.FINISH, self.step_id, batch, decided)
         finally:
             batch.write()  # a refused trigger's record too, before the error reaches vLLM
         self.kind = None
         self.step_id += 1
+
+    def _decided(self, draft_steps: int) -> tuple:
+        """The step's decisions (`audit.decisions`): its last target forward's graph mode and
+        padded size, as vLLM's forward context gave them; the sampled tokens where they are known
+        by now (not an async output's: MRV2 resolves them after the step)."""
+        mode, size = "NONE", 0
+        for forward in self._forwards:
+            mode, size = forward[3], forward[4][0] if forward[4] else 0
+        sampled = self._entry.get("sampled") if self._entry is not None else None
+        identity, scheduled = self._batch
+        return self._decision_log.entry(StepDecisions(
+            self.kind != "idle", identity, scheduled, size, size if mode == "FULL" else 0, draft_steps,
+            tokens_digest(sampled) if sampled else 0))
 
     def _write_forwards(self, step: int, out: AuditLog | AuditBatch | None = None) -> None:
         out = self.audit if out is None else out

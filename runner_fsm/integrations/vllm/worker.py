@@ -71,6 +71,7 @@ class FSMWorkerMixin:
         self.dp_rank, self.pcp_rank, self.global_rank = self.place.coords.dp, self.place.coords.pcp, \
             self.place.global_rank
         self.drafting = vllm_config.speculative_config is not None
+        self.draft_steps = int(vllm_config.speculative_config.num_speculative_tokens) if self.drafting else 0
         self.probe = InputProbe()
         self._prompt_lens: dict[str, int] = {}
         self._dummy = False
@@ -178,7 +179,7 @@ class FSMWorkerMixin:
             return super().execute_model(so)
         rec = self.recorder
         kind = self._classify(so)
-        rec.begin_step(kind, _decision(so))
+        rec.begin_step(kind, _decision(so), so.num_scheduled_tokens)
         if self.dp_support is not None:
             self.dp_support.injector.saw(rec.step_id, kind)
         try:
@@ -207,7 +208,7 @@ class FSMWorkerMixin:
                 # An async output (MRV2): its tokens are copied and listed by vLLM's engine
                 # (`get_output()`) after this call, before the next step: read them then.
                 rec.note_later("sampled", output, "sampled_token_ids")
-            rec.end_step(drafted=self.drafting)
+            rec.end_step(self.drafting, self.draft_steps)
             return out
         except BaseException as error:
             self._fault(error)
@@ -221,7 +222,7 @@ class FSMWorkerMixin:
         self._dummy = True
         try:
             super().execute_dummy_batch()
-            rec.end_step(drafted=self.drafting)  # vLLM's _dummy_run also ran the drafter's dummy_run
+            rec.end_step(self.drafting, self.draft_steps)  # vLLM's _dummy_run also ran the drafter's dummy_run
         except BaseException as error:
             self._fault(error)
             raise

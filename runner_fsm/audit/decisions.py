@@ -1,0 +1,134 @@
+"""A replica's step decisions and the one small integer each rank logs of them (DESIGN section 11).
+
+Every rank of a replica (its TP and PCP peers) must take the same decisions each step: real
+batch or dummy, which batch, the rows it needs (the PCP-local dispatch count) and the rows it
+ran (padded), graph replay (its size) or eager, how many drafter forwards ran, and what it
+sampled. A rank that decides otherwise deadlocks its peers' collectives or silently slows
+them (SGLang #31566: idle ranks took another capture mode; vLLM #49027: the drafter gate
+diverged across TP ranks).
+
+Each rank logs, on its step's `finish` transition, `decision_digest` (crc32 of every decision,
+sampled tokens included: about 15 bytes a step, compact key `dg`) and `decisions`: those of
+`FIELDS` that changed since its previous step (all of them on its first; compact key `dc`). The
+sampled tokens change every step, so only the digest holds them. Replay rebuilds each rank's
+decisions from those changes and compares digests (`audit.consensus`); the decisions say which
+one differs. The same digests are what the online check exchanges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+import dataclasses
+import struct
+import zlib
+
+import orjson
+
+FIELDS = ("real", "batch", "dispatch", "padded", "graph", "draft")  # in `decisions`, in this order
+# What every pipeline stage of a replica decides alike; the drafter and the sampler run on the
+# last stage only, and each stage's rows are its own.
+PP_SHARED = ("real", "batch", "padded", "graph")
+TOKENS = "sampled tokens"  # the decision only the digest holds
+DIGEST_FIELD, DECISIONS_FIELD = "decision_digest", "decisions"  # on a `finish` transition record
+_PACK = struct.Struct("<7q")
+
+
+@dataclasses.dataclass(frozen=True)
+class StepDecisions:
+    """One rank's decisions in one step; identical on every TP and PCP rank of its replica."""
+
+    real: bool  # a real batch (False: a dummy)
+    batch: int  # `batch_identity` of the scheduled batch; 0 for a dummy
+    dispatch: int  # rows the batch needs per rank (the PCP-local dispatch count); 0 for a dummy
+    padded: int  # rows it ran after the DP agreement (0: every replica was idle, no forward)
+    graph: int  # the graph size it replayed; 0: eager
+    draft: int  # drafter forwards it ran this step (0: the drafter did not run)
+    tokens: int = 0  # `tokens_digest` of what it sampled (0: nothing)
+
+    def digest(self) -> int:
+        """crc32 of every decision, the sampled tokens included."""
+        return zlib.crc32(_PACK.pack(int(self.real), self.batch, self.dispatch, self.padded, self.graph,
+                                     self.draft, self.tokens))
+
+    def fields(self) -> dict[str, int]:
+        """The decisions `FIELDS` names (the sampled tokens are the digest's only)."""
+        return {"real": int(self.real), "batch": self.batch, "dispatch": self.dispatch, "padded": self.padded,
+                "graph": self.graph, "draft": self.draft}
+
+
+def batch_identity(req_ids: Sequence[str], num_scheduled: Sequence[int]) -> int:
+    """crc32 of the batch's requests and the tokens scheduled for each: what its ranks were
+    all handed. The tokens already computed are left out, so a run of decode steps keeps one
+    identity and `decisions` need not repeat it."""
+    return zlib.crc32(orjson.dumps([list(req_ids), [int(n) for n in num_scheduled]]))
+
+
+def tokens_digest(sampled: Mapping[str, Sequence[int]] | Sequence[Sequence[int]]) -> int:
+    """crc32 of the sampled tokens per request, in the batch's order (0: nothing sampled)."""
+    return zlib.crc32(orjson.dumps(sampled, option=orjson.OPT_SERIALIZE_NUMPY)) if sampled else 0
+
+
+class DecisionLog:
+    """What one rank writes of its decisions step after step: the digest, and the decisions
+    that changed since the step it last wrote."""
+
+    def __init__(self) -> None:
+        self._last: dict[str, int] | None = None
+
+    def entry(self, decided: StepDecisions) -> tuple[int, dict[str, int] | None]:
+        """(digest, the changed decisions or None) for this step's `finish` record."""
+        fields, last = decided.fields(), self._last
+        changed = fields if last is None else {name: value for name, value in fields.items() if last[name] != value}
+        self._last = fields
+        return decided.digest(), changed or None
+
+
+def outvoted(digests: Mapping[int, int]) -> tuple[int, int | None, bool]:
+    """The rule online and offline alike, over {rank: digest} of one group of peers: (the
+    reference rank, the first rank whose digest differs from it or None, whether a strict
+    majority logged the reference's digest). The reference is the majority's lowest rank, else
+    (no strict majority: with two ranks a mismatch says that they differ, not which one is
+    wrong) the lowest rank."""
+    counts: dict[int, int] = {}
+    for digest in digests.values():
+        counts[digest] = counts.get(digest, 0) + 1
+    top = max(counts, key=counts.__getitem__)
+    majority = counts[top] * 2 > len(digests)
+    digest = top if majority else digests[min(digests)]
+    reference = min(rank for rank, d in digests.items() if d == digest)
+    odd = min((rank for rank, d in digests.items() if d != digest), default=None)
+    return reference, odd, majority
+
+
+def first_difference(mine: Mapping | None, theirs: Mapping | None, names=FIELDS, *, known_only=False):
+    """(name, mine, theirs) of the first of `names` whose decisions differ; (TOKENS, None, None)
+    when all are known and equal (then the digests differ in the sampled tokens); (None, None,
+    None) when some are unknown. `known_only`: None when none of the known ones differ."""
+    mine, theirs = mine or {}, theirs or {}
+    unknown = False
+    for name in names:
+        if name not in mine or name not in theirs:
+            unknown = True
+        elif mine[name] != theirs[name]:
+            return name, mine[name], theirs[name]
+    if known_only:
+        return None
+    return (None, None, None) if unknown else (TOKENS, None, None)
+
+
+class DecisionTrail:
+    """One rank's decisions as replay reads them back (`scan`): the changes each `finish`
+    logs, applied in order; after a jump in the log (a seek, segments rotated away) they are
+    unknown until they are logged again."""
+
+    def __init__(self) -> None:
+        self.known: dict | None = None
+
+    def finish(self, step, record: Mapping) -> None:
+        """`step` (the scanner's `read.StepBuilder`) takes the digest of its `finish` `record`
+        and the decisions known then."""
+        changed, known = record.get(DECISIONS_FIELD), None if step.resumed else self.known
+        if isinstance(changed, dict):  # a new object: the steps sealed before keep theirs
+            known = {**(known or {}), **changed}
+        self.known = known
+        step.digest, step.decisions = record[DIGEST_FIELD], known
