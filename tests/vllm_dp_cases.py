@@ -38,8 +38,8 @@ def kwargs(models: dict, arch: str, *, drafting: bool, worker=h.FSM_WORKER, run_
     return h.llm_kwargs(models[arch], worker=worker, run_dir=run_dir, runner_fsm=options, **draft)
 
 
-def run(jobs: list[Job], dp_size: int, cwd: Path, timeout_s: float = 900, env=None):
-    return launch_dp(jobs, dp_size=dp_size, cwd=str(cwd), timeout_s=timeout_s, env=env)
+def run(jobs: list[Job], dp_size: int, cwd: Path, timeout_s: float = 900, env=None, stop_when=None):
+    return launch_dp(jobs, dp_size=dp_size, cwd=str(cwd), timeout_s=timeout_s, env=env, stop_when=stop_when)
 
 
 def records(path: Path) -> list[dict]:

@@ -13,6 +13,10 @@
   agreement's minimum pulled every replica out of graph mode for the step (vllm-ascend
   #15347: an idle rank's dummy reported "no graph"). A silent slowdown, not a hang: a finding.
 
+The drafter's gate (`decisions.GATE_EVENT`) is compared first, among the ranks of a stage that
+logged it, whether or not they ended the step: a replica whose gates disagree is named there
+(`replica_divergence`, decision `draft`), and its digests are not compared again for that step.
+
 One finding per fact: sampled tokens that differ between PCP peers (ranks of one stage and one
 TP rank) are `pcp_divergence`, whether the PCP ranks' output digests showed it (the embedded
 engine's `pcp all_gather`: `crossrank.check_outputs` named it already) or only the decision
@@ -45,13 +49,44 @@ class ReplicaConsensus:
     def check(self, step: int, present: dict[int, RankStep], pcp_diverged: set[int] = frozenset()) -> None:
         """`pcp_diverged`: replicas `pcp_divergence` was found for at this step already."""
         by_replica: dict[int, dict[int, RankStep]] = collections.defaultdict(dict)
+        gated: dict[int, dict[int, RankStep]] = collections.defaultdict(dict)
         for rank, summary in present.items():
             if summary.decided[0] is not None:
                 by_replica[self.groups.replica(rank)][rank] = summary
+            if summary.decided[3] is not None:
+                gated[self.groups.replica(rank)][rank] = summary
+        for replica, summaries in gated.items():
+            if len(summaries) > 1 and self._gates(step, replica, summaries):
+                by_replica.pop(replica, None)  # one finding per fact: the gate named it
         for replica, summaries in by_replica.items():
             if len(summaries) > 1:
                 self._replica(step, replica, summaries, pcp_diverged)
         self._demoted(step, present)
+
+    # -- the drafter's gate -------------------------------------------------------------------
+
+    def _gates(self, step: int, replica: int, summaries: dict[int, RankStep]) -> bool:
+        """The ranks of one stage that logged their drafter's gate must have let the same number
+        of drafter steps run. Judged even where a rank never ended the step: the rank whose
+        drafter ran waits in a collective its peer never joins (vLLM #49027), and its gate
+        record, written before that collective, is the evidence. True when it named one."""
+        stages: dict[int, dict[int, int]] = collections.defaultdict(dict)
+        for rank, summary in summaries.items():
+            stages[self.groups.infos[rank].pp_rank][rank] = summary.decided[3]
+        for gates in stages.values():
+            reference, odd, majority = outvoted(gates)
+            if odd is not None:
+                self._ongoing[replica] = (step, odd, "draft")
+                infos = self.groups.infos
+                whose = "" if majority else " (no majority among its ranks: which one is wrong is not known)"
+                self.emit(Verdict("replica_divergence", replica, step,
+                                  f"replica {replica}, {infos[odd].rank_text()} decided draft={gates[odd]} where"
+                                  f" {infos[reference].rank_text()} decided draft={gates[reference]} at its drafter's"
+                                  f" gate, step {step}{whose}: the ranks that draft wait in the drafter's collectives"
+                                  f" for the others; gates: " + ", ".join(f"rank {r}: {g}" for r, g in sorted(gates.items())),
+                                  (odd,) if majority else tuple(sorted((odd, reference)))))
+                return True
+        return False
 
     # -- replica_divergence -----------------------------------------------------------------
 

@@ -30,6 +30,11 @@ FIELDS = ("real", "batch", "dispatch", "padded", "graph", "draft")  # in `decisi
 PP_SHARED = ("real", "batch", "padded", "graph")
 TOKENS = "sampled tokens"  # the decision only the digest holds
 DIGEST_FIELD, DECISIONS_FIELD = "decision_digest", "decisions"  # on a `finish` transition record
+# The drafter's gate: a record written the moment a rank decides whether its drafter runs this
+# step, before any of the drafter's collectives (`{"event": "gate", "draft": steps}`, 0: it does
+# not run). Where ranks' gates disagree, the one that drafts waits in a collective its peer never
+# joins (vLLM #49027): no `finish` of that step ever carries its digest, the gate record does.
+GATE_EVENT, GATE_FIELD = "gate", "draft"
 _PACK = struct.Struct("<7q")
 
 

@@ -28,7 +28,7 @@ class StepBuilder:
     """The step a scanner is reading; sealed into a `RankStep` when the next one starts."""
 
     __slots__ = ("step", "line", "keys", "first_pg", "open", "agreed", "fault", "kind", "drafted", "output",
-                 "faulted", "aborted", "resumed", "digest", "decisions", "proposed")
+                 "faulted", "aborted", "resumed", "digest", "decisions", "proposed", "gate")
 
     def __init__(self, step: int, line: int, resumed: bool = False):
         self.step, self.line = step, line
@@ -50,6 +50,7 @@ class StepBuilder:
         self.decisions: dict | None = None  # its decisions as known so far (None: none logged)
         # (num_tokens, graph_mode) it sent to the target agreement, and its largest graph captured
         self.proposed: tuple | None = None
+        self.gate: int | None = None  # the drafter steps its gate let run (`decisions.GATE_EVENT`), when logged
 
     def open_collective(self) -> tuple | None:
         """The last collective of the step still awaiting its `done`."""
@@ -68,7 +69,7 @@ class StepBuilder:
         return RankStep(rank, self.step, self.line, signature, first_pg, open_ or None, self.agreed,
                         self.fault, self.kind, self.drafted, ended, hung, timed_out, self.output,
                         self.faulted, self.aborted, self.resumed,
-                        (self.digest, self.decisions, self.proposed))
+                        (self.digest, self.decisions, self.proposed, self.gate))
 
 
 class RankStep:
@@ -80,7 +81,7 @@ class RankStep:
 
     def __init__(self, rank, step, line, signature, first_pg, open_, agreed, fault, kind, drafted,
                  ended, hang, hang_timed_out, output=None, faulted=False, aborted=False, resumed=False,
-                 decided=(None, None, None)):
+                 decided=(None, None, None, None)):
         self.rank, self.step, self.line = rank, step, line
         self.signature = signature  # ((group, ((op, phase, shapes), ...)), ...) in issue order
         self.first_pg = first_pg  # per group of the signature: pg_seq of its first collective
@@ -96,7 +97,7 @@ class RankStep:
         self.resumed = resumed  # its log jumped to this step (a seek, steps rotated away before it)
         # what `audit.consensus` compares across the replica's ranks: (decision digest or None,
         # decisions as known or None, (num_tokens, graph_mode, largest graph captured) of its
-        # target agreement or None)
+        # target agreement or None, drafter steps its gate let run or None)
         self.decided = decided
 
     def __reduce__(self):

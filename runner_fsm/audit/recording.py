@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from runner_fsm.audit import compact
-from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD
+from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, GATE_EVENT, GATE_FIELD
 from runner_fsm.audit.render import fingerprint_fields
 
 if TYPE_CHECKING:
@@ -24,8 +24,9 @@ COLLECTIVE_STAGES = ("enqueue", "done")
 GRAPH_ACTIONS = ("capture", "replay")
 # `job`: the job's shape, the first record of a log (`audit.shape`); `stop`: a stop request the rank
 # received (a signal, the engine's shutdown call), written the moment it arrives (`stop_signals`);
-# `injected`: an injected fault acting (`faults`); the others as DESIGN section 7.
-EVENTS = frozenset({"job", "transition", "collective", "buffers", "graph", "fault", "stop", "injected"})
+# `injected`: an injected fault acting (`faults`); `gate`: whether the drafter runs this step,
+# written before it does (`decisions.GATE_EVENT`); the others as DESIGN section 7.
+EVENTS = frozenset({"job", "transition", "collective", "buffers", "graph", "fault", "stop", "injected", "gate"})
 STOP_SOURCES = ("signal", "shutdown")
 # A transition's fields are a few names from small sets: each body is rendered once.
 _TRANSITION_BODIES: dict[tuple[str, str, str, str], bytes] = {}
@@ -105,6 +106,10 @@ class _Records:
         error_name = type(error).__name__ if isinstance(error, BaseException) else str(error)
         self._emit("fault", step_id, {"error": error_name, "message": str(message)})
         self._pin(step_id)  # a capped log keeps the segments that hold it, and the steps before it
+
+    def gate(self, step_id: int | None, draft_steps: int) -> None:
+        """The drafter's gate decided: `draft_steps` drafter steps run now (0: none this step)."""
+        self._emit(GATE_EVENT, step_id, {GATE_FIELD: int(draft_steps)})
 
     def injected(self, step_id: int | None, injection: str) -> None:
         """An injected fault (`KIND@replica=R,step=S`) acts now: the evidence that it fired."""

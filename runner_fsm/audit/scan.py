@@ -20,7 +20,7 @@ import orjson
 
 from runner_fsm.audit.checks import BufferTracker, TransitionChecker, check_own_agreement, dispatch_problem
 from runner_fsm.audit.context_rule import ContextEvidence
-from runner_fsm.audit.decisions import DIGEST_FIELD, DecisionTrail
+from runner_fsm.audit.decisions import DIGEST_FIELD, GATE_FIELD, DecisionTrail
 from runner_fsm.audit.facts import RunFacts
 from runner_fsm.audit.integrity import LogIntegrity
 from runner_fsm.audit.mapped import is_blank, rest_is_blank
@@ -86,7 +86,7 @@ class RankScanner(LogIntegrity):
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
         handlers = {"collective": self._collective, "transition": self._transition,
                     "buffers": self._buffers, "graph": self._graph, "fault": self._fault,
-                    "stop": self._rare, "injected": self._rare, "job": self._rare}
+                    "stop": self._rare, "injected": self._rare, "job": self._rare, "gate": self._gate}
         for line_no, raw in enumerate(lines, first_line):
             self._line = line_no
             try:
@@ -219,6 +219,10 @@ class RankScanner(LogIntegrity):
                 self.current.drafted = True
         if DIGEST_FIELD in record:  # a step's decisions, on its `finish` (ok, or its consensus check failed)
             self.decisions.finish(self.current, record)
+
+    def _gate(self, record) -> None:
+        """The drafter's gate (`decisions.GATE_EVENT`): written before any drafter collective."""
+        self.current.gate = int(record[GATE_FIELD])
 
     def _collective(self, record) -> None:
         group, stage, pg_seq = record["group"], record["stage"], record["pg_seq"]

@@ -66,7 +66,7 @@ class DPSupport:
         opts = worker.fsm_options
         spec = worker.vllm_config.speculative_config
         return cls(worker.recorder, dp_rank=int(par.data_parallel_rank), dp_size=int(par.data_parallel_size),
-                   timeout_s=opts.collective_timeout_s, injection=inject.parse(opts.inject) if opts.inject else None,
+                   timeout_s=opts.collective_timeout_s, injection=_dp_injection(opts.inject),
                    flight=worker.flight,
                    last_phase=last_phase(int(spec.num_speculative_tokens) if spec is not None else 0))
 
@@ -193,3 +193,9 @@ class DPSupport:
             self.audit.fault(step, error, str(error))
         if self.flight is not None:
             self.flight.dump("timeout")
+
+
+def _dp_injection(text: str | None):
+    """The injection the DP support acts on: not one of a rank's (`replica_check`'s)."""
+    injection = inject.parse(text) if text else None
+    return None if injection is None or injection.kind in inject.RANK_KINDS else injection

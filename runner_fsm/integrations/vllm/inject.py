@@ -26,16 +26,22 @@ KINDS = (
     "stale-pcp-context",  # the idle replica's dummy reads the last real batch's PCP slot mappings
     "skip-buffer-refresh",  # the dummy runs over the PCP input buffers the last real batch left
     "wrong-dispatch-count",  # the global token count sent where the PCP-local one is due
+    # One rank of the replica (`KIND@replica=R,step=S,rank=K`, K its rank within the replica in
+    # vLLM's order), `replica_check`:
+    "tp-skip-draft",  # rank K's drafter gate alone says no for the step (vLLM #49027)
 )
+RANK_KINDS = frozenset({"tp-skip-draft"})
 
 
 def parse(text: str) -> Injection:
     # The embedded parser knows the embedded kinds only: parse the shared syntax with a
-    # known kind in its place, then check ours.
+    # known kind in its place, then check ours (the rank kinds are the embedded engine's too).
     kind, sep, rest = text.strip().partition("@")
     if kind not in KINDS or not sep:
-        raise ConfigError(f"inject expects KIND@replica=R,step=S with KIND one of {', '.join(KINDS)};"
+        raise ConfigError(f"inject expects KIND@replica=R,step=S[,rank=K] with KIND one of {', '.join(KINDS)};"
                           f" got {text!r}")
+    if kind in RANK_KINDS:
+        return Injection.parse(text)
     return dataclasses.replace(Injection.parse(f"crash@{rest}"), kind=kind)
 
 
@@ -48,9 +54,11 @@ class VLLMInjector:
     """Answers, at each decision point, whether `kind` is due on this replica now; remembers
     whether it fired and what the replica ran at the injection's step, to say why it did not."""
 
-    def __init__(self, injection: Injection | None, dp_rank: int, *, on_fire: Callable[[], None] | None = None):
-        """`on_fire()`: called once, when the injection first acts (the `injected` record replay reads)."""
-        self.injection, self.dp_rank = injection, dp_rank
+    def __init__(self, injection: Injection | None, dp_rank: int, *, on_fire: Callable[[], None] | None = None,
+                 rank: int | None = None):
+        """`on_fire()`: called once, when the injection first acts (the `injected` record replay
+        reads); `rank`: this worker's rank within its replica (what `rank=K` names)."""
+        self.injection, self.dp_rank, self.rank = injection, dp_rank, rank
         self.fired = False
         self.seen: str | None = None  # the kind of step (prefill, decode, idle) run at the injection's step
         self._on_fire = on_fire
@@ -60,7 +68,8 @@ class VLLMInjector:
         if kind not in KINDS:
             raise ValueError(f"unknown fault kind {kind!r}")
         i = self.injection
-        hit = i is not None and i.kind == kind and i.replica == self.dp_rank and i.step == step_id
+        hit = i is not None and i.kind == kind and i.replica == self.dp_rank and i.step == step_id \
+            and i.rank in (None, self.rank)
         if hit and not self.fired and self._on_fire is not None:
             self._on_fire()
         self.fired = self.fired or hit
@@ -76,7 +85,7 @@ class VLLMInjector:
         """One line naming the fault and why it never applied, on the replica it targets; None
         when it fired, or targets another replica."""
         i = self.injection
-        if i is None or i.replica != self.dp_rank or self.fired:
+        if i is None or i.replica != self.dp_rank or i.rank not in (None, self.rank) or self.fired:
             return None
         if self.seen is None:
             why = f"the run ended after step {last_step}, before step {i.step}"
@@ -85,4 +94,4 @@ class VLLMInjector:
                    f" {i.kind} acts on a dummy step")
         else:
             why = f"replica {i.replica} ran step {i.step} ({self.seen}) without reaching where {i.kind} acts"
-        return f"inject {i.kind}@replica={i.replica},step={i.step} never fired: {why}"
+        return f"inject {i} never fired: {why}"

@@ -14,6 +14,7 @@ else from `RUNNER_FSM_*` environment variables, else the defaults:
 | max_log_bytes         | RUNNER_FSM_MAX_LOG_BYTES         | 2G per rank (audit log, step journal, Flight Recorder dump; 0: no cap; `audit.segments`) |
 | pinned_steps          | RUNNER_FSM_PINNED_STEPS          | 1000 (steps kept before a fault, an injected fault, and the current step) |
 | compress_logs         | RUNNER_FSM_COMPRESS_LOGS         | false (true: closed segments gzip-compressed, `audit.compress`) |
+| consensus             | RUNNER_FSM_CONSENSUS             | false (true: a replica's ranks compare their decisions each step, `replica_check`) |
 
 Everything else (graphs, capture sizes, speculation, limits) is vLLM's own configuration.
 Duck-typed on vLLM's config objects (no vLLM import).
@@ -46,6 +47,7 @@ class WorkerOptions:
     max_log_bytes: int | None = DEFAULT_MAX_LOG_BYTES  # None: one file, no cap
     pinned_steps: int = DEFAULT_PINNED_STEPS
     compress_logs: bool = False
+    consensus: bool = False
 
     @classmethod
     def from_vllm(cls, vllm_config: Any, environ: Mapping[str, str] = os.environ) -> "WorkerOptions":
@@ -75,7 +77,8 @@ class WorkerOptions:
                    collective_timeout_s=timeout_s, inject=_opt_str(inject), audit=audit,
                    fast_pcp_layout=_flag("fast_pcp_layout", pick("fast_pcp_layout")),
                    max_log_bytes=_log_cap(pick("max_log_bytes")), pinned_steps=_count("pinned_steps", pick("pinned_steps")),
-                   compress_logs=_flag("compress_logs", pick("compress_logs")))
+                   compress_logs=_flag("compress_logs", pick("compress_logs")),
+                   consensus=_flag("consensus", pick("consensus")))
 
 
 def _flag(name: str, value: Any) -> bool:

@@ -47,6 +47,8 @@ class ReplicaRecorder:
         self._end = audit.batch()  # the records of a step's end (one batch, reused every step)
         self._decision_log = DecisionLog()
         self._batch = (0, 0)  # this step's batch: (its identity, the tokens scheduled)
+        self._gated: int | None = None  # drafter steps this step's gate let run (None: no gate asked)
+        self.decided: StepDecisions | None = None  # the last ended step's decisions (`replica_check`)
 
     # -- start-up -------------------------------------------------------------------
 
@@ -72,7 +74,7 @@ class ReplicaRecorder:
         if self._entry is not None:
             self._flush_entry()
         self.machine.fire(STEP_TRIGGERS[kind], self.step_id)  # raises StepRefused: nothing changed
-        self.kind = kind
+        self.kind, self._gated, self.decided = kind, None, None
         self._batch = (batch_identity(scheduled, scheduled.values()), sum(scheduled.values())) if scheduled else (0, 0)
         self._entry = {"step": self.step_id, "kind": kind, **(decision or {})}
         return self.step_id
@@ -108,6 +110,9 @@ class ReplicaRecorder:
         the drafter ran — proposals, or its dummy run on an idle replica — and `finish`, with the
         step's decisions: `draft_steps` drafter steps) are written together, in one write."""
         batch = self._end
+        gated, self._gated = self._gated, None
+        if gated is not None:  # the drafter's gate decided this step (`gate`)
+            drafted, draft_steps = gated > 0, gated
         try:
             decided = self._decided(draft_steps if drafted else 0)
             self._write_forwards(self.step_id, batch)
@@ -119,6 +124,12 @@ class ReplicaRecorder:
         self.kind = None
         self.step_id += 1
 
+    def gate(self, draft_steps: int) -> None:
+        """The drafter's gate decided for this step: logged at once, before any collective of
+        the drafter (a rank whose peer's gate said otherwise may wait in one for ever)."""
+        self._gated = draft_steps
+        self.audit.gate(self.step_id, draft_steps)
+
     def _decided(self, draft_steps: int) -> tuple:
         """The step's decisions (`audit.decisions`): its last target forward's graph mode and
         padded size, as vLLM's forward context gave them; the sampled tokens where they are known
@@ -128,9 +139,9 @@ class ReplicaRecorder:
             mode, size = forward[3], forward[4][0] if forward[4] else 0
         sampled = self._entry.get("sampled") if self._entry is not None else None
         identity, scheduled = self._batch
-        return self._decision_log.entry(StepDecisions(
-            self.kind != "idle", identity, scheduled, size, size if mode == "FULL" else 0, draft_steps,
-            tokens_digest(sampled) if sampled else 0))
+        self.decided = StepDecisions(self.kind != "idle", identity, scheduled, size, size if mode == "FULL" else 0,
+                                     draft_steps, tokens_digest(sampled) if sampled else 0)
+        return self._decision_log.entry(self.decided)
 
     def _write_forwards(self, step: int, out: AuditLog | AuditBatch | None = None) -> None:
         out = self.audit if out is None else out

@@ -18,6 +18,7 @@ import dataclasses
 import importlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -58,7 +59,9 @@ class DPRun:
 
 
 def launch_dp(jobs: Sequence[Job], *, dp_size: int, cwd: str | None = None, timeout_s: float = 600.0,
-              env: dict | None = None) -> DPRun:
+              env: dict | None = None, stop_when=None) -> DPRun:
+    """Run `jobs` (see the module docstring); every process is killed at `timeout_s`, or as soon
+    as `stop_when()` (polled ten times a second) says so: a test that waits for a hang to show."""
     work = Path(tempfile.mkdtemp(prefix="fsm-dp-"))
     spec = [{"llm": j.llm, "per_rank": [[list(r[:4]) for r in reqs] for reqs in j.per_rank],
              "port": free_port(), "run": j.run} for j in jobs]
@@ -70,14 +73,17 @@ def launch_dp(jobs: Sequence[Job], *, dp_size: int, cwd: str | None = None, time
             child_env.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE=str(dp_size),
                              VLLM_DP_MASTER_IP="127.0.0.1")
         log = open(work / f"rank-{rank}.log", "w")
+        # a session of its own: a worker stuck in a collective outlives its engine's death, so
+        # a rank is stopped with everything it started
         procs.append((subprocess.Popen([sys.executable, "-m", __name__, str(work / "spec.json"), str(rank)],
-                                       env=child_env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT), log))
+                                       env=child_env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT,
+                                       start_new_session=True), log))
     codes: list[int | None] = [None] * dp_size
     ended = [float("nan")] * dp_size
     ended_at = [float("nan")] * dp_size
     deadline = start + timeout_s
     try:
-        while any(c is None for c in codes) and time.monotonic() < deadline:
+        while any(c is None for c in codes) and time.monotonic() < deadline and not (stop_when and stop_when()):
             for rank, (proc, _log) in enumerate(procs):
                 if codes[rank] is None and proc.poll() is not None:
                     codes[rank], ended_at[rank] = proc.returncode, time.monotonic()
@@ -88,6 +94,10 @@ def launch_dp(jobs: Sequence[Job], *, dp_size: int, cwd: str | None = None, time
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)  # what it left behind (its own group is its pid)
+            except ProcessLookupError:
+                pass
             log.close()
     outputs, job_s, extra = [], [], []
     for j in range(len(jobs)):

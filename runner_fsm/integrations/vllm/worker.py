@@ -45,6 +45,7 @@ from runner_fsm.integrations.vllm.journal import Journal
 from runner_fsm.integrations.vllm.options import WorkerOptions
 from runner_fsm.integrations.vllm.probe import InputProbe
 from runner_fsm.integrations.vllm.recorder import ReplicaRecorder
+from runner_fsm.integrations.vllm.replica_check import ReplicaCheck
 from runner_fsm.integrations.vllm.rundir import agree_run, place_in_groups, rank_place
 from runner_fsm.integrations.vllm.runners import RunnerAdapter, adapter_for
 
@@ -54,6 +55,7 @@ class FSMWorkerMixin:
 
     recorder: ReplicaRecorder | None = None
     dp_support: DPSupport | None = None
+    replica_check: ReplicaCheck | None = None
     runner_adapter: RunnerAdapter | None = None
     rope_verdict: cpu_rope.RopeSelfTest | None = None  # the CPU rotary op's self-test (CPU only)
     rope_installed: str | None = None  # what install_stride_safe_rope did (None: nothing)
@@ -143,6 +145,7 @@ class FSMWorkerMixin:
         """Where extra collectives and interceptions are installed (vLLM's groups exist now,
         the model does not yet). Nothing in a single replica."""
         self.dp_support = DPSupport.for_worker(self)  # DP: agreement rows, watchdog, faults
+        self.replica_check = ReplicaCheck.for_worker(self)  # TP/PCP/PP peers: gate, rank faults, consensus
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         super().load_model(*args, **kwargs)
@@ -155,6 +158,8 @@ class FSMWorkerMixin:
         hook_forward(adapter.runner, self._before_forward)
         if self.dp_support is not None:
             self.dp_support.attach(adapter)
+        if self.replica_check is not None:
+            self.replica_check.attach(adapter)
 
     def determine_available_memory(self) -> int:
         self.recorder.start_capture()  # warm-up and profiling forwards run from here
@@ -188,6 +193,8 @@ class FSMWorkerMixin:
             out = super().execute_model(so)
             if out is not None:  # no sample_tokens follows (e.g. pipeline stages, pooling)
                 rec.end_step()
+                if self.replica_check is not None:
+                    self.replica_check.after_step()
             return out
         except BaseException as error:
             if self.dp_support is not None:  # first, while the step is open: peers waiting in
@@ -209,6 +216,8 @@ class FSMWorkerMixin:
                 # (`get_output()`) after this call, before the next step: read them then.
                 rec.note_later("sampled", output, "sampled_token_ids")
             rec.end_step(self.drafting, self.draft_steps)
+            if self.replica_check is not None:
+                self.replica_check.after_step()
             return out
         except BaseException as error:
             self._fault(error)
@@ -223,6 +232,8 @@ class FSMWorkerMixin:
         try:
             super().execute_dummy_batch()
             rec.end_step(self.drafting, self.draft_steps)  # vLLM's _dummy_run also ran the drafter's dummy_run
+            if self.replica_check is not None:
+                self.replica_check.after_step()
         except BaseException as error:
             self._fault(error)
             raise
@@ -319,6 +330,8 @@ class FSMWorkerMixin:
             self.dp_support.close()
             if rec is not None:
                 unfired = self.dp_support.injector.never_fired(rec.step_id - 1)
+        if self.replica_check is not None and rec is not None:
+            unfired = unfired or self.replica_check.never_fired(rec.step_id - 1)
         self.flight.dump("end")  # while vLLM's groups still exist
         try:
             if unfired is not None:  # the run tested nothing; replay says so from the logs too

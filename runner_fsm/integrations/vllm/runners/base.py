@@ -156,6 +156,12 @@ class RunnerAdapter:
         (`draft_dp_sync`): what was installed, or why not (recorded as is)."""
         return {"installed": False, "reason": f"the {self.name} runner runs no PCP draft prefill"}
 
+    def install_draft_gate(self, gate: Callable[[bool, int], int]) -> str | None:
+        """Ask `gate(dummy, steps)` before each drafter pass, ahead of any of its collectives:
+        it returns the drafter steps to run (0: the pass is skipped). None when installed, else
+        why not (the drafter's gate is then not logged: `replica_check`)."""
+        return f"the {self.name} runner's drafter is not gated here"
+
     def describe(self) -> dict:
         """For the log's first record: which runner and adapter."""
         cls = type(self.runner)

@@ -35,7 +35,7 @@ class MRV2Runner(RunnerAdapter):
     CLASSES = ("vllm.v1.worker.gpu.model_runner.GPUModelRunner",)
     ATTRS = ("model", "max_num_reqs", "input_buffers.input_ids", "input_buffers.positions",
              "input_buffers.query_start_loc", "input_buffers.seq_lens", "prepare_attn", "prepare_dummy_attn",
-             "_dummy_run", "execute_model", "speculator", "pcp_manager")
+             "_dummy_run", "execute_model", "speculator", "pcp_manager", "req_states.draft_tokens")
     KV_ATTRS = ("block_tables.input_block_tables", "block_tables.slot_mappings")
     DP_ROWS = len(mrv2_sync.MRV2_ROWS)
     # Speculators whose forwards join no DP sync (they reuse the target's agreement).
@@ -165,6 +165,26 @@ class MRV2Runner(RunnerAdapter):
                         kwargs["num_speculative_tokens"] = int(speculator.num_speculative_steps) + 1
                 return propose(*args, **kwargs)
             wrap_method(speculator, "propose", faulty_dummy_propose)
+
+    def install_draft_gate(self, gate) -> str | None:
+        """Around the speculator's `propose` (a busy step's `sample_tokens` and an idle step's
+        `_dummy_run` each call it once a step, before any draft forward or draft DP sync). A
+        skipped busy pass keeps the requests' previous drafts, as vLLM's own tensor holds them."""
+        runner = self.runner
+        speculator = runner.speculator
+        if speculator is None:
+            return "no speculator"
+
+        def gated(propose, args, kwargs):
+            dummy = bool(kwargs.get("dummy_run"))
+            steps = kwargs.get("num_speculative_tokens") or int(speculator.num_speculative_steps)
+            if gate(dummy, int(steps)) == 0:
+                if dummy:
+                    return None
+                return runner.req_states.draft_tokens[args[0].idx_mapping].clone()  # args[0]: the input batch
+            return propose(*args, **kwargs)
+        wrap_method(speculator, "propose", gated)
+        return None
 
     def install_fast_pcp_layout(self) -> dict:
         """On the PCP manager instance this runner builds with the KV cache (`attach_kv`), never on
