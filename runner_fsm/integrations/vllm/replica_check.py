@@ -7,12 +7,13 @@ rank faults, and the opt-in online `consensus` check.
   (vLLM #49027). So the decision is logged (`gate` record) *before* any drafter collective: it is
   the evidence replay compares (`audit.consensus`), which no `finish` of that step will carry.
 - **`tp-skip-draft@replica=R,step=S,rank=K`**: rank K's gate alone says no at step S.
-- **`consensus`** (worker option, off by default): the ranks of the replica exchange, over a
-  gloo group of their own, [step, gate] at each gate (before the drafter's collectives, so a
+- **`consensus`** (worker option, off by default): the ranks of the replica exchange [step,
+  gate] at each gate (before the drafter's collectives, so a
   disagreement stops every rank with a `DesyncError` instead of a hang) and [step, decision
   digest, decisions] after each step's `finish`, by the rule replay applies
-  (`step_consensus.disagreement`). The group's timeout is `collective_timeout_s`: a rank that
-  never reaches the check fails its peers' wait instead of holding it for ever.
+  (`step_consensus.disagreement`); through shared memory where the replica's ranks share a host
+  (`shm_exchange`), else gloo. Its timeout is `collective_timeout_s`: a rank that never reaches
+  the check fails its peers' wait instead of holding it for ever.
 
 A replica of one rank has nothing to compare: `for_worker` returns None.
 """
@@ -25,7 +26,9 @@ from runner_fsm.audit.shape import coords_of
 from runner_fsm.errors import DesyncError
 from runner_fsm.integrations.vllm import inject
 from runner_fsm.integrations.vllm.inject import VLLMInjector
-from runner_fsm.step_consensus import ConsensusExchange, consensus_row, disagreement
+from runner_fsm.audit.decisions import StepDecisions
+from runner_fsm.shm_exchange import replica_exchange
+from runner_fsm.step_consensus import consensus_row, disagreement
 
 
 class ReplicaCheck:
@@ -37,11 +40,13 @@ class ReplicaCheck:
         self.injector = VLLMInjector(injection, place.coords.dp, rank=self.rank_in_replica,
                                      on_fire=lambda: recorder.audit.injected(recorder.step_id, str(injection)))
         self.gate_installed: str | None = "not attached"  # None once the gate is in place, else why not
-        # two exchanges over one group, each keeping the tensors of its row's length
+        # two exchanges over one group (a row's width each): shared memory where the replica's
+        # ranks share a host, else gloo (`shm_exchange`)
         self.exchange = self.gate_exchange = None
         if consensus:
             group = self._replica_group(timeout_s)
-            self.exchange, self.gate_exchange = ConsensusExchange(group), ConsensusExchange(group)
+            self.gate_exchange = replica_exchange(group, 2, timeout_s)
+            self.exchange = replica_exchange(group, len(consensus_row(0, StepDecisions(True, 0, 0, 0, 0, 0))), timeout_s)
 
     @classmethod
     def for_worker(cls, worker) -> "ReplicaCheck | None":
