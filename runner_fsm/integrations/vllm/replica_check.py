@@ -21,6 +21,7 @@ A replica of one rank has nothing to compare: `for_worker` returns None.
 from __future__ import annotations
 
 import datetime
+import itertools
 
 from runner_fsm.audit.shape import coords_of
 from runner_fsm.errors import DesyncError
@@ -29,6 +30,16 @@ from runner_fsm.integrations.vllm.inject import VLLMInjector
 from runner_fsm.audit.decisions import StepDecisions
 from runner_fsm.shm_exchange import replica_exchange
 from runner_fsm.step_consensus import consensus_row, disagreement
+
+
+REPLICA_GROUP = "replica"  # the exchanges' group in the log: every rank of one replica
+TARGET_PHASE = 1  # `dp.TARGET`: the exchanges belong to the step, not to a draft pass
+
+
+def replica_ranks(place) -> list[int]:
+    """The global ranks of `place`'s replica, in vLLM's order."""
+    size = place.sizes.pp * place.sizes.pcp * place.sizes.tp
+    return list(range(place.coords.dp * size, (place.coords.dp + 1) * size))
 
 
 class ReplicaCheck:
@@ -43,6 +54,7 @@ class ReplicaCheck:
         # two exchanges over one group (a row's width each): shared memory where the replica's
         # ranks share a host, else gloo (`shm_exchange`)
         self.exchange = self.gate_exchange = None
+        self._pg_seq = itertools.count()  # the `replica` group's exchanges, as the log numbers them
         if consensus:
             group = self._replica_group(timeout_s)
             self.gate_exchange = replica_exchange(group, 2, timeout_s)
@@ -66,8 +78,7 @@ class ReplicaCheck:
         """A gloo group of this replica's ranks (only they create it), for the online check."""
         import torch.distributed as dist
 
-        first = self.place.coords.dp * self.size
-        return dist.new_group(list(range(first, first + self.size)), backend="gloo",
+        return dist.new_group(replica_ranks(self.place), backend="gloo",
                               timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True)
 
     def attach(self, adapter) -> None:
@@ -85,7 +96,7 @@ class ReplicaCheck:
             steps = 0
         rec.gate(steps)
         if self.gate_exchange is not None:
-            rows = self.gate_exchange([rec.step_id, steps])
+            rows = self._logged(self.gate_exchange, "gate", [rec.step_id, steps], rec.step_id)
             if len({tuple(row) for row in rows}) > 1:
                 raise DesyncError(f"replica {self.place.coords.dp}, step {rec.step_id}: {self._gates_differ(rows)}"
                                   " (online consensus, before the drafter's collectives)")
@@ -110,9 +121,19 @@ class ReplicaCheck:
         if self.exchange is None or decided is None:
             return
         step = self.recorder.step_id - 1  # `end_step` moved on
-        problem = disagreement(self.exchange(consensus_row(step, decided)), step, self._rank_text)
+        rows = self._logged(self.exchange, "decisions", consensus_row(step, decided), step)
+        problem = disagreement(rows, step, self._rank_text)
         if problem is not None:
             raise DesyncError(f"replica {self.place.coords.dp}, step {step}: {problem}")
+
+    def _logged(self, exchange, op: str, row: list[int], step: int) -> list[list[int]]:
+        """One exchange among the replica's ranks, logged like every collective (group
+        `replica`, the job record lists its members): a rank that never joins it is seen."""
+        audit, seq = self.recorder.audit, next(self._pg_seq)
+        audit.collective(step, REPLICA_GROUP, op, TARGET_PHASE, [[len(row)]], seq, "enqueue")
+        rows = exchange(row)
+        audit.collective(step, REPLICA_GROUP, op, TARGET_PHASE, None, seq, "done")
+        return rows
 
     def never_fired(self, last_step: int) -> str | None:
         return self.injector.never_fired(last_step)

@@ -45,7 +45,7 @@ from runner_fsm.integrations.vllm.journal import Journal
 from runner_fsm.integrations.vllm.options import WorkerOptions
 from runner_fsm.integrations.vllm.probe import InputProbe
 from runner_fsm.integrations.vllm.recorder import ReplicaRecorder
-from runner_fsm.integrations.vllm.replica_check import ReplicaCheck
+from runner_fsm.integrations.vllm.replica_check import REPLICA_GROUP, ReplicaCheck, replica_ranks
 from runner_fsm.integrations.vllm.rundir import agree_run, place_in_groups, rank_place
 from runner_fsm.integrations.vllm.runners import RunnerAdapter, adapter_for
 
@@ -120,6 +120,8 @@ class FSMWorkerMixin:
         # ranks at this rank's (pp, pcp, tp) coordinates in every replica.
         groups = {name: ranks for name, ranks in place_in_groups(place).items()
                   if len(ranks) > 1 or name in ("dp", "expert")}
+        if self.fsm_options.consensus and len(replica_ranks(place)) > 1:
+            groups[REPLICA_GROUP] = replica_ranks(place)  # where the online check's exchanges are logged
         changed = {}
         if str(self.device_config.device_type) == "cpu":
             # Not opt-in: a start-up self-test decides (DESIGN section 10). The verdict opens the
