@@ -42,6 +42,12 @@ def replica_ranks(place) -> list[int]:
     return list(range(place.coords.dp * size, (place.coords.dp + 1) * size))
 
 
+def logged_groups(place, consensus: bool) -> dict[str, list[int]]:
+    """For the `job` record: the group the online check's exchanges are logged in, if any."""
+    ranks = replica_ranks(place)
+    return {REPLICA_GROUP: ranks} if consensus and len(ranks) > 1 else {}
+
+
 class ReplicaCheck:
     def __init__(self, recorder, *, place, injection=None, consensus: bool = False, timeout_s: float = 120.0):
         self.recorder, self.place = recorder, place
@@ -82,8 +88,11 @@ class ReplicaCheck:
                               timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True)
 
     def attach(self, adapter) -> None:
-        """Once the model (and the drafter) exist: the gate around the drafter's passes."""
+        """Once the model (and the drafter) exist: the gate around the drafter's passes, and the
+        check of each step's decisions right after the recorder ends it."""
         self.gate_installed = adapter.install_draft_gate(self._gate)
+        if self.exchange is not None:
+            self.recorder.after_end = self.after_step
 
     # -- the drafter's gate --------------------------------------------------------------
 
