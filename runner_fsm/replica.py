@@ -319,12 +319,12 @@ class Replica(DraftStep):
                               f" different tokens (output digest per PCP rank {[d for _, d in gathered]})")
 
     async def _check_consensus(self, _event) -> None:
-        """`consensus`: the replica's ranks compare this step's decisions, after its `finish`."""
+        """`consensus`: the replica's ranks compare this step's decisions, after its `finish`
+        (through shared memory where they share a host, else gloo: `shm_exchange`, made once)."""
         if self.pcp_group is None or self.decided is None:
             return  # no peers in the replica, or a step that decided nothing (it faulted)
         row = consensus_row(self.step_id, self.decided)
-        if self._exchange is None:  # shared memory among the PCP ranks of one host, else gloo: made once
-            self._exchange = replica_exchange(self.pcp_group, len(row), self.config.collective_timeout_s)
+        self._exchange = self._exchange or replica_exchange(self.pcp_group, len(row), self.config.collective_timeout_s)
         rows = await self.collectives.run("pcp", "all_gather", self._exchange, row,
                                           step_id=self.step_id, phase=dp.TARGET, shapes=[(len(row),)])
         problem = disagreement(rows, self.step_id, lambda pcp_rank: f"PCP rank {pcp_rank}")
