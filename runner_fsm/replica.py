@@ -319,8 +319,7 @@ class Replica(DraftStep):
                               f" different tokens (output digest per PCP rank {[d for _, d in gathered]})")
 
     async def _check_consensus(self, _event) -> None:
-        """`consensus`: the replica's ranks compare this step's decisions, after its `finish`
-        (through shared memory where they share a host, else gloo: `shm_exchange`, made once)."""
+        """`consensus`: the replica's ranks compare this step's decisions after its `finish` (`shm_exchange`)."""
         if self.pcp_group is None or self.decided is None:
             return  # no peers in the replica, or a step that decided nothing (it faulted)
         row = consensus_row(self.step_id, self.decided)
