@@ -40,7 +40,8 @@ from runner_fsm.pcp.context import PCPAttentionContext, PCPContextState, dummy_d
 from runner_fsm.pcp.plan import PlanWorkspace, plan_batch
 from runner_fsm.spec import tokens_per_request
 from runner_fsm.states import Trigger
-from runner_fsm.step_consensus import ConsensusExchange, consensus_row, disagreement
+from runner_fsm.shm_exchange import replica_exchange
+from runner_fsm.step_consensus import consensus_row, disagreement
 from runner_fsm.written_positions import WrittenPositions
 
 
@@ -318,11 +319,11 @@ class Replica(DraftStep):
                               f" different tokens (output digest per PCP rank {[d for _, d in gathered]})")
 
     async def _check_consensus(self, _event) -> None:
-        """`consensus`: the replica's ranks compare this step's decisions, after its `finish`."""
+        """`consensus`: the replica's ranks compare this step's decisions after its `finish` (`shm_exchange`)."""
         if self.pcp_group is None or self.decided is None:
             return  # no peers in the replica, or a step that decided nothing (it faulted)
         row = consensus_row(self.step_id, self.decided)
-        self._exchange = self._exchange or ConsensusExchange(self.pcp_group)  # its tensors, made once
+        self._exchange = self._exchange or replica_exchange(self.pcp_group, len(row), self.config.collective_timeout_s)
         rows = await self.collectives.run("pcp", "all_gather", self._exchange, row,
                                           step_id=self.step_id, phase=dp.TARGET, shapes=[(len(row),)])
         problem = disagreement(rows, self.step_id, lambda pcp_rank: f"PCP rank {pcp_rank}")

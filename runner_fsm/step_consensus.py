@@ -2,10 +2,11 @@
 engine's `consensus` flag, `runner-fsm run --consensus`; off by default).
 
 Right after its step's `finish` record (which carries the step's decision digest,
-`audit.decisions`), each rank of a replica all-gathers [step id, digest, its decisions] over the
-replica's CPU group (the embedded engine's PCP group): one collective of a few integers, logged
-like every other (enqueue, done) and run under the collective timeout, so a rank that never
-reaches the check is named by the watchdog instead of being waited on forever. Digests that
+`audit.decisions`), each rank of a replica exchanges [step id, digest, its decisions] with the
+replica's other ranks (the embedded engine's PCP group): one exchange of a few integers, through
+shared memory where they share a host (`shm_exchange`), else one gloo all_gather
+(`ConsensusExchange`), logged like every collective (enqueue, done) and run under the collective
+timeout, so a rank that never reaches the check is named instead of being waited on forever. Digests that
 differ raise `DesyncError` naming the rank and the decision, by the rules replay applies to the
 logged digests (`decisions.outvoted`, `decisions.first_difference`): the online and the offline
 check cannot disagree.

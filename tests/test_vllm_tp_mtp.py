@@ -117,8 +117,8 @@ def _stripped_verdicts(run_dir: Path) -> list[tuple]:
 
 
 def test_tp2_mtp_with_consensus_equals_hf_greedy_and_replays_sound(runs):
-    """Mutation: the gate logging the steps it was asked, not those it let run -> (the faults'
-    tests fail, not this one); `after_step` comparing another step's row -> DesyncError here."""
+    """Mutation: `after_step` comparing another step's row -> DesyncError here; the exchanges
+    not logged -> fails."""
     result, run_dir, _ = runs["clean"]
     assert result.codes == [0], result.logs[0][-3000:]
     assert "Using V2 Model Runner" in result.logs[0]
@@ -130,6 +130,12 @@ def test_tp2_mtp_with_consensus_equals_hf_greedy_and_replays_sound(runs):
         finishes = {r["step_id"] for r in records if r["event"] == "transition" and r["trigger"] == "finish"}
         assert gates == finishes and len(gates) >= max(n for _, _, n in REQUESTS) - 1, (gates, finishes)
         assert records[0]["tp_size"] == 2 and records[0]["runner"] == "mrv2"
+        # each step's two exchanges, logged like every collective, in the group the job record lists
+        assert records[0]["groups"]["replica"] == [0, 1]
+        exchanged = [(r["step_id"], r["op"], r["stage"]) for r in records
+                     if r["event"] == "collective" and r["group"] == "replica"]
+        assert exchanged == [(step, op, stage) for step in sorted(finishes) for op in ("gate", "decisions")
+                             for stage in ("enqueue", "done")], exchanged
     assert replay(run_dir).sound, replay(run_dir).format()
 
 

@@ -102,3 +102,12 @@ def read_journal(run_dir: str, global_rank: int = 0) -> list[dict]:
     pattern = re.compile(rf"^vllm-steps-{int(global_rank)}(?:\.(\d+))?\.jsonl$")
     found = sorted((int(m[1] or 0), name) for name in os.listdir(run_dir) if (m := pattern.match(name)))
     return [orjson.loads(line) for _, name in found for line in (Path(run_dir) / name).read_bytes().splitlines()]
+
+
+def scheduler_decision(so: Any) -> dict:
+    """What vLLM's scheduler decided for this step, compactly (the journal's fields)."""
+    spec = so.scheduled_spec_decode_tokens
+    return {"tokens": so.total_num_scheduled_tokens, "sched": list(so.num_scheduled_tokens.values()),
+            "new": len(so.scheduled_new_reqs), "resumed": len(so.scheduled_cached_reqs.resumed_req_ids),
+            "finished": len(so.finished_req_ids),
+            "spec": sum(map(len, spec.values())) if spec else 0}

@@ -49,6 +49,7 @@ class ReplicaRecorder:
         self._batch = (0, 0)  # this step's batch: (its identity, the tokens scheduled)
         self._gated: int | None = None  # drafter steps this step's gate let run (None: no gate asked)
         self.decided: StepDecisions | None = None  # the last ended step's decisions (`replica_check`)
+        self.after_end = None  # called once a step's records are written (`replica_check.after_step`)
 
     # -- start-up -------------------------------------------------------------------
 
@@ -123,6 +124,8 @@ class ReplicaRecorder:
             batch.write()  # a refused trigger's record too, before the error reaches vLLM
         self.kind = None
         self.step_id += 1
+        if self.after_end is not None:
+            self.after_end()
 
     def gate(self, draft_steps: int) -> None:
         """The drafter's gate decided for this step: logged at once, before any collective of

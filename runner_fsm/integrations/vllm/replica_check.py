@@ -7,12 +7,13 @@ rank faults, and the opt-in online `consensus` check.
   (vLLM #49027). So the decision is logged (`gate` record) *before* any drafter collective: it is
   the evidence replay compares (`audit.consensus`), which no `finish` of that step will carry.
 - **`tp-skip-draft@replica=R,step=S,rank=K`**: rank K's gate alone says no at step S.
-- **`consensus`** (worker option, off by default): the ranks of the replica exchange, over a
-  gloo group of their own, [step, gate] at each gate (before the drafter's collectives, so a
+- **`consensus`** (worker option, off by default): the ranks of the replica exchange [step,
+  gate] at each gate (before the drafter's collectives, so a
   disagreement stops every rank with a `DesyncError` instead of a hang) and [step, decision
   digest, decisions] after each step's `finish`, by the rule replay applies
-  (`step_consensus.disagreement`). The group's timeout is `collective_timeout_s`: a rank that
-  never reaches the check fails its peers' wait instead of holding it for ever.
+  (`step_consensus.disagreement`); through shared memory where the replica's ranks share a host
+  (`shm_exchange`), else gloo. Its timeout is `collective_timeout_s`: a rank that never reaches
+  the check fails its peers' wait instead of holding it for ever.
 
 A replica of one rank has nothing to compare: `for_worker` returns None.
 """
@@ -20,12 +21,31 @@ A replica of one rank has nothing to compare: `for_worker` returns None.
 from __future__ import annotations
 
 import datetime
+import itertools
 
 from runner_fsm.audit.shape import coords_of
 from runner_fsm.errors import DesyncError
 from runner_fsm.integrations.vllm import inject
 from runner_fsm.integrations.vllm.inject import VLLMInjector
-from runner_fsm.step_consensus import ConsensusExchange, consensus_row, disagreement
+from runner_fsm.audit.decisions import StepDecisions
+from runner_fsm.shm_exchange import replica_exchange
+from runner_fsm.step_consensus import consensus_row, disagreement
+
+
+REPLICA_GROUP = "replica"  # the exchanges' group in the log: every rank of one replica
+TARGET_PHASE = 1  # `dp.TARGET`: the exchanges belong to the step, not to a draft pass
+
+
+def replica_ranks(place) -> list[int]:
+    """The global ranks of `place`'s replica, in vLLM's order."""
+    size = place.sizes.pp * place.sizes.pcp * place.sizes.tp
+    return list(range(place.coords.dp * size, (place.coords.dp + 1) * size))
+
+
+def logged_groups(place, consensus: bool) -> dict[str, list[int]]:
+    """For the `job` record: the group the online check's exchanges are logged in, if any."""
+    ranks = replica_ranks(place)
+    return {REPLICA_GROUP: ranks} if consensus and len(ranks) > 1 else {}
 
 
 class ReplicaCheck:
@@ -37,11 +57,14 @@ class ReplicaCheck:
         self.injector = VLLMInjector(injection, place.coords.dp, rank=self.rank_in_replica,
                                      on_fire=lambda: recorder.audit.injected(recorder.step_id, str(injection)))
         self.gate_installed: str | None = "not attached"  # None once the gate is in place, else why not
-        # two exchanges over one group, each keeping the tensors of its row's length
+        # two exchanges over one group (a row's width each): shared memory where the replica's
+        # ranks share a host, else gloo (`shm_exchange`)
         self.exchange = self.gate_exchange = None
+        self._pg_seq = itertools.count()  # the `replica` group's exchanges, as the log numbers them
         if consensus:
             group = self._replica_group(timeout_s)
-            self.exchange, self.gate_exchange = ConsensusExchange(group), ConsensusExchange(group)
+            self.gate_exchange = replica_exchange(group, 2, timeout_s)
+            self.exchange = replica_exchange(group, len(consensus_row(0, StepDecisions(True, 0, 0, 0, 0, 0))), timeout_s)
 
     @classmethod
     def for_worker(cls, worker) -> "ReplicaCheck | None":
@@ -61,13 +84,15 @@ class ReplicaCheck:
         """A gloo group of this replica's ranks (only they create it), for the online check."""
         import torch.distributed as dist
 
-        first = self.place.coords.dp * self.size
-        return dist.new_group(list(range(first, first + self.size)), backend="gloo",
+        return dist.new_group(replica_ranks(self.place), backend="gloo",
                               timeout=datetime.timedelta(seconds=timeout_s), use_local_synchronization=True)
 
     def attach(self, adapter) -> None:
-        """Once the model (and the drafter) exist: the gate around the drafter's passes."""
+        """Once the model (and the drafter) exist: the gate around the drafter's passes, and the
+        check of each step's decisions right after the recorder ends it."""
         self.gate_installed = adapter.install_draft_gate(self._gate)
+        if self.exchange is not None:
+            self.recorder.after_end = self.after_step
 
     # -- the drafter's gate --------------------------------------------------------------
 
@@ -80,7 +105,7 @@ class ReplicaCheck:
             steps = 0
         rec.gate(steps)
         if self.gate_exchange is not None:
-            rows = self.gate_exchange([rec.step_id, steps])
+            rows = self._logged(self.gate_exchange, "gate", [rec.step_id, steps], rec.step_id)
             if len({tuple(row) for row in rows}) > 1:
                 raise DesyncError(f"replica {self.place.coords.dp}, step {rec.step_id}: {self._gates_differ(rows)}"
                                   " (online consensus, before the drafter's collectives)")
@@ -105,9 +130,19 @@ class ReplicaCheck:
         if self.exchange is None or decided is None:
             return
         step = self.recorder.step_id - 1  # `end_step` moved on
-        problem = disagreement(self.exchange(consensus_row(step, decided)), step, self._rank_text)
+        rows = self._logged(self.exchange, "decisions", consensus_row(step, decided), step)
+        problem = disagreement(rows, step, self._rank_text)
         if problem is not None:
             raise DesyncError(f"replica {self.place.coords.dp}, step {step}: {problem}")
+
+    def _logged(self, exchange, op: str, row: list[int], step: int) -> list[list[int]]:
+        """One exchange among the replica's ranks, logged like every collective (group
+        `replica`, the job record lists its members): a rank that never joins it is seen."""
+        audit, seq = self.recorder.audit, next(self._pg_seq)
+        audit.collective(step, REPLICA_GROUP, op, TARGET_PHASE, [[len(row)]], seq, "enqueue")
+        rows = exchange(row)
+        audit.collective(step, REPLICA_GROUP, op, TARGET_PHASE, None, seq, "done")
+        return rows
 
     def never_fired(self, last_step: int) -> str | None:
         return self.injector.never_fired(last_step)

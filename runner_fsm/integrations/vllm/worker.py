@@ -41,11 +41,11 @@ from runner_fsm.integrations.vllm.dp_support import DPSupport
 from runner_fsm.integrations.vllm.engine_stops import WorkerStops
 from runner_fsm.integrations.vllm.flight import WorkerFlight, start as start_flight_recorder
 from runner_fsm.integrations.vllm.forwards import forward_context, hook_forward
-from runner_fsm.integrations.vllm.journal import Journal
+from runner_fsm.integrations.vllm.journal import Journal, scheduler_decision
 from runner_fsm.integrations.vllm.options import WorkerOptions
 from runner_fsm.integrations.vllm.probe import InputProbe
 from runner_fsm.integrations.vllm.recorder import ReplicaRecorder
-from runner_fsm.integrations.vllm.replica_check import ReplicaCheck
+from runner_fsm.integrations.vllm.replica_check import ReplicaCheck, logged_groups
 from runner_fsm.integrations.vllm.rundir import agree_run, place_in_groups, rank_place
 from runner_fsm.integrations.vllm.runners import RunnerAdapter, adapter_for
 
@@ -120,6 +120,7 @@ class FSMWorkerMixin:
         # ranks at this rank's (pp, pcp, tp) coordinates in every replica.
         groups = {name: ranks for name, ranks in place_in_groups(place).items()
                   if len(ranks) > 1 or name in ("dp", "expert")}
+        groups.update(logged_groups(place, self.fsm_options.consensus))  # the online check's, if any
         changed = {}
         if str(self.device_config.device_type) == "cpu":
             # Not opt-in: a start-up self-test decides (DESIGN section 10). The verdict opens the
@@ -159,7 +160,7 @@ class FSMWorkerMixin:
         if self.dp_support is not None:
             self.dp_support.attach(adapter)
         if self.replica_check is not None:
-            self.replica_check.attach(adapter)
+            self.replica_check.attach(adapter)  # and, after each step's end, its consensus check
 
     def determine_available_memory(self) -> int:
         self.recorder.start_capture()  # warm-up and profiling forwards run from here
@@ -184,7 +185,7 @@ class FSMWorkerMixin:
             return super().execute_model(so)
         rec = self.recorder
         kind = self._classify(so)
-        rec.begin_step(kind, _decision(so), so.num_scheduled_tokens)
+        rec.begin_step(kind, scheduler_decision(so), so.num_scheduled_tokens)
         if self.dp_support is not None:
             self.dp_support.injector.saw(rec.step_id, kind)
         try:
@@ -193,8 +194,6 @@ class FSMWorkerMixin:
             out = super().execute_model(so)
             if out is not None:  # no sample_tokens follows (e.g. pipeline stages, pooling)
                 rec.end_step()
-                if self.replica_check is not None:
-                    self.replica_check.after_step()
             return out
         except BaseException as error:
             if self.dp_support is not None:  # first, while the step is open: peers waiting in
@@ -216,8 +215,6 @@ class FSMWorkerMixin:
                 # (`get_output()`) after this call, before the next step: read them then.
                 rec.note_later("sampled", output, "sampled_token_ids")
             rec.end_step(self.drafting, self.draft_steps)
-            if self.replica_check is not None:
-                self.replica_check.after_step()
             return out
         except BaseException as error:
             self._fault(error)
@@ -232,8 +229,6 @@ class FSMWorkerMixin:
         try:
             super().execute_dummy_batch()
             rec.end_step(self.drafting, self.draft_steps)  # vLLM's _dummy_run also ran the drafter's dummy_run
-            if self.replica_check is not None:
-                self.replica_check.after_step()
         except BaseException as error:
             self._fault(error)
             raise
@@ -340,15 +335,6 @@ class FSMWorkerMixin:
                 rec.shutdown()
         finally:
             super().shutdown()
-
-
-def _decision(so: Any) -> dict:
-    """What vLLM's scheduler decided for this step, compactly (the journal's fields)."""
-    spec = so.scheduled_spec_decode_tokens
-    return {"tokens": so.total_num_scheduled_tokens, "sched": list(so.num_scheduled_tokens.values()),
-            "new": len(so.scheduled_new_reqs), "resumed": len(so.scheduled_cached_reqs.resumed_req_ids),
-            "finished": len(so.finished_req_ids),
-            "spec": sum(map(len, spec.values())) if spec else 0}
 
 
 def make_worker_class() -> type:
