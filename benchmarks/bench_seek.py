@@ -78,7 +78,7 @@ def rows(quick: bool = False) -> list:
         growth = long["rss_mib"] / short["rss_mib"]
         out.append(Row(f"replay --last {LAST}, {DP * PCP} ranks x {long_steps // 1000}k steps",
                        f"{long['seconds']:.2f} s, peak RSS {long['rss_mib']:.0f} MiB ({long['records']:,} records)",
-                       f"{long_steps // 10000}0k steps: {short['seconds']:.2f} s, {short['rss_mib']:.0f} MiB",
+                       f"{long_steps // 10 // 1000}k steps: {short['seconds']:.2f} s, {short['rss_mib']:.0f} MiB",
                        f"time {long['seconds'] / short['seconds']:.2f}x, RSS {growth:.2f}x",
                        "<= 5 s, flat memory", "pass" if long["seconds"] <= 5 and growth <= 1.2 else "miss",
                        note=(f"synthetic DP={DP} x PCP={PCP}, compact records, {long['size'] / 2**30:.1f} GiB;"
