@@ -31,8 +31,9 @@ the time base. Every other record says only what is its own, in short keys:
   its `agreed` (a `DPSyncState`) as `ag`: [num_tokens_across_dp, graph_mode,
   uniform_token_count, num_reqs, all_idle as 0/1], each followed by [step_id, phase] only where
   those differ from the record's own; a forward's context identity `ctx` as `"="` where it is
-  its batch's (`batch`, the same record), and each identity's `step` left out where it is the
-  record's; a DP agreement's dispatch `inputs` as `in`: [decode, prefill, pcp, chunking(,
+  its batch's (`batch`, the same record), and each identity as [dummy as 0/1, rows, digest],
+  followed by its `step` only where that is not the record's (logs of an earlier writer: the
+  identity as it is, less its `step` where that is the record's); a DP agreement's dispatch `inputs` as `in`: [decode, prefill, pcp, chunking(,
   decodes)]; a step's `output` digest as `out`: [digest, tokens]; and, on a step's `finish`
   transition, its `decision_digest` as `dg` and its changed `decisions` as `dc`: their values in
   `decisions.FIELDS` order, null where unchanged, trailing nulls left out.
@@ -208,8 +209,9 @@ class CompactRenderer:
             fields["ctx"] = SAME
         for name in ("ctx", "batch"):
             identity = fields.get(name)
-            if type(identity) is dict and identity.get("step") == step_id and identity.keys() == _IDENTITY_KEYS:
-                fields[name] = {key: value for key, value in identity.items() if key != "step"}
+            if type(identity) is dict and identity.keys() == _IDENTITY_KEYS and type(identity["dummy"]) is bool:
+                values = [int(identity["dummy"]), identity["rows"], identity["digest"]]
+                fields[name] = values if identity["step"] == step_id else values + [identity["step"]]
         return dumps_record({**head, **fields})
 
 

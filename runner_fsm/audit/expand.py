@@ -159,7 +159,10 @@ class Expander:
         if "batch" in record:
             for name in ("batch", "ctx"):
                 identity = record.get(name)
-                if type(identity) is dict and "step" not in identity:
+                if type(identity) is list:  # [dummy, rows, digest(, step)]
+                    record[name] = {"step": identity[3] if len(identity) > 3 else step, "dummy": bool(identity[0]),
+                                    "rows": identity[1], "digest": identity[2]}
+                elif type(identity) is dict and "step" not in identity:  # an earlier writer's
                     record[name] = {"step": step, **identity}
             if record.get("ctx") == SAME:
                 record["ctx"] = dict(record["batch"])
