@@ -110,6 +110,23 @@ def test_identities_of_an_earlier_writer_read_back_alike(tmp_path):
     assert list(read_records(old)) == list(read_records(log.path))
 
 
+def test_a_graph_replay_of_its_forwards_rows_says_its_size_once(tmp_path):
+    """The embedded engine's graph replay runs the rows its forward's record holds: its
+    `num_tokens` is left out on disk and read back from the forward; any other size, or a
+    replay with more to say, is written as it is (and so are all of an earlier writer). Mutation seen to fail this: the reader
+    filling `num_tokens` from the last forward even when the record has its own -> 8 reads as 4."""
+    with AuditLog(tmp_path, "run-c", 1, 1, 0, shape=job_shape_fields(2, 1, 1, 0)) as log:
+        for step, size, extra in ((3, 4, {}), (4, 8, {}), (5, 4, {"dummy": True})):
+            log.collective(step, "expert", "forward", 1, [[4]], step, "enqueue")
+            log.graph(step, "replay", num_tokens=size, **extra)
+            log.collective(step, "expert", "forward", 1, [[4]], step, "done")
+    lines = [json.loads(line) for line in log.path.read_bytes().splitlines()]
+    graphs = [line for line in lines if "g" in line]
+    assert [g.get("num_tokens") for g in graphs] == [None, 8, 4]
+    read = [r for r in read_records(log.path) if r["event"] == "graph"]
+    assert [(r["step_id"], r["num_tokens"], r.get("dummy")) for r in read] == [(3, 4, None), (4, 8, None), (5, 4, True)]
+
+
 def test_only_the_job_record_carries_the_header(tmp_path):
     """Mutation: the compact renderer writing `run_id` in every record -> fails."""
     with AuditLog(tmp_path, "run-c", 1, 1, 0, shape=job_shape_fields(2, 1, 1, 0)) as log:

@@ -24,7 +24,8 @@ the time base. Every other record says only what is its own, in short keys:
   the segment's `job` record declares), or with several buffers `p0` (the lowest ptr: each ptr is written less it) and,
   where every buffer has one, `v` (the version: left out of each entry), or `"buf":"="` for
   the very buffers of the step's previous `buffers` record (a graph replay's inputs, logged
-  right after they were written); `g` a graph action;
+  right after they were written); `g` a graph action, a replay's `num_tokens` left out where it
+  is the rows of the forward it runs in (the open `expert` `forward`, shapes `[[rows]]`);
   `f` a fault `[error, message]`; `e` any other event, whose fields follow as they are.
 - the record's other fields under their own names, except a DP agreement's `sent` (a
   `LocalDispatch`) as `sn`: [status, num_tokens, graph_mode, uniform_token_count, num_reqs] and
@@ -71,6 +72,8 @@ _COLLECTIVE_FIELDS = frozenset({"group", "op", "phase", "shapes", "pg_seq", "sta
 _TRANSITION_FIELDS = frozenset({"trigger", "src", "dst", "outcome"})
 _AGREED_KEYS = frozenset(AGREED_FIELDS) | {"step_id", "phase"}
 _NEW_STEP = object()  # no record yet in this segment: the next one starts a step
+FORWARD = ("expert", "forward")  # the target forward's collective (`replica._forward`)
+_REPLAY_KEYS = frozenset({"action", "num_tokens"})
 # Each trigger has one destination in the table; some have one source too.
 DEST = {t.trigger.value: t.dest.value for t in TRANSITIONS}
 ONLY_SOURCE = {t.trigger.value: t.sources[0].value for t in TRANSITIONS if len(t.sources) == 1}
@@ -119,6 +122,7 @@ class CompactRenderer:
         self._state: str | None = None  # the last transition's dst in this segment
         self._buffers: tuple = (None, None)  # (step, buffers) of the last buffers record
         self._open: dict[Any, tuple] = {}  # group -> (op, phase, pg_seq) of its last open enqueue
+        self._rows: int | None = None  # the rows of the open forward (`FORWARD`), for its graph replay
 
     def lines(self, seq: int, records, now: int) -> bytes:
         """The lines of `records` ((t_ns, event, step_id, fields), ...) numbered from `seq`,
@@ -173,6 +177,9 @@ class CompactRenderer:
             return dumps_record({"b": rest.pop("reason"), **compacted, **rest})
         if event == "graph":
             rest = dict(fields)
+            if self._rows is not None and rest.keys() == _REPLAY_KEYS and rest["action"] == "replay" \
+                    and rest["num_tokens"] == self._rows:
+                del rest["num_tokens"]  # the forward's rows, on its enqueue
             return dumps_record({"g": rest.pop("action"), **rest})
         if event == "fault" and fields.keys() == {"error", "message"}:
             return dumps_record({"f": [fields["error"], fields["message"]]})
@@ -181,6 +188,9 @@ class CompactRenderer:
     def _collective(self, step_id, fields: dict) -> bytes:
         group, op, phase, pg_seq, stage = (fields["group"], fields["op"], fields["phase"], fields["pg_seq"],
                                            fields["stage"])
+        if (group, op) == FORWARD:  # its graph replay's size, when it is one row count
+            shapes = fields["shapes"]
+            self._rows = shapes[0][0] if stage == "enqueue" and len(shapes) == 1 and len(shapes[0]) == 1 else None
         if stage == "enqueue":
             self._open[group] = (op, phase, pg_seq)
             head: dict = {"c": [group, op, phase, pg_seq, fields["shapes"]]}

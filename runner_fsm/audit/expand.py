@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from runner_fsm.audit.compact import DEST, INPUTS_FIELDS, NAMES_FIELD, ONLY_SOURCE, SAME
+from runner_fsm.audit.compact import DEST, FORWARD, INPUTS_FIELDS, NAMES_FIELD, ONLY_SOURCE, SAME
 from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, FIELDS as DECISION_FIELDS
 
 _NEW_STEP = object()  # not a step's first record
@@ -97,6 +97,10 @@ class Expander:
             record["event"], record["reason"], record["buffers"] = "buffers", record.pop("b"), buffers
         elif "g" in record:
             record["event"], record["action"] = "graph", record.pop("g")
+            if record["action"] == "replay" and "num_tokens" not in record:  # the open forward's rows
+                op, _, _, shapes = self._open.get(FORWARD[0], _UNKNOWN)
+                if op == FORWARD[1] and shapes:
+                    record["num_tokens"] = shapes[0][0]
         elif "f" in record:
             record["error"], record["message"] = record.pop("f")
             record["event"] = "fault"
