@@ -84,26 +84,30 @@ def test_a_compact_log_reads_back_as_the_same_records_in_full(tmp_path):
     assert len(written) == 26
 
 
-def test_identities_of_an_earlier_writer_read_back_alike(tmp_path):
-    """A forward's `ctx` and `batch` are lists now ([dummy, rows, digest(, step)]); a log of the
-    writer before wrote each as a dict less its `step` where that was the record's: both read
-    back as the same records. Mutation seen to fail this: the reader taking the list's 4th
-    element for the digest (or dropping the dict branch) -> the records differ."""
+def test_a_log_of_the_writer_before_reads_back_alike(tmp_path):
+    """A forward's `ctx` and `batch` are lists now ([dummy, rows, digest(, step)]) and the
+    dispatch inputs' chunking a number; the writer before wrote each identity as a dict less its
+    `step` where that was the record's, and the chunking by name: both read back as the same
+    records. Mutation seen to fail this: the reader taking the list's last element for the
+    digest (or dropping the dict branch, or leaving a chunking number as it is) -> they differ."""
     shape = job_shape_fields(2, 1, 1, 0, buffer_names=["a", "b"])
     with AuditLog(tmp_path / "now", "run-c", 1, 1, 0, shape=shape) as log:
         every_kind_of_record(log)
     lines = log.path.read_bytes().splitlines()
-    earlier, lists = [lines[0]], 0
+    earlier, changed = [lines[0]], []
     for line in lines[1:]:
         record = json.loads(line)
         for name in ("ctx", "batch"):
             value = record.get(name)
             if isinstance(value, list):  # as the writer before wrote it
-                lists += 1
+                changed.append(name)
                 record[name] = {"dummy": bool(value[0]), "rows": value[1], "digest": value[2],
                                 **({"step": value[3]} if len(value) > 3 else {})}
+        if isinstance(record.get("in"), list) and isinstance(record["in"][3], int):
+            changed.append(record["in"][3])
+            record["in"][3] = ("ceil", "balanced", "mrv2")[record["in"][3]]
         earlier.append(json.dumps(record, separators=(",", ":")).encode())
-    assert lists == 3  # two batches and a ctx that is not its batch's
+    assert changed == [0, 2, "batch", "ctx", "batch"]  # ceil, mrv2; two batches, a ctx not its batch's
     old = tmp_path / "earlier" / "rank-0.jsonl"
     old.parent.mkdir()
     old.write_bytes(b"\n".join(earlier) + b"\n")

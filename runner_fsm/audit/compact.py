@@ -35,7 +35,8 @@ the time base. Every other record says only what is its own, in short keys:
   its batch's (`batch`, the same record), and each identity as [dummy as 0/1, rows, digest],
   followed by its `step` only where that is not the record's (logs of an earlier writer: the
   identity as it is, less its `step` where that is the record's); a DP agreement's dispatch `inputs` as `in`: [decode, prefill, pcp, chunking(,
-  decodes)]; a step's `output` digest as `out`: [digest, tokens]; and, on a step's `finish`
+  decodes)], its `chunking` as its place in `CHUNKINGS` where it is one (earlier logs: the
+  name); a step's `output` digest as `out`: [digest, tokens]; and, on a step's `finish`
   transition, its `decision_digest` as `dg` and its changed `decisions` as `dc`: their values in
   `decisions.FIELDS` order, null where unchanged, trailing nulls left out.
 
@@ -60,6 +61,7 @@ KEYS = frozenset({"s", "q", "t", "tr", "c", "d", "b", "buf", "p0", "v", "g", "f"
                   "dg", "dc"})
 NAMES_FIELD = "buffer_names"  # in the `job` record: the buffers a `buffers` record lists, in order
 INPUTS_FIELDS = ("decode", "prefill", "pcp", "chunking", "decodes")  # `checks.dispatch_inputs`
+CHUNKINGS = ("ceil", "balanced", "mrv2")  # `pcp.layout.POLICIES` on disk, by place: only ever appended to
 IDENTITY_FIELDS = ("step", "dummy", "rows", "digest")  # `context_rule`
 SAME = "="  # a value the record (or the step's previous buffers record) holds already
 SENT_FIELDS = ("status", "num_tokens", "graph_mode", "uniform_token_count", "num_reqs")
@@ -211,7 +213,9 @@ class CompactRenderer:
                     head[key] = value
         if "inputs" in fields and type(fields["inputs"]) is dict and fields["inputs"].keys() in _INPUTS_KEYS:
             inputs = fields.pop("inputs")
-            head["in"] = [inputs[name] for name in INPUTS_FIELDS if name in inputs]
+            head["in"] = values = [inputs[name] for name in INPUTS_FIELDS if name in inputs]
+            if values[3] in CHUNKINGS:
+                values[3] = CHUNKINGS.index(values[3])
         output = fields.get("output")
         if type(output) is dict and output.keys() == _OUTPUT_KEYS:
             head["out"] = [fields.pop("output")["digest"], output["tokens"]]

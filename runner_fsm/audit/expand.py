@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from runner_fsm.audit.compact import DEST, FORWARD, INPUTS_FIELDS, NAMES_FIELD, ONLY_SOURCE, SAME
+from runner_fsm.audit.compact import CHUNKINGS, DEST, FORWARD, INPUTS_FIELDS, NAMES_FIELD, ONLY_SOURCE, SAME
 from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, FIELDS as DECISION_FIELDS
 
 _NEW_STEP = object()  # not a step's first record
@@ -159,7 +159,9 @@ class Expander:
                               "graph_mode": values[2], "uniform_token_count": values[3], "num_reqs": values[4]}
         values = record.pop("in", None)
         if values is not None:
-            record["inputs"] = dict(zip(INPUTS_FIELDS, values))
+            record["inputs"] = inputs = dict(zip(INPUTS_FIELDS, values))
+            if type(inputs.get("chunking")) is int:  # its place in CHUNKINGS (earlier logs: the name)
+                inputs["chunking"] = CHUNKINGS[inputs["chunking"]]
         if "batch" in record:
             for name in ("batch", "ctx"):
                 identity = record.get(name)
