@@ -51,7 +51,7 @@ def peak_rss_mib():
         pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
-run_dir, jobs, traced = sys.argv[1], int(sys.argv[2]), sys.argv[3] == "1"
+run_dir, jobs, traced = sys.argv[1], None if sys.argv[2] == "auto" else int(sys.argv[2]), sys.argv[3] == "1"
 last = int(sys.argv[4]) if len(sys.argv) > 4 else None  # replay --last N
 if traced:
     tracemalloc.start()
@@ -66,8 +66,9 @@ print(json.dumps({"seconds": seconds, "records": report.summary.records, "sound"
 """
 
 
-def _measure(run_dir: Path, jobs: int, traced: bool, last: int | None = None) -> dict:
-    """One replay in a fresh process (`last`: of the last N steps only)."""
+def _measure(run_dir: Path, jobs: int | str, traced: bool, last: int | None = None) -> dict:
+    """One replay in a fresh process (`last`: of the last N steps only; `jobs` "auto": as
+    `runner-fsm replay` chooses with no `--jobs`)."""
     out = subprocess.run([sys.executable, "-c", _MEASURE, str(run_dir), str(jobs), "1" if traced else "0",
                           *([str(last)] if last else [])], check=True, capture_output=True, text=True).stdout
     return json.loads(out)

@@ -8,8 +8,10 @@ PCP peers are copies of it with their own `job` record and buffer addresses (the
 alike but for those: the synthetic PCP ranks of a replica log the same collectives).
 
 Rows:
-- `replay --last 1000`: wall time and peak RSS (a fresh process) at 10k and 100k steps; the
-  time barely grows with the log (a seek is a bisection: two more probes per tenfold), so the
+- `replay --last 1000`: wall time and peak RSS (a fresh process) at 10k and 100k steps, with
+  the processes `runner-fsm replay` chooses when not told (`--jobs` left out: one per CPU for a
+  run this size, 2 here; the RSS is the first process's, each child's is alike); the time
+  barely grows with the log (a seek is a bisection: two more probes per tenfold), so the
   1M-step figure is extrapolated, not measured (a 1M-step run would be 40 GiB here);
 - `replay --jobs 2`: the whole run (64 ranks x 10k steps) in records per second.
 
@@ -53,11 +55,19 @@ def _p0(log: bytes) -> bytes:
     return re.search(rb'"p0":\d+', log)[0]
 
 
-def measure(run_dir: Path, jobs: int, last: int | None = None) -> dict:
+def measure(run_dir: Path, jobs: int | str, last: int | None = None) -> dict:
     """A replay in a fresh process (its own peak memory): `bench_replay`'s measurement."""
     from bench_replay import _measure
 
     return _measure(run_dir, jobs, traced=False, last=last)
+
+
+def default_jobs(run_dir: Path) -> int:
+    """The processes `runner-fsm replay` starts for this run when `--jobs` is left out."""
+    from runner_fsm.audit.ranks import discover
+    from runner_fsm.audit.replay import auto_jobs
+
+    return auto_jobs(discover(run_dir))
 
 
 def rows(quick: bool = False) -> list:
@@ -70,7 +80,7 @@ def rows(quick: bool = False) -> list:
         for steps in (long_steps // 10, long_steps):
             run_dir = Path(base) / f"run-{steps}"
             size = write_big_run(run_dir, steps)
-            last[steps] = dict(measure(run_dir, 1, LAST), size=size)
+            last[steps] = dict(measure(run_dir, "auto", LAST), size=size, jobs=default_jobs(run_dir))
             got = last[steps]
             assert got["sound"] and (got["first"], got["last"]) == (steps - LAST, steps - 1), got
             shutil.rmtree(run_dir)
@@ -82,7 +92,8 @@ def rows(quick: bool = False) -> list:
                        f"time {long['seconds'] / short['seconds']:.2f}x, RSS {growth:.2f}x",
                        "<= 5 s, flat memory", "pass" if long["seconds"] <= 5 and growth <= 1.2 else "miss",
                        note=(f"synthetic DP={DP} x PCP={PCP}, compact records, {long['size'] / 2**30:.1f} GiB;"
-                             " one process; 1M steps: not measured (40 GiB), extrapolated from the two sizes:"
+                             f" --jobs left out ({long['jobs']} processes, as runner-fsm replay chooses here; the"
+                             " RSS is the first one's); 1M steps: not measured (40 GiB), extrapolated from the two sizes:"
                              f" about {long['seconds'] + (long['seconds'] - short['seconds']):.1f} s")))
         run_dir = Path(base) / "full"
         write_big_run(run_dir, full_steps)

@@ -84,6 +84,53 @@ def test_a_compact_log_reads_back_as_the_same_records_in_full(tmp_path):
     assert len(written) == 26
 
 
+def test_a_log_of_the_writer_before_reads_back_alike(tmp_path):
+    """A forward's `ctx` and `batch` are lists now ([dummy, rows, digest(, step)]) and the
+    dispatch inputs' chunking a number; the writer before wrote each identity as a dict less its
+    `step` where that was the record's, and the chunking by name: both read back as the same
+    records. Mutation seen to fail this: the reader taking the list's last element for the
+    digest (or dropping the dict branch, or leaving a chunking number as it is) -> they differ."""
+    shape = job_shape_fields(2, 1, 1, 0, buffer_names=["a", "b"])
+    with AuditLog(tmp_path / "now", "run-c", 1, 1, 0, shape=shape) as log:
+        every_kind_of_record(log)
+    lines = log.path.read_bytes().splitlines()
+    earlier, changed = [lines[0]], []
+    for line in lines[1:]:
+        record = json.loads(line)
+        for name in ("ctx", "batch"):
+            value = record.get(name)
+            if isinstance(value, list):  # as the writer before wrote it
+                changed.append(name)
+                record[name] = {"dummy": bool(value[0]), "rows": value[1], "digest": value[2],
+                                **({"step": value[3]} if len(value) > 3 else {})}
+        if isinstance(record.get("in"), list) and isinstance(record["in"][3], int):
+            changed.append(record["in"][3])
+            record["in"][3] = ("ceil", "balanced", "mrv2")[record["in"][3]]
+        earlier.append(json.dumps(record, separators=(",", ":")).encode())
+    assert changed == [0, 2, "batch", "ctx", "batch"]  # ceil, mrv2; two batches, a ctx not its batch's
+    old = tmp_path / "earlier" / "rank-0.jsonl"
+    old.parent.mkdir()
+    old.write_bytes(b"\n".join(earlier) + b"\n")
+    assert list(read_records(old)) == list(read_records(log.path))
+
+
+def test_a_graph_replay_of_its_forwards_rows_says_its_size_once(tmp_path):
+    """The embedded engine's graph replay runs the rows its forward's record holds: its
+    `num_tokens` is left out on disk and read back from the forward; any other size, or a
+    replay with more to say, is written as it is (and so are all of an earlier writer). Mutation seen to fail this: the reader
+    filling `num_tokens` from the last forward even when the record has its own -> 8 reads as 4."""
+    with AuditLog(tmp_path, "run-c", 1, 1, 0, shape=job_shape_fields(2, 1, 1, 0)) as log:
+        for step, size, extra in ((3, 4, {}), (4, 8, {}), (5, 4, {"dummy": True})):
+            log.collective(step, "expert", "forward", 1, [[4]], step, "enqueue")
+            log.graph(step, "replay", num_tokens=size, **extra)
+            log.collective(step, "expert", "forward", 1, [[4]], step, "done")
+    lines = [json.loads(line) for line in log.path.read_bytes().splitlines()]
+    graphs = [line for line in lines if "g" in line]
+    assert [g.get("num_tokens") for g in graphs] == [None, 8, 4]
+    read = [r for r in read_records(log.path) if r["event"] == "graph"]
+    assert [(r["step_id"], r["num_tokens"], r.get("dummy")) for r in read] == [(3, 4, None), (4, 8, None), (5, 4, True)]
+
+
 def test_only_the_job_record_carries_the_header(tmp_path):
     """Mutation: the compact renderer writing `run_id` in every record -> fails."""
     with AuditLog(tmp_path, "run-c", 1, 1, 0, shape=job_shape_fields(2, 1, 1, 0)) as log:

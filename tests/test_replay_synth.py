@@ -164,7 +164,7 @@ def test_ranges_of_steps_judged_side_by_side_give_the_same_report(tmp_path, defe
 def test_seek_step_finds_the_first_line_of_a_step_by_bisection(tmp_path):
     import json as _json
 
-    from runner_fsm.audit.seek import last_step_of, newlines_before, seek_step
+    from runner_fsm.audit.seek import SeekOrigin, last_step_of, seek_step
 
     run = write_run(tmp_path / "run", SynthSpec(dp_size=2, pcp_size=1, steps=400))
     path = run / "rank-1.jsonl"
@@ -179,5 +179,6 @@ def test_seek_step_finds_the_first_line_of_a_step_by_bisection(tmp_path):
         line = next((i for i, step in enumerate(steps) if step is not None and step >= target), len(starts))
         want = starts[line] if line < len(starts) else len(data)
         assert seek_step(path, target) == want, target
-        assert newlines_before(path, want) == line  # the line numbers a range reports
+        origin = SeekOrigin(path, want, compact=False, line_known=False)
+        assert origin.line_shift() == line  # the line numbers a range reports, counted when asked
     assert last_step_of(path) == 399

@@ -24,16 +24,19 @@ the time base. Every other record says only what is its own, in short keys:
   the segment's `job` record declares), or with several buffers `p0` (the lowest ptr: each ptr is written less it) and,
   where every buffer has one, `v` (the version: left out of each entry), or `"buf":"="` for
   the very buffers of the step's previous `buffers` record (a graph replay's inputs, logged
-  right after they were written); `g` a graph action;
+  right after they were written); `g` a graph action, a replay's `num_tokens` left out where it
+  is the rows of the forward it runs in (the open `expert` `forward`, shapes `[[rows]]`);
   `f` a fault `[error, message]`; `e` any other event, whose fields follow as they are.
 - the record's other fields under their own names, except a DP agreement's `sent` (a
   `LocalDispatch`) as `sn`: [status, num_tokens, graph_mode, uniform_token_count, num_reqs] and
   its `agreed` (a `DPSyncState`) as `ag`: [num_tokens_across_dp, graph_mode,
   uniform_token_count, num_reqs, all_idle as 0/1], each followed by [step_id, phase] only where
   those differ from the record's own; a forward's context identity `ctx` as `"="` where it is
-  its batch's (`batch`, the same record), and each identity's `step` left out where it is the
-  record's; a DP agreement's dispatch `inputs` as `in`: [decode, prefill, pcp, chunking(,
-  decodes)]; a step's `output` digest as `out`: [digest, tokens]; and, on a step's `finish`
+  its batch's (`batch`, the same record), and each identity as [dummy as 0/1, rows, digest],
+  followed by its `step` only where that is not the record's (logs of an earlier writer: the
+  identity as it is, less its `step` where that is the record's); a DP agreement's dispatch `inputs` as `in`: [decode, prefill, pcp, chunking(,
+  decodes)], its `chunking` as its place in `CHUNKINGS` where it is one (earlier logs: the
+  name); a step's `output` digest as `out`: [digest, tokens]; and, on a step's `finish`
   transition, its `decision_digest` as `dg` and its changed `decisions` as `dc`: their values in
   `decisions.FIELDS` order, null where unchanged, trailing nulls left out.
 
@@ -58,6 +61,7 @@ KEYS = frozenset({"s", "q", "t", "tr", "c", "d", "b", "buf", "p0", "v", "g", "f"
                   "dg", "dc"})
 NAMES_FIELD = "buffer_names"  # in the `job` record: the buffers a `buffers` record lists, in order
 INPUTS_FIELDS = ("decode", "prefill", "pcp", "chunking", "decodes")  # `checks.dispatch_inputs`
+CHUNKINGS = ("ceil", "balanced", "mrv2")  # `pcp.layout.POLICIES` on disk, by place: only ever appended to
 IDENTITY_FIELDS = ("step", "dummy", "rows", "digest")  # `context_rule`
 SAME = "="  # a value the record (or the step's previous buffers record) holds already
 SENT_FIELDS = ("status", "num_tokens", "graph_mode", "uniform_token_count", "num_reqs")
@@ -70,6 +74,8 @@ _COLLECTIVE_FIELDS = frozenset({"group", "op", "phase", "shapes", "pg_seq", "sta
 _TRANSITION_FIELDS = frozenset({"trigger", "src", "dst", "outcome"})
 _AGREED_KEYS = frozenset(AGREED_FIELDS) | {"step_id", "phase"}
 _NEW_STEP = object()  # no record yet in this segment: the next one starts a step
+FORWARD = ("expert", "forward")  # the target forward's collective (`replica._forward`)
+_REPLAY_KEYS = frozenset({"action", "num_tokens"})
 # Each trigger has one destination in the table; some have one source too.
 DEST = {t.trigger.value: t.dest.value for t in TRANSITIONS}
 ONLY_SOURCE = {t.trigger.value: t.sources[0].value for t in TRANSITIONS if len(t.sources) == 1}
@@ -118,6 +124,7 @@ class CompactRenderer:
         self._state: str | None = None  # the last transition's dst in this segment
         self._buffers: tuple = (None, None)  # (step, buffers) of the last buffers record
         self._open: dict[Any, tuple] = {}  # group -> (op, phase, pg_seq) of its last open enqueue
+        self._rows: int | None = None  # the rows of the open forward (`FORWARD`), for its graph replay
 
     def lines(self, seq: int, records, now: int) -> bytes:
         """The lines of `records` ((t_ns, event, step_id, fields), ...) numbered from `seq`,
@@ -172,6 +179,9 @@ class CompactRenderer:
             return dumps_record({"b": rest.pop("reason"), **compacted, **rest})
         if event == "graph":
             rest = dict(fields)
+            if self._rows is not None and rest.keys() == _REPLAY_KEYS and rest["action"] == "replay" \
+                    and rest["num_tokens"] == self._rows:
+                del rest["num_tokens"]  # the forward's rows, on its enqueue
             return dumps_record({"g": rest.pop("action"), **rest})
         if event == "fault" and fields.keys() == {"error", "message"}:
             return dumps_record({"f": [fields["error"], fields["message"]]})
@@ -180,6 +190,9 @@ class CompactRenderer:
     def _collective(self, step_id, fields: dict) -> bytes:
         group, op, phase, pg_seq, stage = (fields["group"], fields["op"], fields["phase"], fields["pg_seq"],
                                            fields["stage"])
+        if (group, op) == FORWARD:  # its graph replay's size, when it is one row count
+            shapes = fields["shapes"]
+            self._rows = shapes[0][0] if stage == "enqueue" and len(shapes) == 1 and len(shapes[0]) == 1 else None
         if stage == "enqueue":
             self._open[group] = (op, phase, pg_seq)
             head: dict = {"c": [group, op, phase, pg_seq, fields["shapes"]]}
@@ -200,7 +213,9 @@ class CompactRenderer:
                     head[key] = value
         if "inputs" in fields and type(fields["inputs"]) is dict and fields["inputs"].keys() in _INPUTS_KEYS:
             inputs = fields.pop("inputs")
-            head["in"] = [inputs[name] for name in INPUTS_FIELDS if name in inputs]
+            head["in"] = values = [inputs[name] for name in INPUTS_FIELDS if name in inputs]
+            if values[3] in CHUNKINGS:
+                values[3] = CHUNKINGS.index(values[3])
         output = fields.get("output")
         if type(output) is dict and output.keys() == _OUTPUT_KEYS:
             head["out"] = [fields.pop("output")["digest"], output["tokens"]]
@@ -208,8 +223,9 @@ class CompactRenderer:
             fields["ctx"] = SAME
         for name in ("ctx", "batch"):
             identity = fields.get(name)
-            if type(identity) is dict and identity.get("step") == step_id and identity.keys() == _IDENTITY_KEYS:
-                fields[name] = {key: value for key, value in identity.items() if key != "step"}
+            if type(identity) is dict and identity.keys() == _IDENTITY_KEYS and type(identity["dummy"]) is bool:
+                values = [int(identity["dummy"]), identity["rows"], identity["digest"]]
+                fields[name] = values if identity["step"] == step_id else values + [identity["step"]]
         return dumps_record({**head, **fields})
 
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from runner_fsm.audit.compact import DEST, INPUTS_FIELDS, NAMES_FIELD, ONLY_SOURCE, SAME
+from runner_fsm.audit.compact import CHUNKINGS, DEST, FORWARD, INPUTS_FIELDS, NAMES_FIELD, ONLY_SOURCE, SAME
 from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, FIELDS as DECISION_FIELDS
 
 _NEW_STEP = object()  # not a step's first record
@@ -97,6 +97,10 @@ class Expander:
             record["event"], record["reason"], record["buffers"] = "buffers", record.pop("b"), buffers
         elif "g" in record:
             record["event"], record["action"] = "graph", record.pop("g")
+            if record["action"] == "replay" and "num_tokens" not in record:  # the open forward's rows
+                op, _, _, shapes = self._open.get(FORWARD[0], _UNKNOWN)
+                if op == FORWARD[1] and shapes:
+                    record["num_tokens"] = shapes[0][0]
         elif "f" in record:
             record["error"], record["message"] = record.pop("f")
             record["event"] = "fault"
@@ -155,11 +159,16 @@ class Expander:
                               "graph_mode": values[2], "uniform_token_count": values[3], "num_reqs": values[4]}
         values = record.pop("in", None)
         if values is not None:
-            record["inputs"] = dict(zip(INPUTS_FIELDS, values))
+            record["inputs"] = inputs = dict(zip(INPUTS_FIELDS, values))
+            if type(inputs.get("chunking")) is int:  # its place in CHUNKINGS (earlier logs: the name)
+                inputs["chunking"] = CHUNKINGS[inputs["chunking"]]
         if "batch" in record:
             for name in ("batch", "ctx"):
                 identity = record.get(name)
-                if type(identity) is dict and "step" not in identity:
+                if type(identity) is list:  # [dummy, rows, digest(, step)]
+                    record[name] = {"step": identity[3] if len(identity) > 3 else step, "dummy": bool(identity[0]),
+                                    "rows": identity[1], "digest": identity[2]}
+                elif type(identity) is dict and "step" not in identity:  # an earlier writer's
                     record[name] = {"step": step, **identity}
             if record.get("ctx") == SAME:
                 record["ctx"] = dict(record["batch"])

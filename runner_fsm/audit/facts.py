@@ -48,9 +48,18 @@ class RankEnd:
     rank: int
     replica: int
     step: int
-    t_ns: int | None
+    t_read: int | None  # as read; after a seek, on from `origin`'s time base (`seek.SeekOrigin`)
     state: str | None
     in_collective: bool
+    origin: object = dataclasses.field(default=None, compare=False, repr=False)
+
+    @property
+    def t_ns(self) -> int | None:
+        """The time of its last record: after a seek, the segment is read up to it for its
+        time base, so only a rule that compares it (`stops`) pays for that."""
+        if self.t_read is None or self.origin is None:
+            return self.t_read
+        return self.t_read + self.origin.time_shift()
 
 
 @dataclasses.dataclass
@@ -65,9 +74,12 @@ class RunFacts:
     # injection names: what an injection that never fired found there
     kinds: dict[tuple[int, int], str | None] = dataclasses.field(default_factory=dict)
 
-    def note(self, rank: int, record: dict) -> None:
-        """Keep what a `fault`, `stop`, `injected` or `job` record says (ValueError: malformed)."""
+    def note(self, rank: int, record: dict, origin=None) -> None:
+        """Keep what a `fault`, `stop`, `injected` or `job` record says (ValueError: malformed);
+        `origin`: the `seek.SeekOrigin` of a record read after a seek (its time base)."""
         event, step, seq, t_ns = record["event"], record["step_id"], record["seq"], record.get("t_ns")
+        if origin is not None and _is_int(t_ns) and event in ("stop", "fault"):
+            t_ns += origin.time_shift()  # rare records: counted as they come
         if event == "job":
             inject = record.get("inject") or ()
             self.injections[rank] = tuple(map(str, [inject] if isinstance(inject, str) else inject))

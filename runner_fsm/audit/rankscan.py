@@ -21,7 +21,7 @@ from runner_fsm.audit.ranks import RankInfo
 from runner_fsm.audit.read import RankStep
 from runner_fsm.audit.report import ReplayInputError, Verdict
 from runner_fsm.audit.scan import RankScanner
-from runner_fsm.audit.seek import locate
+from runner_fsm.audit.seek import SeekOrigin, locate
 
 
 def log_last_step(info: RankInfo) -> int | None:
@@ -93,7 +93,8 @@ def scan_rank(info: RankInfo, verdicts: list[Verdict], counter: dict[int, int], 
             t_ns = (scanner.last_record or {}).get("t_ns")
             facts.ends[info.global_rank] = RankEnd(info.global_rank, info.dp_rank, last.step,
                                                    t_ns if isinstance(t_ns, int) else None,
-                                                   scanner.transitions.state, last.hang is not None)
+                                                   scanner.transitions.state, last.hang is not None,
+                                                   scanner.origin)
         yield last
 
 
@@ -114,11 +115,15 @@ def _read_head(scanner: RankScanner, segment: SegmentFile) -> None:
 
 
 def _segment(scanner: RankScanner, segment: SegmentFile, stop_step: int | None, *, offset: int = 0,
-             line: int = 1, resume: bool = False) -> Iterator[RankStep]:
-    """The steps of one segment from byte `offset` (its line `line`); `resume`: what came
-    before is not this log's previous records (a seek, a rotation gap)."""
+             line: int | None = 1, resume: bool = False) -> Iterator[RankStep]:
+    """The steps of one segment from byte `offset` (its line `line`, None: not known, see
+    `seek.SeekOrigin`); `resume`: what came before is not this log's previous records (a seek,
+    a rotation gap)."""
     with open_lines(segment.path, offset) as lines:
         scanner.file = segment.file
+        # read from a seek: what lies before it (lines, the time base) is counted when a verdict asks
+        scanner.origin = SeekOrigin(segment.path, offset, compact=segment.compact, line_known=line is not None) \
+            if offset > 0 else None
         if offset == 0 and line == 1 and not resume:
             yield from scanner.scan(lines, stop_step=stop_step, expand=_expander(segment))
             return
@@ -131,7 +136,7 @@ def _segment(scanner: RankScanner, segment: SegmentFile, stop_step: int | None, 
             lines.readline()  # the segment's `job` record: one of the log's records, not a step's
             scanner.continue_with(segment.job, resumed=resume)
             line = 2
-        yield from scanner.scan(lines, stop_step=stop_step, expand=expand, first_line=line)
+        yield from scanner.scan(lines, stop_step=stop_step, expand=expand, first_line=1 if line is None else line)
 
 
 def _expander(segment: SegmentFile) -> Expander | None:

@@ -65,13 +65,16 @@ class RankScanner(LogIntegrity):
         self.contexts = ContextEvidence()
         self._resumed = False  # the next step follows a jump in the log (a seek, a rotation gap)
         self.decisions = DecisionTrail()  # its step decisions, as its `finish` records give them
+        self.origin = None  # `seek.SeekOrigin` of the segment read, where it was read from a seek
 
     # -- verdicts ------------------------------------------------------------------
 
     def _verdict(self, kind: str, detail: str, *, step=None, line=None, error=None) -> None:
         step = step if step is not None else (self.current.step if self.current else None)
+        line = line or self._line  # numbered from a seek: the lines before it are counted now
+        line += self.origin.line_shift() if line and self.origin is not None else 0
         self.verdicts.append(Verdict(kind, self.info.dp_rank, step, detail, (self.info.global_rank,),
-                                     self.file, line or self._line, error))
+                                     self.file, line, error))
 
     # -- the per-line entry points -------------------------------------------------
 
@@ -332,11 +335,11 @@ class RankScanner(LogIntegrity):
         error, message = str(record["error"]), str(record["message"])
         self.current.fault = self.current.fault or (error, message)  # the first one is the cause
         self._verdict("fault", f"{error}: {message}", error=error)
-        self.facts.note(self.info.global_rank, record)
+        self.facts.note(self.info.global_rank, record, self.origin)
 
     def _rare(self, record) -> None:
         """`stop`, `injected`, `job`: kept whole for the rules judged over the job (`facts`)."""
-        self.facts.note(self.info.global_rank, record)
+        self.facts.note(self.info.global_rank, record, self.origin)
 
     def _buffers(self, record) -> None:
         for detail in self.buffers.buffers(record, self.current.step):

@@ -4,15 +4,22 @@ A rank's log is ordered by step, in every segment and across them, so the byte o
 step begins is found by bisection (`seek_step`), or, in a closed compact segment, from its step
 index (`stepindex`). A compact record carries its step only where a step begins (`{"s":...`,
 `compact`): those lines are the ones a seek lands on.
+
+What lies before the place a seek lands on is counted only when a verdict needs it
+(`SeekOrigin`): the line numbers a verdict cites, and a compact segment's time base (its times
+run on from step to step, from the segment's `job` record). Counting them reads the segment
+from its start, which a seek is there to avoid: most windows of a long run are sound.
 """
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import orjson
 
 from runner_fsm.audit import stepindex
+from runner_fsm.audit.compress import open_lines
 from runner_fsm.audit.mapped import data_end, is_blank
 
 _TAIL = 1 << 16
@@ -86,30 +93,65 @@ def last_step_of(path: Path) -> int | None:
             span *= 4
 
 
-def newlines_before(path: Path, offset: int) -> int:
-    count = 0
-    with open(path, "rb") as handle:
-        while offset > 0:
-            chunk = handle.read(min(offset, 1 << 20))
-            if not chunk:
-                break
-            count += chunk.count(b"\n")
-            offset -= len(chunk)
-    return count
+# A compact step's first line and its time since the previous step's first line (`compact`)
+_STEP_TIME = re.compile(rb'\n\{"s":(?:-?\d+|null),"q":\d+,"t":(-?\d+)')
+_CHUNK = 1 << 20
 
 
+class SeekOrigin:
+    """What lies before byte `offset` of a segment a scan jumped to, counted on the first ask
+    (one pass over the bytes before it, then kept): the lines before it, for a verdict's line
+    number where the seek did not give one (`line_known`: the scan numbers lines from the
+    right number already), and, in a compact segment, the time base a scan from the start would
+    have had there. Small and plain: a range's findings cross a pipe (`ranges`)."""
+
+    __slots__ = ("path", "offset", "compact", "line_known", "_counted")
+
+    def __init__(self, path: Path, offset: int, *, compact: bool, line_known: bool):
+        self.path, self.offset, self.compact, self.line_known = path, offset, compact, line_known
+        self._counted: tuple[int, int] | None = None  # (lines, sum of step times in us)
+
+    def line_shift(self) -> int:
+        """Lines to add to a line numbered from 1 at the seek (0 where the seek knew its line)."""
+        return 0 if self.line_known else self._count()[0]
+
+    def time_shift(self) -> int:
+        """Nanoseconds to add to a `t_ns` read after the seek: an `Expander` resumed there counts
+        the steps' times on from the segment's `job` record, a scan from the start from every
+        step before (the sum of their `t`, microseconds, as that scan adds them)."""
+        return self._count()[1] * 1000 if self.compact else 0
+
+    def _count(self) -> tuple[int, int]:
+        if self._counted is None:
+            lines = micros = 0
+            carry = b""  # the end of the last chunk from its last newline on
+            with open_lines(self.path) as handle:
+                left = self.offset
+                while left > 0:
+                    chunk = handle.read(min(left, _CHUNK))
+                    if not chunk:
+                        break
+                    left -= len(chunk)
+                    lines += chunk.count(b"\n")
+                    if self.compact:
+                        data = carry + chunk
+                        cut = data.rfind(b"\n")
+                        whole, carry = (data[:cut], data[cut:]) if cut >= 0 else (b"", data)
+                        micros += sum(map(int, _STEP_TIME.findall(whole)))
+            self._counted = (lines, micros)
+        return self._counted
 
 
-def locate(path: Path, step: int, *, compact: bool = False) -> tuple[int, int]:
+def locate(path: Path, step: int, *, compact: bool = False) -> tuple[int, int | None]:
     """(byte offset, line number) of the first line of `path` whose step is `step` or later
     (the end of its data when there is none): from the segment's step index where it has one
-    for its size, else by bisection."""
+    for its size (line number and all), else by bisection (line number None: counting the
+    lines before it would read the file from its start; `SeekOrigin` does, when asked)."""
     index = stepindex.read(path) if compact else None
     if index is not None and index.members:  # compressed: from the member that holds the step on
         return index.locate(step)
     if index is None:
-        offset = seek_step(path, step)
-        return offset, newlines_before(path, offset) + 1
+        return seek_step(path, step), None
     offset, line = index.locate(step)
     with open(path, "rb") as handle:
         handle.seek(offset)

@@ -57,8 +57,8 @@ class StopRule:
     def explains_end(self, rank: int) -> bool:
         if rank in self.own:
             return True
-        end = self.facts.ends.get(rank)
-        return end is not None and self.request_before(rank, end.t_ns) is not None
+        end = self.facts.ends.get(rank)  # no request, no time wanted (a seek's is counted: `facts.RankEnd`)
+        return end is not None and bool(self.requests) and self.request_before(rank, end.t_ns) is not None
 
     def explains_fault(self, fault: FaultSeen) -> bool:
         own = self.own.get(fault.rank)
