@@ -73,8 +73,7 @@ class RankScanner(LogIntegrity):
         step = step if step is not None else (self.current.step if self.current else None)
         line = line or self._line  # numbered from a seek: the lines before it are counted now
         line += self.origin.line_shift() if line and self.origin is not None else 0
-        self.verdicts.append(Verdict(kind, self.info.dp_rank, step, detail, (self.info.global_rank,),
-                                     self.file, line, error))
+        self.verdicts.append(Verdict(kind, self.info.dp_rank, step, detail, (self.info.global_rank,), self.file, line, error))
 
     # -- the per-line entry points -------------------------------------------------
 
