@@ -139,54 +139,79 @@ def _signal(pid: int, signum: int) -> None:
         pass
 
 
-def _rank_pids(session: int, out: Path) -> dict[int, int]:
-    """{rank: pid}: each rank's process is the one holding its log open."""
-    found = {}
-    for pid in _session(session):
+def _links(pid: int) -> set[str]:
+    """What `pid`'s open descriptors name. One closed between the listing and its readlink (a
+    rank still opening sockets) is left out, not the whole process."""
+    links = set()
+    try:
+        fds = list((Path("/proc") / str(pid) / "fd").iterdir())
+    except OSError:
+        return links
+    for fd in fds:
         try:
-            links = [os.readlink(fd) for fd in (Path("/proc") / str(pid) / "fd").iterdir()]
+            links.add(os.readlink(fd))
         except OSError:
-            continue
-        for rank in range(RANKS):
-            if str(out / f"rank-{rank}.jsonl") in links:
-                found[rank] = pid
+            pass
+    return links
+
+
+def _rank_pids(session: int, out: Path, wait_s: float = 10.0) -> dict[int, int]:
+    """{rank: pid}: each rank's process is the one holding its log open (looked for again until
+    every rank is found or `wait_s` passes)."""
+    found: dict[int, int] = {}
+    deadline = time.monotonic() + wait_s
+    while len(found) < RANKS and time.monotonic() < deadline:
+        for pid in _session(session):
+            links = _links(pid)
+            for rank in range(RANKS):
+                if str(out / f"rank-{rank}.jsonl") in links:
+                    found[rank] = pid
+        if len(found) < RANKS:
+            time.sleep(0.01)
     return found
 
 
-def _ends_with_finish(data: bytes, step: int | None = None):
-    """The step whose `finish` is the last line of a log's bytes, nothing after it but the blank
-    tail (no line being written): None otherwise."""
-    records, whole = _records(data)
-    if not whole or not records:
+def _cut_after_finish(data: bytes, step: int) -> bytes | None:
+    """A rank's log as it stood right after it logged the end of `step` (its `finish`), from
+    any later copy of it: the bytes up to that line, then the blank tail its writer had mapped
+    by then (whole chunks: `audit.mapped`). An append-only file had exactly these bytes at
+    that instant, so this is what a SIGKILL landing then leaves on disk. None before that
+    line was written."""
+    text = data[: len(data.rstrip(b"\n\x00"))]
+    head_end = text.find(b"\n")
+    if head_end < 0:
         return None
-    last = records[-1]
-    return last["step_id"] if _finished(last) and (step is None or last["step_id"] == step) else None
+    expand = Expander(json.loads(text[:head_end]))
+    offset = head_end + 1
+    while offset < len(text):
+        line_end = text.find(b"\n", offset)
+        line_end = len(text) if line_end < 0 else line_end
+        try:
+            record = expand(json.loads(text[offset:line_end]))
+        except ValueError:  # the line being written: nothing after it is whole
+            return None
+        offset = line_end + 1
+        if _finished(record) and record["step_id"] == step:
+            # data[offset - 1] is the line's newline (or the fill's, the same byte)
+            mapped = max(CHUNK, -(-offset // CHUNK) * CHUNK)
+            return data[:offset] + b"\n" * (mapped - offset)
+    return None
 
 
 def _between_steps(out: Path, at_least: int, alive) -> dict[int, bytes] | None:
     """{rank: its log's bytes} as each rank's log stood right after it logged the end of the
     same step S >= `at_least`: what a SIGKILL of every process leaves when it lands while all
-    are between steps after S. Each log is read as its own writer leaves it (appending), so the
-    moment is caught per rank: the window in which every rank is between steps at once is too
-    short to hit by freezing them together. None when the run ends first."""
+    are between steps S and S+1 (a consistent cut: no rank has begun S+1, whose agreement
+    every rank must join). Cut from a later copy of each log (`_cut_after_finish`): the
+    instant itself, a couple of milliseconds between one step's `finish` and the next step's
+    agreement, is too short to catch by polling. None when the run ends first."""
     paths = [out / f"rank-{rank}.jsonl" for rank in range(RANKS)]
     while alive():
-        step = max(at_least, *(_step_now(path) + 1 for path in paths))
-        got: dict[int, bytes] = {}
-        while alive() and len(got) < RANKS and all(_step_now(paths[r]) <= step for r in range(RANKS) if r not in got):
-            for rank in range(RANKS):
-                if rank not in got:
-                    data = paths[rank].read_bytes()
-                    if _ends_with_finish(data, step) is not None:
-                        got[rank] = data
-        if len(got) == RANKS:
-            return got
+        cuts = {rank: _cut_after_finish(paths[rank].read_bytes(), at_least) for rank in range(RANKS)}
+        if all(cut is not None for cut in cuts.values()):
+            return cuts
+        time.sleep(0.02)
     return None
-
-
-def _step_now(path: Path) -> int:
-    last = _last(path.parent, int(path.stem.split("-")[1]))
-    return last["step_id"] if last is not None and isinstance(last["step_id"], int) else -1
 
 
 @pytest.fixture(scope="module")

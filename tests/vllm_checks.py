@@ -92,8 +92,13 @@ def pid_writing(path: Path) -> int | None:
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
-                if any(os.readlink(fd) == str(path) for fd in (entry / "fd").iterdir()):
-                    return int(entry.name)
+                fds = list((entry / "fd").iterdir())
             except OSError:
                 continue
+            for fd in fds:
+                try:  # a descriptor closed since the listing skips itself, not its process
+                    if os.readlink(fd) == str(path):
+                        return int(entry.name)
+                except OSError:
+                    pass
     return None
