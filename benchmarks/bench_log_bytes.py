@@ -73,7 +73,7 @@ def through_vllm() -> dict[str, dict]:
     sys.path.insert(0, str(REPO / "tests"))
     import vllm_dp_cases as c
 
-    from runner_fsm.integrations.vllm.spmd import Job
+    from runner_fsm.integrations.vllm.offline_dp import Job
 
     with tempfile.TemporaryDirectory(prefix="bench-log-bytes-vllm-") as base:
         root = Path(base)

@@ -31,6 +31,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
+sys.path.insert(0, str(REPO / "tests"))  # vllm_harness: the vLLM test tier's engine settings
 sys.path.insert(0, str(REPO))
 MTP = {"method": "mtp", "num_speculative_tokens": 1}
 
@@ -39,7 +40,7 @@ def timed_generate(llm, requests):
     """spmd's `Job.run`: warm-up, the timed requests, then the same under the worker timers."""
     from bench_vllm_worker import _install_timers
 
-    from runner_fsm.integrations.vllm import harness as h
+    import vllm_harness as h
 
     h.generate(llm, [h.Req("warm", requests[0].prompt[:8], 2)])
     outputs, seconds = h.generate(llm, requests)
@@ -60,8 +61,8 @@ def _requests(num: int, max_new: int, seed: int) -> list[tuple]:
 
 
 def _run(model: str, dp: int, requests: list, work: Path) -> dict:
-    from runner_fsm.integrations.vllm import harness as h
-    from runner_fsm.integrations.vllm.spmd import Job, launch_dp
+    import vllm_harness as h
+    from runner_fsm.integrations.vllm.offline_dp import Job, launch_dp
     from runner_fsm.testing.vllm_models import MLA_BLOCK_SIZE
 
     kwargs = h.llm_kwargs(model, run_dir=str(work / f"run-dp{dp}"), block_size=MLA_BLOCK_SIZE,

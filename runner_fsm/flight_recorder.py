@@ -14,7 +14,7 @@ sets `TORCH_FR_BUFFER_SIZE=0` and nothing is dumped), or `TORCH_FR_BUFFER_SIZE=0
 step is measured in `make bench`.
 
 Two calls, for any worker (the embedded engine makes them, and the vLLM worker through
-`integrations/vllm/flight.py`):
+`integrations/vllm/recording/flight.py`):
 - `enable()` once per process, *before* `init_process_group` (vLLM: before
   `init_distributed_environment`); it only sets the environment torch reads;
 - `dump_beside(run_dir, global_rank, groups, reason)` when the worker stops, faults or times

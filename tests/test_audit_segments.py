@@ -165,7 +165,7 @@ def test_pins_that_leave_no_room_drop_the_newest_unpinned_data_and_say_so(tmp_pa
 def test_companions_rotate_and_go_with_their_segment(tmp_path, switches):
     """The vLLM step journal's segments follow the log's and count against the cap, as does a
     Flight Recorder dump. Mutation: `_delete` keeping companion files -> over the cap."""
-    from runner_fsm.integrations.vllm.journal import Journal, read_journal
+    from runner_fsm.integrations.vllm.recording.journal import Journal, read_journal
 
     (tmp_path / "fr-rank-0.json").write_bytes(b"x" * MIN_SEGMENT)
     with capped_log(tmp_path) as log:

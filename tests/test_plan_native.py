@@ -165,7 +165,7 @@ def _segment_columns(rank):
 
 @pytest.mark.parametrize("pcp", [1, 2, 5, 16])
 def test_the_planner_plans_what_plan_batch_does_and_keeps_the_plan_before(pcp):
-    """`native.Planner` (vLLM's PCP manager plans with it step after step) and `rank_segments`:
+    """`native.Planner` (vLLM's PCP manager plans with it step after step) and `runners/pcp/segments.py`:
     the numpy plan's arrays, counts and each rank's segments, from integer arrays of any width.
     A plan stays intact while the next one is written (vLLM's CPU tensors alias it).
     Mutations that fail it: `mrv2_rank_segments` putting a prefill's tail before its head, or

@@ -37,7 +37,8 @@ from pathlib import Path
 import pytest
 from ascend_source import Sources, collective_calls, methods
 
-from runner_fsm.integrations.vllm import pcp_evidence, platform_worker, schema
+from runner_fsm.integrations.vllm import platform_worker, schema
+from runner_fsm.integrations.vllm.runners.pcp import evidence as pcp_evidence
 from runner_fsm.integrations.vllm.runners.ascend import GIT_READ, SOURCE_PIN, AscendMRV2Runner
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
@@ -123,7 +124,7 @@ def test_the_pcp_manager_the_runner_builds_has_every_name_the_evidence_reads(asc
 
 
 def test_the_evidence_reads_nothing_of_the_manager_beyond_its_names():
-    """MANAGER_NAMES is what the test above checks, so it must be every name `pcp_evidence`
+    """MANAGER_NAMES is what the test above checks, so it must be every name `runners/pcp/evidence.py`
     reads from the manager (`self.manager.x`, `manager.x`)."""
     tree = ast.parse(Path(pcp_evidence.__file__).read_text())
     read = set()

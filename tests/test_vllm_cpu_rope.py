@@ -13,7 +13,7 @@ import pytest
 import torch
 from vllm_checks import hf_greedy, mrv2_env
 
-from runner_fsm.integrations.vllm import cpu_rope
+from runner_fsm.integrations.vllm.cpu import rope as cpu_rope
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]  # runs V1 here and MRV2 in a child
 
@@ -143,7 +143,7 @@ def _vllm_greedy(llm, names) -> dict[str, list[int]]:
 def run_end_to_end(model_dir: str) -> dict:
     """HF's greedy tokens; vLLM's before the fix, after it (in a batch, alone), what was
     installed (twice: the second finds it done) and which model runner vLLM used."""
-    from runner_fsm.integrations.vllm import harness as h
+    import vllm_harness as h
     from runner_fsm.testing.vllm_models import MLA_BLOCK_SIZE
 
     names = list(PROMPTS)

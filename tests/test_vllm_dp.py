@@ -17,7 +17,7 @@ import pytest
 import vllm_dp_cases as c
 from conftest import EXPECTED_RUNNER
 
-from runner_fsm.integrations.vllm.spmd import Job
+from runner_fsm.integrations.vllm.offline_dp import Job
 
 pytestmark = pytest.mark.vllm
 

@@ -7,7 +7,7 @@ import pytest
 from runner_fsm import dp
 from runner_fsm.errors import ConfigError, DesyncError, ReplicaFault
 from runner_fsm.integrations.vllm import inject
-from runner_fsm.integrations.vllm.dp_agreement import check_columns
+from runner_fsm.integrations.vllm.dp.agreement import check_columns
 
 
 def rows(*columns):
@@ -62,7 +62,7 @@ def test_inject_syntax():
 
 
 def test_scheduled_drafts_must_be_prefixes_of_the_latest_proposals():
-    from runner_fsm.integrations.vllm.drafts import DraftLedger, DraftMismatchError
+    from runner_fsm.integrations.vllm.dp.drafts import DraftLedger, DraftMismatchError
 
     ledger = DraftLedger(dp_rank=0)
     ledger.proposed(3, ["a", "b"], [[7, 8], [9, 10]])

@@ -1,4 +1,4 @@
-"""`draft_dp_sync` (runner_fsm/integrations/vllm/draft_dp_sync.py) at function level: where it
+"""`draft_dp_sync` (runner_fsm/integrations/vllm/runners/draft_dp_sync.py) at function level: where it
 installs, what it changes in the speculator's call, and why it refuses elsewhere. End to end
 (DP=2 x PCP=2 with MTP through vLLM) it is tests/test_vllm_mtp_pcp_dp.py."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from runner_fsm.integrations.vllm import draft_dp_sync
+from runner_fsm.integrations.vllm.runners import draft_dp_sync
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
 

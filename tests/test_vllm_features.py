@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from vllm_checks import assert_replays_sound, transitions
 
-from runner_fsm.integrations.vllm import harness as h
-from runner_fsm.integrations.vllm.journal import read_journal
+import vllm_harness as h
+from runner_fsm.integrations.vllm.recording.journal import read_journal
 
 pytestmark = pytest.mark.vllm
 

@@ -16,7 +16,7 @@ import pytest
 import vllm_dp_cases as c
 from vllm_checks import mrv2_env
 
-from runner_fsm.integrations.vllm.spmd import Job
+from runner_fsm.integrations.vllm.offline_dp import Job
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
 

@@ -33,7 +33,7 @@ def _cpu_collectives(rank: int) -> dict:
     import torch.distributed as dist
     from vllm.distributed.device_communicators.cpu_communicator import CpuCommunicator
 
-    from runner_fsm.integrations.vllm import cpu_collectives
+    from runner_fsm.integrations.vllm.cpu import collectives as cpu_collectives
 
     before = cpu_collectives.missing(CpuCommunicator)
     added = cpu_collectives.install()
@@ -65,15 +65,16 @@ def _child(rank: int, init: str, out_dir: str) -> None:
 
         from runner_fsm import dp
         from runner_fsm.audit import AuditLog
-        from runner_fsm.integrations.vllm import dp_schema, mrv2_sync
-        from runner_fsm.integrations.vllm.dp_agreement import AgreementTap
+        from runner_fsm.integrations.vllm.runners import hooks, mrv2_dp
+        from runner_fsm.integrations.vllm.dp.agreement import AgreementTap
 
-        dp_schema.check_dp_hooks(mrv2=True)
+        hooks.check_dp_hooks("mrv2")
         from vllm.v1.worker import dp_utils as v1_dp_utils
 
         real_run_ar = v1_dp_utils._run_ar
         v1_dp_utils._run_ar = lambda tensor, group: tensor  # as if vLLM had changed it
-        result["schema_problems"] = dp_schema.find_problems()
+        result["schema_problems"] = hooks.find_problems(hooks.V1)
+        result["mrv2_schema_problems"] = hooks.find_problems(hooks.MRV2)  # V1's names are not MRV2's
         v1_dp_utils._run_ar = real_run_ar
         # vLLM's DP group: a stand-in that hands vLLM's function the gloo world group.
         parallel_state._DP = SimpleNamespace(cpu_group=dist.group.WORLD)
@@ -87,7 +88,7 @@ def _child(rank: int, init: str, out_dir: str) -> None:
         tap = AgreementTap(rank, 2, audit=audit, rows_hook=lambda rows: (
             rows.__class__(rows.step_id + 1, *rows.column()[1:]) if rank == 1 and rows.step_id == desync_step
             else rows))
-        undo = mrv2_sync.install(tap)
+        undo = mrv2_dp.install(tap)
         tap.begin_step(0, dummy=False)
         result["carried"] = _case(*args, tokens, 1)
         with tap.tagged(dp.DRAFT_PREFILL):
@@ -118,7 +119,7 @@ def _child(rank: int, init: str, out_dir: str) -> None:
         # replica 0 goes on to its next step: the phase past the step's last names replica 1.
         extra = AgreementTap(rank, 2)
         extra.last_phase = dp.DRAFT_PREFILL
-        undo = mrv2_sync.install(extra)
+        undo = mrv2_dp.install(extra)
         extra.begin_step(5 if rank == 1 else 6, dummy=rank == 1)
         try:
             with extra.tagged(dp.DRAFT_DECODE if rank == 1 else dp.TARGET):
@@ -175,7 +176,8 @@ def test_mrv2_sync_carries_agreement_and_detects_desync(gloo_run):
         assert res["desync"]["culprit"] == [[1], 2]
         assert "culprit: replica 1 at step 2" in res["desync"]["message"]
         assert res["restored"] is True
-        assert res["schema_problems"] == ["dp_utils._run_ar takes ['tensor', 'group'], the replacement"
+        assert res["mrv2_schema_problems"] == []
+        assert res["schema_problems"] == ["vllm.v1.worker.dp_utils._run_ar takes ['tensor', 'group'], the replacement"
                                           " ['should_ubatch', 'orig_num_tokens_per_ubatch',"
                                           " 'padded_num_tokens_per_ubatch', 'cudagraph_mode', 'parallel_config']"]
     # Mutation: `exchange` without `last_phase` -> replica 0, ahead in step order, is named.

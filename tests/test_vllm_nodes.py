@@ -35,7 +35,7 @@ from test_vllm_server import free_port, wait_ready
 from vllm_checks import log_tail, plugin_env, stop_note
 
 from runner_fsm.audit.replay import replay
-from runner_fsm.integrations.vllm import harness as h
+import vllm_harness as h
 
 # vLLM's launch modes and stops are its front end's, not the model runner's: once, in the V1 leg
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]

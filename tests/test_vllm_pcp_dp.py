@@ -23,8 +23,8 @@ import pytest
 import vllm_dp_cases as c
 from vllm_checks import mrv2_env, pid_writing
 
-from runner_fsm.integrations.vllm import harness as h
-from runner_fsm.integrations.vllm.spmd import Job
+import vllm_harness as h
+from runner_fsm.integrations.vllm.offline_dp import Job
 from runner_fsm.testing.vllm_models import MLA_BLOCK_SIZE, make_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]

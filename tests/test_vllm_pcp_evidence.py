@@ -1,4 +1,4 @@
-"""The PCP evidence of vLLM MRV2's PCP manager (`pcp_evidence`), over a fake manager: what it
+"""The PCP evidence of vLLM MRV2's PCP manager (`runners/pcp/evidence.py`), over a fake manager: what it
 logs is judged by replay's own rules (`audit.checks`), and each injected PCP fault leaves
 evidence those rules reject. No vLLM needed (the end-to-end runs are in test_vllm_pcp_dp.py)."""
 
@@ -14,7 +14,7 @@ import torch
 from runner_fsm.audit.checks import (BufferTracker, dispatch_inputs, dispatch_problem, recomputed_dispatch_count,
                                      stale_inputs)
 from runner_fsm.audit.context_rule import context_evidence_missing, context_problem
-from runner_fsm.integrations.vllm.pcp_evidence import PAD_SLOT_ID, PCPEvidence, layout_digest
+from runner_fsm.integrations.vllm.runners.pcp.evidence import PAD_SLOT_ID, PCPEvidence, layout_digest
 from runner_fsm.pcp.plan import num_tokens_for_dispatch
 
 PCP = 2

@@ -19,9 +19,9 @@ from runner_fsm.audit import AuditLog, read_records
 from runner_fsm.audit.records import plain_fields
 from runner_fsm.audit.replay import replay
 from runner_fsm.integrations.vllm.errors import StepRefused
-from runner_fsm.integrations.vllm.journal import BATCH as journal_batch, Journal, read_journal
-from runner_fsm.integrations.vllm.probe import JUDGED, NAMES, TOKEN_BUFFERS, InputProbe, resolve
-from runner_fsm.integrations.vllm.recorder import ReplicaRecorder
+from runner_fsm.integrations.vllm.recording.journal import BATCH as journal_batch, Journal, read_journal
+from runner_fsm.integrations.vllm.recording.probe import JUDGED, NAMES, TOKEN_BUFFERS, InputProbe, resolve
+from runner_fsm.integrations.vllm.recording.recorder import ReplicaRecorder
 from runner_fsm.integrations.vllm.runners.v1 import V1Runner
 
 DESC = (4, 4, True)  # the batch descriptor: 4 tokens, 4 requests, uniform decode
@@ -164,7 +164,7 @@ def test_a_fault_inside_a_step_moves_to_faulted_and_replays_as_a_fault(tmp_path)
 def test_forward_hook_on_a_graph_wrapper_runs_before_its_call():
     """On CUDA `runner.model` may be vLLM's CUDAGraphWrapper (not a module); the hook must run
     right before its `__call__` (where a graph replays), and the object keeps its type."""
-    from runner_fsm.integrations.vllm.forwards import hook_forward
+    from runner_fsm.integrations.vllm.recording.forwards import hook_forward
 
     order = []
 

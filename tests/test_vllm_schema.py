@@ -30,7 +30,7 @@ def test_fsm_worker_wraps_the_platform_worker():
 
 
 def h_worker_name() -> str:
-    from runner_fsm.integrations.vllm.harness import FSM_WORKER
+    from vllm_harness import FSM_WORKER
 
     return FSM_WORKER
 
@@ -108,7 +108,7 @@ def test_every_rank_is_placed_where_vllm_numbers_it(sizes):
     import torch
     from vllm.distributed import parallel_state as ps
 
-    from runner_fsm.integrations.vllm.rundir import rank_place
+    from runner_fsm.integrations.vllm.recording.rundir import rank_place
 
     assert "all_ranks = torch.arange(world_size).reshape(" in inspect.getsource(ps.initialize_model_parallel)
     dp, pp, pcp, tp = sizes

@@ -22,7 +22,7 @@ import time
 import pytest
 from vllm_checks import assert_replays_sound, log_tail, pid_writing, plugin_env, records, stop_note, transitions
 
-from runner_fsm.integrations.vllm import harness as h
+import vllm_harness as h
 
 pytestmark = pytest.mark.vllm
 # How a served job stops (signals, vLLM's shutdown, the engine core's plugin) is the front end's and

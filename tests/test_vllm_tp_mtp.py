@@ -31,8 +31,8 @@ from vllm_checks import hf_greedy, mrv2_env
 
 from runner_fsm.audit import read_records
 from runner_fsm.audit.replay import replay
-from runner_fsm.integrations.vllm import harness as h
-from runner_fsm.integrations.vllm.spmd import Job
+import vllm_harness as h
+from runner_fsm.integrations.vllm.offline_dp import Job
 from runner_fsm.testing.vllm_models import MLA_BLOCK_SIZE, make_mtp_model
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]

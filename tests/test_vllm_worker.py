@@ -13,7 +13,7 @@ import pytest
 from conftest import EXPECTED_RUNNER
 from vllm_checks import assert_replays_sound, records, transitions
 
-from runner_fsm.integrations.vllm import harness as h
+import vllm_harness as h
 
 pytestmark = pytest.mark.vllm
 
@@ -76,7 +76,7 @@ def test_fsm_worker_equals_default_worker(vllm_models, arch, tmp_path):
     assert len(forwards) == len(steps) and {r["reason"] for r in forwards} == {"real"}  # one forward a step
     assert set(forwards[0]["buffers"]) == {"seq_lens", "slot_mapping"}
     assert_replays_sound(run_dir)
-    from runner_fsm.integrations.vllm.journal import read_journal
+    from runner_fsm.integrations.vllm.recording.journal import read_journal
 
     journal = read_journal(str(run_dir))
     assert [e["step"] for e in journal] == list(range(len(steps)))

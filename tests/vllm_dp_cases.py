@@ -11,8 +11,8 @@ from pathlib import Path
 
 from runner_fsm.audit import read_records
 from runner_fsm.testing.logs import rewrite_in_full
-from runner_fsm.integrations.vllm import harness as h
-from runner_fsm.integrations.vllm.spmd import Job, launch_dp
+import vllm_harness as h
+from runner_fsm.integrations.vllm.offline_dp import Job, launch_dp
 from runner_fsm.testing.vllm_models import make_model
 
 

@@ -15,7 +15,7 @@ import sys
 def main(spec: dict) -> dict:
     from vllm import SamplingParams
 
-    from runner_fsm.integrations.vllm import harness as h
+    import vllm_harness as h
     from runner_fsm.testing.vllm_models import MLA_BLOCK_SIZE
 
     names = list(spec["prompts"])

@@ -217,7 +217,7 @@ def _plan_with(lib: ctypes.CDLL, args: tuple, workspace: PlanWorkspace) -> int:
 
 class Planner:
     """The compiled layout for a caller that plans step after step with one P (vLLM's PCP
-    manager: `integrations/vllm/pcp_layout.py`). Each batch is copied into memory kept from
+    manager: `integrations/vllm/runners/pcp/layout.py`). Each batch is copied into memory kept from
     call to call, whose addresses are read once per growth (a read of numpy's `.ctypes.data`
     costs about 1.5 us, a copy of a few hundred lengths less). Plans are written into two
     `PlanWorkspace`s in turn: a plan stays intact while the next one is written, and is

@@ -3,7 +3,7 @@
 
 Each kind reproduces a DP hand-off bug seen in vLLM and vLLM-Ascend; the online checks must
 stop every rank naming R and S, and `runner-fsm replay` must name them too. The PCP kinds act
-in MRV2's PCP manager (`pcp_evidence`) and have no online check: replay names them from the
+in MRV2's PCP manager (`runners/pcp/evidence.py`) and have no online check: replay names them from the
 PCP evidence. Step ids count
 the worker's steps from 0. The syntax is the embedded engine's (`runner_fsm.faults`); the
 kinds differ, since they act on vLLM's own calls.
@@ -22,7 +22,7 @@ KINDS = (
     "skip-draft-sync",  # the idle replica skips the drafter's dummy run (vLLM issue #35294)
     "draft-steps-mismatch",  # the idle replica's drafter runs one draft step more (vllm-ascend #12036)
     "desync",  # the replica reports the next step id in its agreement rows
-    # MRV2's PCP manager (`pcp_evidence`), the hand-off bugs vLLM-Ascend's "Adapt PCP for DP" fixed:
+    # MRV2's PCP manager (`runners/pcp/evidence.py`), the hand-off bugs vLLM-Ascend's "Adapt PCP for DP" fixed:
     "stale-pcp-context",  # the idle replica's dummy reads the last real batch's PCP slot mappings
     "skip-buffer-refresh",  # the dummy runs over the PCP input buffers the last real batch left
     "wrong-dispatch-count",  # the global token count sent where the PCP-local one is due

@@ -10,7 +10,7 @@ else from `RUNNER_FSM_*` environment variables, else the defaults:
 | collective_timeout_s  | RUNNER_FSM_COLLECTIVE_TIMEOUT_S  | 120                                  |
 | inject                | RUNNER_FSM_INJECT                | none (fault injection, `KIND@replica=R,step=S`) |
 | audit                 | RUNNER_FSM_AUDIT                 | full (`transitions`: no buffers records) |
-| fast_pcp_layout       | RUNNER_FSM_FAST_PCP_LAYOUT       | false (true: MRV2's PCP layout vectorised, `pcp_layout`) |
+| fast_pcp_layout       | RUNNER_FSM_FAST_PCP_LAYOUT       | false (true: MRV2's PCP layout vectorised, `runners/pcp/layout.py`) |
 | max_log_bytes         | RUNNER_FSM_MAX_LOG_BYTES         | 2G per rank (audit log, step journal, Flight Recorder dump; 0: no cap; `audit.segments`) |
 | pinned_steps          | RUNNER_FSM_PINNED_STEPS          | 1000 (steps kept before a fault, an injected fault, and the current step) |
 | compress_logs         | RUNNER_FSM_COMPRESS_LOGS         | false (true: closed segments gzip-compressed, `audit.compress`) |

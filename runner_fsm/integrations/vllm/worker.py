@@ -36,17 +36,20 @@ from typing import Any
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.segments import flight_entries
 from runner_fsm.audit.shape import job_shape_fields
-from runner_fsm.integrations.vllm import cpu_collectives, cpu_rope, inject, schema
-from runner_fsm.integrations.vllm.dp_support import DPSupport
-from runner_fsm.integrations.vllm.engine_stops import WorkerStops
-from runner_fsm.integrations.vllm.flight import WorkerFlight, start as start_flight_recorder
-from runner_fsm.integrations.vllm.forwards import forward_context, hook_forward
-from runner_fsm.integrations.vllm.journal import Journal, scheduler_decision
+from runner_fsm.integrations.vllm import inject, schema
+from runner_fsm.integrations.vllm.cpu import collectives as cpu_collectives
+from runner_fsm.integrations.vllm.cpu import rope as cpu_rope
+from runner_fsm.integrations.vllm.dp.support import DPSupport
+from runner_fsm.integrations.vllm.recording.engine_stops import WorkerStops
+from runner_fsm.integrations.vllm.recording.flight import WorkerFlight, groups as flight_groups
+from runner_fsm.integrations.vllm.recording.flight import start as start_flight_recorder
+from runner_fsm.integrations.vllm.recording.forwards import forward_context, hook_forward
+from runner_fsm.integrations.vllm.recording.journal import Journal, scheduler_decision
 from runner_fsm.integrations.vllm.options import WorkerOptions
-from runner_fsm.integrations.vllm.probe import InputProbe
-from runner_fsm.integrations.vllm.recorder import ReplicaRecorder
-from runner_fsm.integrations.vllm.replica_check import ReplicaCheck, logged_groups
-from runner_fsm.integrations.vllm.rundir import agree_run, place_in_groups, rank_place
+from runner_fsm.integrations.vllm.recording.probe import InputProbe
+from runner_fsm.integrations.vllm.recording.recorder import ReplicaRecorder
+from runner_fsm.integrations.vllm.recording.replica_check import ReplicaCheck, logged_groups
+from runner_fsm.integrations.vllm.recording.rundir import agree_run, place_in_groups, rank_place
 from runner_fsm.integrations.vllm.runners import RunnerAdapter, adapter_for
 
 
@@ -94,7 +97,7 @@ class FSMWorkerMixin:
                          shape=self._job_shape(run.hosts), max_log_bytes=opts.max_log_bytes,
                          pinned_steps=opts.pinned_steps, compress_segments=opts.compress_logs)
         self.run_dir = run_dir
-        self.flight = WorkerFlight(run_dir, self.global_rank, self.parallel_config)
+        self.flight = WorkerFlight(run_dir, self.global_rank, flight_groups(self.parallel_config, self.runner_adapter))
         journal = Journal(run_dir, self.global_rank)
         audit.add_companion(journal)  # its segments go with the log's, under one cap
         self.recorder = ReplicaRecorder(audit, journal, fingerprints=opts.audit == "full")
@@ -152,11 +155,11 @@ class FSMWorkerMixin:
         super().load_model(*args, **kwargs)
         adapter = self.runner_adapter
         if self.rope_verdict is not None and self.rope_verdict.defective:
-            self.rope_installed = cpu_rope.install_stride_safe_rope(adapter.runner.model, self.rope_verdict)
+            self.rope_installed = cpu_rope.install_stride_safe_rope(adapter.model(), self.rope_verdict)
         schema.check_runner(adapter)
         rec = self.recorder
         adapter.attach(step_of=lambda: rec.step_id if rec.in_step else -1)
-        hook_forward(adapter.runner, self._before_forward)
+        hook_forward(adapter.model(), self._before_forward)
         if self.dp_support is not None:
             self.dp_support.attach(adapter)
         if self.replica_check is not None:

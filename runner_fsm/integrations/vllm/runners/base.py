@@ -65,8 +65,12 @@ class RunnerAdapter:
     ATTRS: tuple[str, ...] = ()
     # Those that exist only once the KV cache is initialised (checked before warm-up).
     KV_ATTRS: tuple[str, ...] = ()
+    # Names read on the runner's parts beyond ATTRS, by part ("runner", "drafter", "speculator"):
+    # not checked at load time (read only where a feature needs them), listed so every name an
+    # adapter reads is in its tables (tests/test_vllm_rooms.py).
+    READS: dict[str, tuple[str, ...]] = {}
     DP_ROWS = 0  # rows of vLLM's own DP sync tensor (the agreement rows follow them)
-    # Where the runner partitions batches over PCP ranks itself: its evidence (`pcp_evidence`
+    # Where the runner partitions batches over PCP ranks itself: its evidence (`runners/pcp/evidence.py`
     # reads it; the worker's forward hook skips that call while this is None).
     pcp: Any = None
 
@@ -91,18 +95,19 @@ class RunnerAdapter:
 
     def problems(self, *, kv_cache: bool = False) -> list[str]:
         """Every attribute of ATTRS (with `kv_cache`: of KV_ATTRS) the live runner lacks."""
-        problems = []
-        for path in self.KV_ATTRS if kv_cache else self.ATTRS:
-            obj: Any = self.runner
-            try:
-                for part in path.split("."):
-                    name, _, index = part.partition("[")
-                    obj = getattr(obj, name)
-                    if index:
-                        obj = obj[int(index.rstrip("]"))]
-            except (AttributeError, IndexError, TypeError, KeyError):
-                problems.append(f"{type(self.runner).__qualname__}.{path} is missing ({self.name} runner)")
-        return problems
+        return [f"{type(self.runner).__qualname__}.{path} is missing ({self.name} runner)"
+                for path in (self.KV_ATTRS if kv_cache else self.ATTRS) if not has_path(self.runner, path)]
+
+    def model(self) -> Any:
+        """The target model the runner calls each forward (a module, or vLLM's graph wrapper)."""
+        return self.runner.model
+
+    def check_dp_hooks(self) -> None:
+        """Before `install_dp`: the vLLM internals this adapter's DP hooks patch, checked by name,
+        signature and source (`hooks.DP_HOOKS`); `VLLMSchemaError` naming each one missing."""
+        from runner_fsm.integrations.vllm.runners.hooks import check_dp_hooks
+
+        check_dp_hooks(self.name)
 
     def attach(self, step_of: Callable[[], int] | None = None) -> None:
         """Once the model is loaded: whatever the adapter must observe per step; `step_of()`
@@ -166,6 +171,19 @@ class RunnerAdapter:
         """For the log's first record: which runner and adapter."""
         cls = type(self.runner)
         return {"runner": self.name, "runner_class": f"{cls.__module__}.{cls.__qualname__}"}
+
+
+def has_path(obj: Any, path: str) -> bool:
+    """Whether `obj` has the dotted attribute `path` (`[0]` indexes)."""
+    try:
+        for part in path.split("."):
+            name, _, index = part.partition("[")
+            obj = getattr(obj, name)
+            if index:
+                obj = obj[int(index.rstrip("]"))]
+    except (AttributeError, IndexError, TypeError, KeyError):
+        return False
+    return True
 
 
 def wrap_method(obj: Any, name: str, around: Callable[[Callable, tuple, dict], Any]) -> None:

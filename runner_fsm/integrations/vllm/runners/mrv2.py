@@ -10,7 +10,7 @@ those two on the instance and keeps what they were given and returned, so the pr
 exactly the rows the forward reads, PCP-local rows included.
 
 The DP sync is `sync_cudagraph_and_dp_padding` (`gpu/dp_utils.py`), whose inline
-`dist.all_reduce` carries the agreement rows (`mrv2_sync`). Its phase is TARGET until this
+`dist.all_reduce` carries the agreement rows (`mrv2_dp`). Its phase is TARGET until this
 step's target inputs were prepared, a draft phase after that (speculators sync after the
 target forward). The draft-model speculator (`standalone_ar`) joins no DP sync of its own: it
 reuses the target's agreement, so its forwards are recorded as collectives instead.
@@ -18,12 +18,13 @@ reuses the target's agreement, so its forwards are recorded as collectives inste
 
 from __future__ import annotations
 
+import inspect
 from typing import Any, Callable
 
 import torch
 
 from runner_fsm import dp
-from runner_fsm.integrations.vllm import mrv2_sync
+from runner_fsm.integrations.vllm.runners import mrv2_dp
 from runner_fsm.integrations.vllm.runners.base import (NAMES, ForwardInputs, RunnerAdapter, SkipDummyForward,
                                                        new_inputs, skipping_dummy, unwrap_method, wrap_method)
 
@@ -37,7 +38,9 @@ class MRV2Runner(RunnerAdapter):
              "input_buffers.query_start_loc", "input_buffers.seq_lens", "prepare_attn", "prepare_dummy_attn",
              "_dummy_run", "execute_model", "speculator", "pcp_manager", "req_states.draft_tokens")
     KV_ATTRS = ("block_tables.input_block_tables", "block_tables.slot_mappings")
-    DP_ROWS = len(mrv2_sync.MRV2_ROWS)
+    READS = {"runner": ("parallel_config", "pcp_manager_cls"),
+             "speculator": ("propose", "num_speculative_steps", "model")}
+    DP_ROWS = len(mrv2_dp.MRV2_ROWS)
     # Speculators whose forwards join no DP sync (they reuse the target's agreement).
     SYNC_FREE_SPECULATORS = ("vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator.StandaloneARSpeculator",)
 
@@ -59,9 +62,25 @@ class MRV2Runner(RunnerAdapter):
         wrap_method(self.runner, "prepare_attn", lambda p, a, k: self._keep_prepared(p, a, k, dummy=False))
         wrap_method(self.runner, "prepare_dummy_attn", lambda p, a, k: self._keep_prepared(p, a, k, dummy=True))
 
+    def problems(self, *, kv_cache: bool = False) -> list[str]:
+        """With `kv_cache`, also every name the PCP evidence reads on the PCP manager, where the
+        runner built one (PCP > 1): `pcp.evidence.MANAGER_NAMES`."""
+        problems = super().problems(kv_cache=kv_cache)
+        manager = getattr(self.runner, "pcp_manager", None) if kv_cache else None
+        if manager is not None:
+            from runner_fsm.integrations.vllm.runners.pcp.evidence import MANAGER_NAMES
+
+            # Looked up without running a property (`input_buffers` asserts until its buffers
+            # exist): the first name of each path, on the instance or its class.
+            missing = object()
+            problems += [f"{type(manager).__qualname__}.{name} is missing ({self.name} runner's PCP manager)"
+                         for name in dict.fromkeys(path.split(".")[0] for path in MANAGER_NAMES)
+                         if inspect.getattr_static(manager, name, missing) is missing]
+        return problems
+
     def attach_kv(self) -> None:
         """The PCP manager exists once the KV cache does: its evidence from here on."""
-        from runner_fsm.integrations.vllm.pcp_evidence import PCPEvidence  # imports this package
+        from runner_fsm.integrations.vllm.runners.pcp.evidence import PCPEvidence  # imports this package
 
         manager = self.runner.pcp_manager
         if manager is not None and self.pcp is None:
@@ -127,7 +146,7 @@ class MRV2Runner(RunnerAdapter):
             tap.follow()
             return dp.TARGET if self.prepared_step != tap.step_id else tap.draft_phase()
         tap.phase_source = phase
-        undo_sync = mrv2_sync.install(tap)
+        undo_sync = mrv2_dp.install(tap)
 
         def undo() -> None:
             undo_sync()
@@ -145,7 +164,7 @@ class MRV2Runner(RunnerAdapter):
                        draft_steps_mismatch: Callable[[], bool] | None = None,
                        pcp_fault: Callable[[str], bool] | None = None) -> None:
         runner = self.runner
-        self._pcp_fault = pcp_fault  # the PCP manager's faults act there (`pcp_evidence`), once it exists
+        self._pcp_fault = pcp_fault  # the PCP manager's faults act there (`runners/pcp/evidence.py`), once it exists
 
         def prepare_unless_skipped(prepare, args, kwargs):
             out = prepare(*args, **kwargs)  # past the dummy's DP agreement, before its forward
@@ -189,7 +208,7 @@ class MRV2Runner(RunnerAdapter):
     def install_fast_pcp_layout(self) -> dict:
         """On the PCP manager instance this runner builds with the KV cache (`attach_kv`), never on
         its class, which vLLM shares: checked here, before the manager exists, installed there."""
-        from runner_fsm.integrations.vllm.pcp_layout import check_fast_pcp_layout
+        from runner_fsm.integrations.vllm.runners.pcp.layout import check_fast_pcp_layout
 
         par = self.runner.parallel_config
         if int(getattr(par, "prefill_context_parallel_size", 1) or 1) <= 1:
@@ -200,7 +219,7 @@ class MRV2Runner(RunnerAdapter):
         return description
 
     def _install_fast_pcp_layout(self, manager) -> None:
-        from runner_fsm.integrations.vllm.pcp_layout import install_fast_pcp_layout
+        from runner_fsm.integrations.vllm.runners.pcp.layout import install_fast_pcp_layout
 
         description = install_fast_pcp_layout(manager)
         if not description["installed"]:  # the log's first record said it would be
@@ -208,7 +227,8 @@ class MRV2Runner(RunnerAdapter):
 
     def install_draft_dp_sync(self, dp_size: int, pcp_size: int) -> dict:
         """Under DP x PCP the speculator's reuse of the target's DP sync fails in vLLM 0.32 (`draft_dp_sync`)."""
-        from runner_fsm.integrations.vllm import draft_dp_sync, schema
+        from runner_fsm.integrations.vllm import schema
+        from runner_fsm.integrations.vllm.runners import draft_dp_sync
 
         spec = self.runner.speculator
         if spec is None:

@@ -4,7 +4,7 @@ Its persistent inputs are attributes of the runner (`input_ids`, `positions`, `q
 `seq_lens`: CpuGpuBuffers whose `.gpu` aliases `.cpu` on the CPU) and of its input batch (block
 table and slot mapping of KV group 0). Its DP sync is `vllm.v1.worker.dp_utils._run_ar`, reached
 through `_determine_batch_execution_and_padding` (the runner's: TARGET; the drafter's: draft
-phases), see `dp_agreement`. The idle replica's forward is `_dummy_run`; the drafter's DP syncs
+phases), see `v1_dp`. The idle replica's forward is `_dummy_run`; the drafter's DP syncs
 on an idle replica come from `drafter.dummy_run`.
 """
 
@@ -14,7 +14,7 @@ from typing import Any, Callable
 
 import torch
 
-from runner_fsm.integrations.vllm import dp_agreement
+from runner_fsm.integrations.vllm.runners import v1_dp
 from runner_fsm.integrations.vllm.runners.base import (ForwardInputs, RunnerAdapter, SkipDummyForward,
                                                        new_inputs, skipping_dummy, wrap_method)
 
@@ -32,7 +32,8 @@ class V1Runner(RunnerAdapter):
              "input_batch.block_table[0].slot_mapping", "parallel_config",
              "_determine_batch_execution_and_padding", "_dummy_run", "_prepare_inputs", "intermediate_tensors",
              "max_num_tokens", "model_config", "device")
-    DP_ROWS = len(dp_agreement.VLLM_ROWS)
+    READS = {"runner": ("drafter",), "drafter": ("_determine_batch_execution_and_padding", "dummy_run")}
+    DP_ROWS = len(v1_dp.VLLM_ROWS)
 
     def buffers(self) -> dict[str, torch.Tensor]:
         runner = self.runner
@@ -63,12 +64,10 @@ class V1Runner(RunnerAdapter):
         return new_inputs(ForwardInputs, (runner.input_batch, self.buffers, num_tokens, num_reqs, self.writes))
 
     def install_dp(self, tap) -> Callable[[], None]:
-        return dp_agreement.install(tap, self.runner)
+        return v1_dp.install(tap, self.runner)
 
     def dp_group(self) -> tuple[Any, Any]:
-        from vllm.v1.worker import dp_utils
-
-        return dp_utils._get_device_and_group(self.runner.parallel_config)
+        return v1_dp.dp_group(self.runner.parallel_config)
 
     def lacks_pp_buffers(self, vllm_config: Any) -> bool:
         """A later pipeline stage of vLLM's CPU runner in eager mode: vLLM allocates the

@@ -3,9 +3,9 @@
 The worker calls three things (see worker.py): `DPSupport.for_worker(worker)` once vLLM's
 groups exist, `attach(model_runner)` once the model is loaded, and `close()` at shutdown.
 Step ids and kinds are read from the worker's `ReplicaRecorder`. Installed here:
-- (the MoE exchange collectives vLLM's CPU communicator lacks, `cpu_collectives`, are
+- (the MoE exchange collectives vLLM's CPU communicator lacks, `cpu/collectives.py`, are
   installed by the worker before its log opens, so that the log's first record names them);
-- the agreement rows in vLLM's own DP all-reduce, with phase tags (`dp_agreement`);
+- the agreement rows in vLLM's own DP all-reduce, with phase tags (`agreement`; where the runner syncs: its adapter);
 - the expert exchange of every target forward as a `collective` record (group "expert", op
   "forward"), so `runner-fsm replay` sees which replica did not join a forward;
 - the watchdog for `collective_timeout_s` (`watchdog`) and the faults of `inject`;
@@ -24,11 +24,12 @@ from runner_fsm.audit.order import last_phase
 from runner_fsm.config import ParallelLayout
 from runner_fsm.errors import BatchError
 from runner_fsm.heartbeat import Heartbeat
-from runner_fsm.integrations.vllm import dp_agreement, dp_schema, inject
-from runner_fsm.integrations.vllm.drafts import DraftLedger
+from runner_fsm.integrations.vllm import inject
+from runner_fsm.integrations.vllm.dp import agreement
+from runner_fsm.integrations.vllm.dp.drafts import DraftLedger
 from runner_fsm.integrations.vllm.inject import VLLMInjector
 from runner_fsm.integrations.vllm.runners import RunnerAdapter
-from runner_fsm.integrations.vllm.watchdog import Watchdog
+from runner_fsm.integrations.vllm.dp.watchdog import Watchdog
 
 
 class DPSupport:
@@ -44,7 +45,7 @@ class DPSupport:
         heartbeat = Heartbeat(store, ParallelLayout(dp_size=dp_size, pcp_size=1).validate(), dp_rank,
                               last_phase=last_phase)
         self.watchdog = Watchdog(heartbeat, timeout_s, dp_rank=dp_rank, on_fault=self._log_fault).start()
-        self.tap = dp_agreement.AgreementTap(dp_rank, dp_size, audit=self.audit, beat=self.watchdog.beat,
+        self.tap = agreement.AgreementTap(dp_rank, dp_size, audit=self.audit, beat=self.watchdog.beat,
                                              rows_hook=self._rows_hook, position=self._position,
                                              enqueue_extra=self._agreement_extra)
         self.tap.last_phase = last_phase
@@ -54,7 +55,7 @@ class DPSupport:
         self._hooks: list = []
         self._forward_seq = itertools.count()
         self._forward_open: tuple[int, int, int] | None = None  # (step, seq, phase)
-        self._draft_step, self._draft_forwards = dp_agreement.NO_STEP, 0
+        self._draft_step, self._draft_forwards = agreement.NO_STEP, 0
 
     @classmethod
     def for_worker(cls, worker) -> "DPSupport | None":
@@ -62,7 +63,7 @@ class DPSupport:
         par = worker.parallel_config
         if int(par.data_parallel_size) <= 1:
             return None
-        dp_schema.check_dp_hooks(mrv2=worker.runner_adapter.name != "v1")
+        worker.runner_adapter.check_dp_hooks()
         opts = worker.fsm_options
         spec = worker.vllm_config.speculative_config
         return cls(worker.recorder, dp_rank=int(par.data_parallel_rank), dp_size=int(par.data_parallel_size),
@@ -74,7 +75,7 @@ class DPSupport:
         """Once vLLM's model runner (and drafter) are loaded: agreement, phase tags, forwards, faults."""
         self.adapter = adapter
         self._undo = adapter.install_dp(self.tap)
-        model = adapter.runner.model
+        model = adapter.model()
         self._hooks = [model.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                        model.register_forward_hook(self._after_forward)]
         draft = adapter.draft_model()
@@ -89,7 +90,7 @@ class DPSupport:
 
     def _position(self) -> tuple[int, bool]:
         rec = self.recorder
-        return (rec.step_id if rec.in_step else dp_agreement.NO_STEP), rec.kind == "idle"
+        return (rec.step_id if rec.in_step else agreement.NO_STEP), rec.kind == "idle"
 
     def abort(self, error: BaseException) -> bool:
         """A step failed on this replica before its DP agreement: send the abort status in it."""
@@ -136,7 +137,7 @@ class DPSupport:
     def _forward_begins(self, args, kwargs, phase: int):
         self.tap.follow()
         step = self.tap.step_id
-        if step == dp_agreement.NO_STEP:
+        if step == agreement.NO_STEP:
             return None
         ids = kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs.get("positions")
         rows = int(ids.shape[0]) if ids is not None else (int(args[0].shape[0]) if args else 0)
@@ -160,12 +161,12 @@ class DPSupport:
 
     # -- injected faults
 
-    def _rows_hook(self, rows: dp_agreement.AgreementRows) -> dp_agreement.AgreementRows:
+    def _rows_hook(self, rows: agreement.AgreementRows) -> agreement.AgreementRows:
         if rows.phase == dp.TARGET and self.injector.due("desync", rows.step_id):
-            return dp_agreement.AgreementRows(rows.step_id + 1, rows.phase, rows.seq, rows.kind, rows.status)
+            return agreement.AgreementRows(rows.step_id + 1, rows.phase, rows.seq, rows.kind, rows.status)
         return rows
 
-    def _agreement_extra(self, rows: dp_agreement.AgreementRows) -> dict:
+    def _agreement_extra(self, rows: agreement.AgreementRows) -> dict:
         if rows.phase != dp.TARGET or self.adapter is None:
             return {}
         return self.adapter.agreement_extra(self.recorder.step_id)
@@ -179,13 +180,13 @@ class DPSupport:
     def _skip_dummy_forward(self) -> bool:
         """Asked past the idle replica's TARGET agreement, before its dummy forward."""
         tap = self.tap
-        return tap.kind == dp_agreement.KIND_DUMMY and self.injector.due("skip-dummy-forward", tap.step_id)
+        return tap.kind == agreement.KIND_DUMMY and self.injector.due("skip-dummy-forward", tap.step_id)
 
     def _draft_fault(self, kind: str) -> bool:
         """Asked where the idle replica's drafter would run its dummy pass (and its syncs)."""
         tap = self.tap
         tap.follow()
-        return tap.kind == dp_agreement.KIND_DUMMY and self.injector.due(kind, tap.step_id)
+        return tap.kind == agreement.KIND_DUMMY and self.injector.due(kind, tap.step_id)
 
     def _log_fault(self, step, error: BaseException) -> None:
         """The watchdog's report (a collective timeout), from its thread, before the process exits."""

@@ -1,5 +1,5 @@
 """Pinning a change of vLLM behaviour to the vLLM it was written for: the source digest of a
-vLLM function, compared against the one recorded when the change was tested (`pcp_layout`,
+vLLM function, compared against the one recorded when the change was tested (`runners/pcp/layout.py`,
 `draft_dp_sync`). A function whose source differs may behave differently: the change is then
 left out and the log's first record says why."""
 

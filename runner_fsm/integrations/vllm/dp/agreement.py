@@ -1,25 +1,23 @@
-"""The DP agreement, carried inside vLLM's own DP all-reduce (V1 model runner).
+"""The DP agreement, carried inside vLLM's own DP all-reduce, whichever model runner issues it.
 
-vLLM's V1 runner agrees on DP padding through `vllm.v1.worker.dp_utils._run_ar`: an int32
-`[4, dp]` tensor (`orig_tokens, padded_tokens, should_ubatch, cudagraph_mode`), one column per
-rank, summed over the DP group; its callers read rows 0-3 by index. `AgreementTap.run_ar` takes
-its place: it appends this replica's agreement rows (`AGREEMENT_ROWS`) to the same tensor, so the
-one collective vLLM already issues carries the agreement too (no extra collective, and a replica
-that skips one is caught in the next, by every rank at once). The gathered columns are checked
-with the project's rule (`dp.agree`), every rank raises the same `DesyncError`/`ReplicaFault`,
-and vLLM gets back exactly the four rows it built.
+Each runner agrees on DP padding in one all-reduce of an int32 `[rows, dp]` tensor, one column per
+rank (V1: `_run_ar`, `runners/v1_dp.py`; Model Runner V2: `sync_cudagraph_and_dp_padding`,
+`runners/mrv2_dp.py`). `AgreementTap.exchange` appends this replica's agreement rows
+(`AGREEMENT_ROWS`) to that same tensor, so the one collective vLLM already issues carries the
+agreement too (no extra collective, and a replica that skips one is caught in the next, by every
+rank at once). The gathered columns are checked with the project's rule (`dp.agree`), every rank
+raises the same `DesyncError`/`ReplicaFault`, and vLLM gets back exactly the rows it built.
 
-Phases come from where the sync is reached: the runner's `_determine_batch_execution_and_padding`
-is TARGET; the drafter's is DRAFT_PREFILL for its first sync in a step, DRAFT_DECODE after that
-(`propose` and `dummy_run` sync at most twice per step: first pass, then the remaining passes).
+Phases come from where the sync is reached, which the runner's adapter tells: a tag around the
+call (`tagged`: V1's target and drafter syncs) or `phase_source` (MRV2). A drafter's first sync
+in a step is DRAFT_PREFILL, DRAFT_DECODE after that (`draft_phase`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -28,7 +26,6 @@ from runner_fsm import dp
 from runner_fsm.audit.order import out_of_order
 from runner_fsm.errors import DesyncError, ReplicaFault
 
-VLLM_ROWS = ("orig_num_tokens", "padded_num_tokens", "should_ubatch", "cudagraph_mode")
 AGREEMENT_ROWS = ("step_id", "phase", "seq", "kind", "status")
 KIND_REAL, KIND_DUMMY = 0, 1
 KIND_NAMES = {KIND_REAL: "real", KIND_DUMMY: "dummy"}
@@ -87,7 +84,7 @@ def _named(exc: DesyncError, sent: list[tuple[int, int, int]], last_phase: int |
 
 
 class AgreementTap:
-    """This replica's side of the agreement rows; `run_ar` replaces vLLM's `_run_ar`.
+    """This replica's side of the agreement rows, exchanged inside vLLM's DP sync (`exchange`).
 
     `audit` is the replica's AuditLog (or None); `beat(step, phase, collective)` records the
     replica's position for the watchdog; `rows_hook(rows)` lets fault injection alter what
@@ -104,7 +101,7 @@ class AgreementTap:
         self._position = position  # () -> (step id or NO_STEP, dummy?): the worker's step
         self._enqueue_extra = enqueue_extra  # more fields for an enqueue record (the dispatch inputs)
         self.step_id, self.kind = NO_STEP, KIND_REAL
-        self.phase = 0  # set by the tagged `_determine_batch_execution_and_padding` (V1)
+        self.phase = 0  # set by a tag around the runner's sync (`tagged`: V1)
         # MRV2: no per-phase method to tag; the runner adapter tells the phase of a sync instead.
         self.phase_source: Callable[[], int] | None = None
         self.seq = 0
@@ -136,22 +133,6 @@ class AgreementTap:
         self.follow()
         self.draft_syncs += 1
         return dp.DRAFT_PREFILL if self.draft_syncs == 1 else dp.DRAFT_DECODE
-
-    # -- vLLM's `_run_ar(should_ubatch, orig, padded, cudagraph_mode, parallel_config)`
-
-    def run_ar(self, should_ubatch: bool, orig_num_tokens_per_ubatch: int,
-               padded_num_tokens_per_ubatch: int, cudagraph_mode: int, parallel_config) -> torch.Tensor:
-        from vllm.v1.worker import dp_utils
-
-        device, group = dp_utils._get_device_and_group(parallel_config)
-        tensor = torch.zeros(len(VLLM_ROWS), self.dp_size, dtype=torch.int32)
-        tensor[:, self.dp_rank] = torch.tensor((orig_num_tokens_per_ubatch, padded_num_tokens_per_ubatch,
-                                                int(bool(should_ubatch)), cudagraph_mode), dtype=torch.int32)
-        # vLLM's padded count is what the replica runs (its dispatch count); row 3 its graph mode.
-        # A column of an unpadded eager step says nothing its count does not: not logged.
-        plain = orig_num_tokens_per_ubatch == padded_num_tokens_per_ubatch and not should_ubatch \
-            and not cudagraph_mode
-        return self.exchange(tensor, group, device=device, num_tokens_row=1, graph_row=3, log_column=not plain)
 
     def exchange(self, tensor: torch.Tensor, group, *, device="cpu", num_tokens_row: int, graph_row: int,
                  log_column: bool = True) -> torch.Tensor:
@@ -196,7 +177,7 @@ class AgreementTap:
                      agreed=dataclasses.asdict(agreed))
         return carried[:n].clone()
 
-    def abort(self, status: int, group, *, device="cpu", vllm_rows: int = len(VLLM_ROWS)) -> bool:
+    def abort(self, status: int, group, *, vllm_rows: int, device="cpu") -> bool:
         """Join this step's TARGET agreement with `status`, so that peers waiting in it stop with
         `ReplicaFault` naming this replica; False (nothing sent) when this replica already
         entered it or runs no step (peers are past it: the watchdog stops them instead)."""
@@ -219,40 +200,3 @@ class AgreementTap:
             self._beat(step_id, rows.phase, f"dp all_reduce #{rows.seq}" if stage == "enqueue" else "")
         if self.audit is not None and step_id is not None:
             self.audit.collective(step_id, "dp", "all_reduce", rows.phase, shapes, rows.seq, stage, **extra)
-
-
-# -- installation -------------------------------------------------------------------------
-
-def install(tap: AgreementTap, runner) -> Callable[[], None]:
-    """Route vLLM's DP sync through `tap` and tag its phases; returns the undo.
-
-    `dp_utils._run_ar` is a module global that vLLM looks up at call time and offers no public
-    hook for, so it is replaced there (the schema check verifies the name and signature against
-    the installed vLLM first). The phase tags are instance attributes over the runner's and the
-    drafter's `_determine_batch_execution_and_padding`, so the classes stay untouched.
-    """
-    from vllm.v1.worker import dp_utils
-
-    original = dp_utils._run_ar
-    dp_utils._run_ar = tap.run_ar
-    _wrap(runner, "_determine_batch_execution_and_padding", lambda: tap.tagged(dp.TARGET))
-    drafter = getattr(runner, "drafter", None)
-    if drafter is not None and hasattr(drafter, "_determine_batch_execution_and_padding"):
-        _wrap(drafter, "_determine_batch_execution_and_padding", lambda: tap.tagged(tap.draft_phase()))
-
-    def undo() -> None:
-        dp_utils._run_ar = original
-        for obj in (runner, drafter):
-            if obj is not None:
-                obj.__dict__.pop("_determine_batch_execution_and_padding", None)
-    return undo
-
-
-def _wrap(obj, name: str, context: Callable[[], Any]) -> None:
-    method = getattr(obj, name)
-
-    @functools.wraps(method)
-    def tagged(*args, **kwargs):
-        with context():
-            return method(*args, **kwargs)
-    setattr(obj, name, tagged)

@@ -32,7 +32,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from runner_fsm.integrations.vllm.pinning import source_digest
+from runner_fsm.integrations.vllm.runners.pinning import source_digest
 from runner_fsm.integrations.vllm.runners.base import wrap_method
 
 PINNED_VERSION = "0.32.0"

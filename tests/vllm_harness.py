@@ -1,27 +1,23 @@
-"""Run one workload through vLLM (FSMWorker or vLLM's own worker), in this process.
+"""Run one workload through vLLM (FSMWorker or vLLM's own worker), in this process: test set-up.
 
 Shared by the `vllm` test tier and `benchmarks/bench_vllm_worker.py`, so both compare the
-same requests under the same engine settings. A request is (id, prompt token ids, max new
-tokens, seed or None): greedy when the seed is None, else temperature 0.8 with that seed.
+same requests under the same engine settings. A request (`Req`) and how it is generated are
+the offline DP launcher's (`runner_fsm.integrations.vllm.offline_dp`), which users run too.
 """
 
 from __future__ import annotations
 
 import contextlib
-import gc
 import os
-import time
-from typing import Any, Iterator, NamedTuple, Sequence
+from typing import Any, Iterator
+
+from runner_fsm.integrations.vllm.offline_dp import Req, close_llm, generate, sampling
+
+__all__ = ["FSM_WORKER", "Req", "close_llm", "generate", "llm_kwargs", "mixed_workload", "open_llm", "sampling",
+           "worker_call"]
 
 FSM_WORKER = "runner_fsm.integrations.vllm.FSMWorker"
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine core in this process
-
-
-class Req(NamedTuple):
-    req_id: str
-    prompt: tuple[int, ...]
-    max_new_tokens: int
-    seed: int | None = None
 
 
 def mixed_workload(vocab: int = 512, *, num: int = 12, seed: int = 0, long_prompt: int = 90,
@@ -74,34 +70,6 @@ def open_llm(**kwargs: Any) -> Iterator[Any]:
         yield llm
     finally:
         close_llm(llm)
-
-
-def close_llm(llm: Any) -> None:
-    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
-
-    llm.llm_engine.engine_core.shutdown()
-    gc.collect()
-    cleanup_dist_env_and_memory()
-
-
-def sampling(req: Any):
-    from vllm import SamplingParams
-
-    seed = getattr(req, "seed", None)
-    if seed is None:
-        return SamplingParams(temperature=0.0, max_tokens=req.max_new_tokens, ignore_eos=True)
-    # Triton's interpreter (MRV2 on the CPU, tests only) cannot run vLLM's top-p/top-k kernel.
-    top_p = 1.0 if os.environ.get("TRITON_INTERPRET") == "1" else 0.95
-    return SamplingParams(temperature=0.8, top_p=top_p, seed=seed, max_tokens=req.max_new_tokens, ignore_eos=True)
-
-
-def generate(llm: Any, requests: Sequence[Any]) -> tuple[dict[str, list[int]], float]:
-    """Outputs per request id, and the seconds `generate` took."""
-    prompts = [{"prompt_token_ids": list(r.prompt)} for r in requests]
-    start = time.perf_counter()
-    outs = llm.generate(prompts, [sampling(r) for r in requests], use_tqdm=False)
-    elapsed = time.perf_counter() - start
-    return {r.req_id: list(o.outputs[0].token_ids) for r, o in zip(requests, outs)}, elapsed
 
 
 def worker_call(llm: Any, fn) -> list:

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from runner_fsm.errors import BatchError
-from runner_fsm.integrations.vllm.pinning import source_digest
-from runner_fsm.integrations.vllm.rank_segments import FIELDS, SegmentsByRank
+from runner_fsm.integrations.vllm.runners.pinning import source_digest
+from runner_fsm.integrations.vllm.runners.pcp.segments import FIELDS, SegmentsByRank
 from runner_fsm.pcp import layout, native, rows
 from runner_fsm.pcp.plan import _check_padding, _validate, num_tokens_for_dispatch
 
@@ -64,6 +64,8 @@ SEGMENT_FIELDS = FIELDS
 SEGMENT_DIGEST = "9e08c4b26c3b2bb4"  # RankSegment's source: a frozen dataclass, no __post_init__, no slots
 INSTANCE_ATTRS = ("pcp_world_size", "pcp_rank", "shard_decode_requests", "dcp_world_size", "device")
 METHODS = ("_build_batch_layout", "get_num_tokens_for_dispatch")
+# Every name read from the PCP manager and its module (tests/test_vllm_rooms.py).
+MANAGER_NAMES = (*PINNED, *INSTANCE_ATTRS, "RankSegment")
 _MARK = "_runner_fsm_fast_pcp_layout"
 _PLANNER = f"{_MARK}_planner"  # the manager's `native.Planner`, where the compiled layout writes
 

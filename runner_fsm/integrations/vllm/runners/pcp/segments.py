@@ -1,4 +1,4 @@
-"""vLLM's `segments_by_rank` for `fast_pcp_layout` (`pcp_layout.py`): each rank's list of
+"""vLLM's `segments_by_rank` for `fast_pcp_layout` (`runners/pcp/layout.py`): each rank's list of
 `RankSegment`s, made when first read (MRV2 reads only its own rank's) from five columns:
 request, first and end global token, first and end row of the rank.
 

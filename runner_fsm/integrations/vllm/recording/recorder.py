@@ -21,9 +21,9 @@ from typing import Any
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.decisions import DecisionLog, StepDecisions, batch_identity, tokens_digest
 from runner_fsm.audit.log import AuditBatch
-from runner_fsm.integrations.vllm.fsm import StepMachine
-from runner_fsm.integrations.vllm.journal import Journal
-from runner_fsm.integrations.vllm.probe import resolve
+from runner_fsm.integrations.vllm.recording.fsm import StepMachine
+from runner_fsm.integrations.vllm.recording.journal import Journal
+from runner_fsm.integrations.vllm.recording.probe import resolve
 from runner_fsm.states import State, Trigger
 
 CAPTURE_STEP = -1

@@ -17,15 +17,13 @@ from typing import Callable
 import torch
 import torch.distributed
 
-from runner_fsm.integrations.vllm.dp_agreement import AgreementTap
-
 MRV2_ROWS = ("num_tokens", "cg_mode", "uniform_token_count", "max_query_len", "allow_ubatching", "num_reqs")
 
 
 class _CarryingDist:
     """`torch.distributed` as MRV2's dp_utils sees it, with the agreement in its all_reduce."""
 
-    def __init__(self, tap: AgreementTap):
+    def __init__(self, tap):  # `dp.agreement.AgreementTap`
         self._tap = tap
 
     def all_reduce(self, tensor: torch.Tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
@@ -40,7 +38,7 @@ class _CarryingDist:
         return getattr(torch.distributed, name)
 
 
-def install(tap: AgreementTap) -> Callable[[], None]:
+def install(tap) -> Callable[[], None]:
     """Route MRV2's DP sync collective through `tap`; returns the undo."""
     from vllm.v1.worker.gpu import dp_utils
 

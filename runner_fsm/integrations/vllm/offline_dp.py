@@ -9,13 +9,14 @@ calls `execute_dummy_batch` on a rank that has none.
 
 `launch_dp` runs a list of jobs (one `LLM` after another, each on a fresh master port) in the
 same processes, so that model loading and imports are paid once per process;
-`python -m runner_fsm.integrations.vllm.spmd SPEC_JSON RANK` is the child.
+`python -m runner_fsm.integrations.vllm.offline_dp SPEC_JSON RANK` is the child.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gc
 import importlib
 import json
 import os
@@ -25,7 +26,42 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, NamedTuple, Sequence
+
+
+class Req(NamedTuple):
+    req_id: str
+    prompt: tuple[int, ...]
+    max_new_tokens: int
+    seed: int | None = None
+
+
+def close_llm(llm: Any) -> None:
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    llm.llm_engine.engine_core.shutdown()
+    gc.collect()
+    cleanup_dist_env_and_memory()
+
+
+def sampling(req: Any):
+    from vllm import SamplingParams
+
+    seed = getattr(req, "seed", None)
+    if seed is None:
+        return SamplingParams(temperature=0.0, max_tokens=req.max_new_tokens, ignore_eos=True)
+    # Triton's interpreter (MRV2 on the CPU, tests only) cannot run vLLM's top-p/top-k kernel.
+    top_p = 1.0 if os.environ.get("TRITON_INTERPRET") == "1" else 0.95
+    return SamplingParams(temperature=0.8, top_p=top_p, seed=seed, max_tokens=req.max_new_tokens, ignore_eos=True)
+
+
+def generate(llm: Any, requests: Sequence[Any]) -> tuple[dict[str, list[int]], float]:
+    """Outputs per request id, and the seconds `generate` took."""
+    prompts = [{"prompt_token_ids": list(r.prompt)} for r in requests]
+    start = time.perf_counter()
+    outs = llm.generate(prompts, [sampling(r) for r in requests], use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return {r.req_id: list(o.outputs[0].token_ids) for r, o in zip(requests, outs)}, elapsed
 
 
 def free_port() -> int:
@@ -37,9 +73,9 @@ def free_port() -> int:
 @dataclasses.dataclass
 class Job:
     """One `LLM(**llm)` serving `per_rank[r]` on rank r: lists of (req_id, prompt, max_new_tokens)
-    or (req_id, prompt, max_new_tokens, seed) (`harness.Req`: greedy without a seed).
+    or (req_id, prompt, max_new_tokens, seed) (`Req`: greedy without a seed).
     `run`: "module:function" of `function(llm, requests) -> (outputs, seconds, extra)` to serve
-    them instead of `harness.generate` (a benchmark's timed runs); `extra` (JSON) is kept."""
+    them instead of `generate` (a benchmark's timed runs); `extra` (JSON) is kept."""
 
     llm: dict
     per_rank: list
@@ -142,8 +178,6 @@ def launch_dp(jobs: Sequence[Job], *, dp_size: int, cwd: str | None = None, time
 
 
 def _child(spec_path: str, rank: int) -> None:
-    from runner_fsm.integrations.vllm.harness import Req, close_llm, generate
-
     spec = json.loads(Path(spec_path).read_text())
     from vllm import LLM
 

@@ -76,7 +76,7 @@ class ReplicaCheck:
         opts = worker.fsm_options
         injection = inject.parse(opts.inject) if opts.inject else None
         if injection is not None and injection.kind not in inject.RANK_KINDS:
-            injection = None  # the DP support's (`dp_support`)
+            injection = None  # the DP support's (`dp/support.py`)
         return cls(worker.recorder, place=place, injection=injection, consensus=opts.consensus,
                    timeout_s=opts.collective_timeout_s)
 

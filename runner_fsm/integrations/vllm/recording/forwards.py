@@ -35,15 +35,14 @@ def forward_context() -> tuple[str, Any, Any]:
             dp.num_tokens_across_dp_cpu.tolist() if dp is not None else None)
 
 
-def hook_forward(runner: Any, before) -> None:
-    """Call `before(module, args, kwargs)` right before every call of `runner.model`, real or
-    dummy.
+def hook_forward(model: Any, before) -> None:
+    """Call `before(module, args, kwargs)` right before every call of the runner's `model`
+    (`RunnerAdapter.model()`), real or dummy.
 
-    A module gets a forward pre-hook (public API). On CUDA `runner.model` may be vLLM's
+    A module gets a forward pre-hook (public API). On CUDA the model may be vLLM's
     `CUDAGraphWrapper` (not a module), whose `__call__` replays graphs: the only point right
     before a replay is that `__call__`, so the wrapper object gets a one-off subclass whose
     `__call__` runs `before` first (no global patch; isinstance checks still hold)."""
-    model = runner.model
     if isinstance(model, torch.nn.Module):
         model.register_forward_pre_hook(before, with_kwargs=True)  # torch calls it: no lambda between
         return

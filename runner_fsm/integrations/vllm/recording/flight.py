@@ -8,7 +8,7 @@ thread, while the main thread is still blocked in gloo), and the worker at shutd
 Each dump replaces the last, so the file holds the latest buffer; a dump after a fault or a
 timeout keeps that reason.
 
-The audit log names the DP agreement's group `dp` (`dp_agreement`: the collective vLLM's
+The audit log names the DP agreement's group `dp` (`dp/agreement.py`: the collective vLLM's
 `_run_ar` issues, rows appended); `groups()` maps that name to the very process group the
 agreement runs on (`dp_utils._get_device_and_group`, as vLLM picks it), so `runner-fsm replay`
 joins the dumps to the audit records by group and sequence number.
@@ -34,26 +34,26 @@ def start(entries: int = flight_recorder.DEFAULT_BUFFER_SIZE) -> bool:
     return flight_recorder.enable(entries)
 
 
-def groups(parallel_config: Any) -> dict[str, Any]:
+def groups(parallel_config: Any, adapter: Any) -> dict[str, Any]:
     """{audit group name: process group} for this worker when DP > 1: `dp`, the group the DP
-    agreement runs on; `expert`, the DP group's device group, where vLLM's naive DP MoE exchange
-    runs (`AgRsAll2AllManager._get_comm_group` is the DP group without PCP; its communicator's
-    `all_gatherv`, `cpu_collectives` on the CPU). Should both be one group, it is named `dp`."""
+    agreement runs on (where the runner's adapter says its DP sync all-reduces); `expert`, the DP
+    group's device group, where vLLM's naive DP MoE exchange runs
+    (`AgRsAll2AllManager._get_comm_group` is the DP group without PCP; its communicator's
+    `all_gatherv`, `cpu/collectives.py` on the CPU). Should both be one group, it is named `dp`."""
     if int(parallel_config.data_parallel_size) <= 1:
         return {}
     from vllm.distributed.parallel_state import get_dp_group
-    from vllm.v1.worker import dp_utils
 
-    _device, agreement = dp_utils._get_device_and_group(parallel_config)
+    _device, agreement = adapter.dp_group()
     return {"expert": get_dp_group().device_group, "dp": agreement}
 
 
 class WorkerFlight:
     """Writes this rank's `fr-rank-<global_rank>.json`; `dump` never raises."""
 
-    def __init__(self, run_dir: str | None = None, global_rank: int = 0, parallel_config: Any = None):
+    def __init__(self, run_dir: str | None = None, global_rank: int = 0, groups: dict[str, Any] | None = None):
         self.run_dir, self.global_rank = run_dir, int(global_rank)
-        self.groups = groups(parallel_config) if parallel_config is not None else {}
+        self.groups = groups or {}
         self.reason: str | None = None  # the first fault or timeout, kept by later dumps
 
     def dump(self, reason: str) -> None:
