@@ -22,6 +22,11 @@ A `SUITE_ROW` line holds one JSON object with the fields of `common.Row`.
 
     .venv/bin/python benchmarks/run_all.py [--quick] [--only plan,dp,...] [--readme PATH] [--main-readme PATH]
     .venv/bin/python benchmarks/run_all.py --from-table benchmarks/README.md --main-readme README.md
+    .venv/bin/python benchmarks/run_all.py --only seek --merge --readme benchmarks/README.md --main-readme README.md
+
+`--merge` (with `--only` and `--readme`): the rows measured now replace the rows of the same
+name in the table already there (and the rows `RENAMED` says they replace); every other row
+stays as it was, and the summary line says which rows were measured when.
 """
 
 from __future__ import annotations
@@ -218,6 +223,37 @@ def run(names: list[str], quick: bool) -> tuple[list[Row], list[str], bool]:
     return rows, extra, ok
 
 
+# Rows whose name a benchmark changed: {old name: new name}, so that `--merge` replaces them.
+RENAMED = {
+    "FSMWorker's own time per vLLM step, audit=transitions":
+        "FSMWorker's own time per vLLM step / vLLM's worker layer, audit=transitions",
+    "FSMWorker's own time per vLLM step": "FSMWorker's own time per vLLM step / vLLM's worker layer, full audit",
+    "FSMWorker's own time per vLLM step, audit=transitions (MRV2)":
+        "FSMWorker's own time per vLLM step / vLLM's worker layer, audit=transitions (MRV2)",
+    "FSMWorker's own time per vLLM step (MRV2)":
+        "FSMWorker's own time per vLLM step / vLLM's worker layer, full audit (MRV2)",
+}
+
+
+def merged(table_path: Path, rows: list[Row], summary: str) -> tuple[str, list[Row]]:
+    """The table in `table_path` with `rows` in place of the rows of the same name (or the name
+    `RENAMED` gives them); a row new to the table goes where the benchmark's first old row was,
+    else at the end. The summary keeps the table's line and says what was measured now."""
+    old_summary, old = parse_block(between_markers(table_path.read_text()))
+    new = {row.name: row for row in rows}
+    out, placed = [], set()
+    for row in old:
+        name = RENAMED.get(row.name, row.name)
+        if name in new and name not in placed:
+            out.append(new[name])
+            placed.add(name)
+        elif name not in new:
+            out.append(row)
+    out += [row for row in rows if row.name not in placed]
+    names = ", ".join(f"`{row.name}`" for row in rows)
+    return f"{old_summary} Re-measured since: {names}. {summary}", out
+
+
 def _regenerate_main_readme(table_path: Path, main_readme: Path) -> int:
     """README.md's block from the table already in `table_path`, without measuring."""
     summary, rows = parse_block(between_markers(table_path.read_text()))
@@ -233,6 +269,8 @@ def main() -> int:
     parser.add_argument("--readme", type=Path, help="write the table into this Markdown file, between markers")
     parser.add_argument("--main-readme", type=Path,
                         help="also write the table's generated block into this file (README.md), between markers")
+    parser.add_argument("--merge", action="store_true",
+                        help="with --only and --readme: replace only the rows measured now in the table there")
     parser.add_argument("--from-table", type=Path, metavar="BENCH_README",
                         help="measure nothing: regenerate --main-readme's block from the table in BENCH_README")
     args = parser.parse_args()
@@ -240,6 +278,8 @@ def main() -> int:
         if not args.main_readme:
             parser.error("--from-table needs --main-readme")
         return _regenerate_main_readme(args.from_table, args.main_readme)
+    if args.merge and not (args.only and args.readme):
+        parser.error("--merge needs --only and --readme")
     names = [n for n in args.only.split(",") if n] or list(SUITE)
     unknown = [n for n in names if n not in SUITE]
     if unknown:
@@ -250,12 +290,14 @@ def main() -> int:
     seconds = time.perf_counter() - start
     load_end = "%.2f %.2f %.2f" % os.getloadavg()
     command = "make bench" if os.environ.get("MAKELEVEL") else shlex.join([Path(sys.executable).name, *sys.argv])
-    table = format_table(rows)
     summary = (f"Measured {time.strftime('%Y-%m-%d %H:%M %Z')} with `{command}`"
                f"{' (--quick)' if args.quick and 'quick' not in command else ''} in {seconds:.0f} s on"
                f" {machine['nproc']} CPUs ({machine['cpu']}), torch {machine['torch']}, Python"
                f" {machine['python']}; load average (1/5/15 min) {machine['load']} at the start,"
                f" {load_end} at the end.")
+    if args.merge:
+        summary, rows = merged(args.readme, rows, summary)
+    table = format_table(rows)
     text = "\n\n".join([summary, table, *extra])
     print("\n" + text)
     if args.readme:

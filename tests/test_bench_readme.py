@@ -53,3 +53,23 @@ def test_readme_numbers_are_the_benchmark_table():
     summary, rows = parse_block(between_markers((REPO / "benchmarks" / "README.md").read_text()))
     assert len(rows) >= 10
     assert between_markers((REPO / "README.md").read_text()) == main_readme_block(summary, rows)
+
+
+def test_a_merge_replaces_only_the_rows_measured_again(tmp_path):
+    """`run_all.py --only X --merge`: X's rows replace theirs (a renamed row included, in its
+    place), the others stay as they were, and the summary says what was measured when."""
+    from run_all import merged
+
+    old_own = Row("FSMWorker's own time per vLLM step", "218.3 us", "vLLM's worker layer 72.9 us", "-", "<= 100 us",
+                  "miss", note="old")
+    table = tmp_path / "README.md"
+    table.write_text(f"{BEGIN}\n{SUMMARY}\n\n{format_table([ROWS[0], old_own, ROWS[1]])}\n{END}\n")
+    own = Row("FSMWorker's own time per vLLM step / vLLM's worker layer, full audit", "200 us", "vLLM's worker layer"
+              " 70 us", "2.86x [2.7-3.0]", "<= 1.0x", "miss", note="new")
+    plan = Row(ROWS[0].name, "17.0 ms", ROWS[0].baseline, "25.0x faster", ">= 10x", "pass", note="again")
+    fresh = Row("a row no table had", "1", "2", "0.5x", "report", "report")
+    summary, rows = merged(table, [own, plan, fresh], "Measured 2026-12-03 10:30 UTC with `x`.")
+    assert [r.name for r in rows] == [ROWS[0].name, own.name, ROWS[1].name, fresh.name]
+    assert rows[0] == plan and rows[1] == own and rows[2] == ROWS[1]
+    assert summary.startswith(SUMMARY) and summary.endswith("Measured 2026-12-03 10:30 UTC with `x`.")
+    assert f"`{own.name}`" in summary and f"`{ROWS[1].name}`" not in summary

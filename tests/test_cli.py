@@ -115,3 +115,18 @@ def test_run_float16(models, tmp_path):
                  "--out", str(tmp_path / "run")]) == 0
     lines = (tmp_path / "run" / "outputs.jsonl").read_text().splitlines()
     assert [len(json.loads(line)["token_ids"]) for line in lines] == [3, 3, 3]
+
+
+def test_replay_and_plan_never_import_torch(tmp_path):
+    """`runner-fsm replay` reads logs: importing torch would cost it seconds on a cold machine
+    (2-3 s here, most of a `--last 1000` over 64 ranks). A fresh interpreter runs the CLI's
+    replay and plan and reports what was imported."""
+    from runner_fsm.testing.synth import SynthSpec, write_run
+
+    write_run(tmp_path / "run", SynthSpec(dp_size=2, pcp_size=1, steps=20))
+    code = ("import sys\nfrom runner_fsm.cli import main\n"
+            f"rc = main(['replay', {str(tmp_path / 'run')!r}, '--last', '5'])\n"
+            "rc2 = main(['plan', '--pcp', '2', '--scheduled', '4,1', '--prefill', '1,0'])\n"
+            "print('RESULT', rc, rc2, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    assert out.strip().splitlines()[-1] == "RESULT 0 0 False", out[-2000:]

@@ -162,8 +162,9 @@ def test_a_fault_inside_a_step_moves_to_faulted_and_replays_as_a_fault(tmp_path)
 
 
 def test_forward_hook_on_a_graph_wrapper_runs_before_its_call():
-    """On CUDA `runner.model` may be vLLM's CUDAGraphWrapper (not a module); the hook must run
-    right before its `__call__` (where a graph replays), and the object keeps its type."""
+    """On CUDA the runner's model (`RunnerAdapter.model()`) may be vLLM's CUDAGraphWrapper (not a
+    module); the hook must run right before its `__call__` (where a graph replays), and the object
+    keeps its type."""
     from runner_fsm.integrations.vllm.recording.forwards import hook_forward
 
     order = []
@@ -174,16 +175,14 @@ def test_forward_hook_on_a_graph_wrapper_runs_before_its_call():
             return positions
 
     wrapper, other = GraphWrapper(), GraphWrapper()
-    runner = SimpleNamespace(model=wrapper)
-    hook_forward(runner, lambda _m, _a, kwargs: order.append(("hook", sorted(kwargs))))
+    hook_forward(wrapper, lambda _m, _a, kwargs: order.append(("hook", sorted(kwargs))))
     ids = torch.ones(3)
     assert wrapper(input_ids=ids, positions=ids) is ids
     assert order == [("hook", ["input_ids", "positions"]), ("replay", 3)]
     assert isinstance(wrapper, GraphWrapper) and type(other) is GraphWrapper  # only that object changed
     order.clear()
     module = torch.nn.Identity()
-    runner.model = module
-    hook_forward(runner, lambda _m, _a, kwargs: order.append(("hook", sorted(kwargs))))
+    hook_forward(module, lambda _m, _a, kwargs: order.append(("hook", sorted(kwargs))))
     module(ids)
     assert order == [("hook", [])]
 

@@ -6,13 +6,19 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from runner_fsm.audit.segments import DEFAULT_MAX_LOG_BYTES, parse_bytes
 from runner_fsm.config import GraphMode, ParallelLayout
-from runner_fsm.engine.api import EngineResult, run_engine
 from runner_fsm.engine.config import DTYPES, EngineConfig
 from runner_fsm.engine.preflight import check_model_dir
 from runner_fsm.engine.requests import load_trace, outputs_equal, synthetic_requests
+
+if TYPE_CHECKING:
+    from runner_fsm.engine.api import EngineResult
+
+# The engine (and torch with it, seconds on a cold machine) is imported by the commands that
+# run it, not by the parser: `runner-fsm replay` and `plan` never load torch.
 
 
 def add_run(sub) -> None:
@@ -68,6 +74,8 @@ def _cmd_run(args) -> int:
     else:
         requests = synthetic_requests(args.requests, vocab_size=vocab, seed=args.seed,
                                       max_new_tokens=args.max_new_tokens, arrival_every=1)
+    from runner_fsm.engine.api import run_engine
+
     result = run_engine(cfg, requests, timeout_s=max(300.0, 4 * args.collective_timeout))
     if result.primary:
         print(format_summary(result, f"DP={args.dp} x PCP={args.pcp}"))
@@ -164,6 +172,8 @@ def _cmd_demo(args) -> int:
         ("DP=2 x PCP=2, eager, 2 draft tokens", ParallelLayout(2, 2), 2, GraphMode.NONE),
         ("DP=2 x PCP=2, FULL_DECODE_ONLY graphs", ParallelLayout(2, 2), 0, GraphMode.FULL_DECODE_ONLY),
     ]
+    from runner_fsm.engine.api import run_engine
+
     reference, code = None, 0
     for label, layout, k, mode in runs:
         cfg = EngineConfig(model_dir=str(target), draft_dir=str(draft), layout=layout,
