@@ -63,7 +63,7 @@ def start_server(model: str, run_dir: str, port: int, log, *extra: str, options:
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
 
 
-def wait_ready(proc: subprocess.Popen, port: int, log_path, timeout_s: float = 300.0) -> None:
+def wait_ready(proc: subprocess.Popen, port: int, log_path, timeout_s: float = 900.0) -> None:
     import httpx
 
     deadline = time.monotonic() + timeout_s
