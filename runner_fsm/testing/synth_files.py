@@ -89,6 +89,11 @@ def _write_capped(run_dir: Path, spec: SynthSpec, writer: _RankWriter) -> Path:
                 log.graph(step_id, fields.pop("action"), **fields)
             elif event == "fault":
                 log.fault(step_id, fields["error"], fields["message"])
+        if log is not None and log.segments.compressor is not None:
+            # A compressor that keeps up, as on a server between steps: without the wait, what the
+            # cap keeps would hang on how fast this box's thread runs (a loaded CI box kept no more
+            # compressed than plain).
+            log.segments.compressor.drain()
     if log is None:
         raise ValueError("a capped synthetic log needs the job's shape (job_shape=True)")
     log.close()
