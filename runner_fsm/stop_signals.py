@@ -15,14 +15,23 @@ hands the signal on. Where no watch can run (another wakeup fd is set), the hand
 a rank killed before it runs leaves no record: its peers' records of the same stop explain its
 end (`audit.stops`). `record` must be safe to call at any bytecode and from another thread:
 `AuditLog.stop` is (`write_in_handler`).
+
+A handler that lands while its own thread writes a record finds the log's lock held: the record
+waits behind that write. The default action of SIGTERM, taken inside the handler, kills the
+process before the write ends, and the record is lost (26 of 40 SIGTERMs to a process writing
+records in a loop). A process whose main thread runs an event loop uses `stops_on_loop`: it hands
+each signal on from the loop, which runs once the write and the record behind it are done.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import threading
-from typing import Callable
+from typing import AsyncIterator, Callable
+
+import anyio
 
 from runner_fsm.signal_watch import WATCH, Subscription
 
@@ -94,3 +103,33 @@ def hand_on(previous, signum: int, frame) -> None:
         signal.signal(signum, signal.SIG_DFL)
         os.kill(os.getpid(), signum)
     # SIG_IGN: ignored, as before
+
+
+@contextlib.asynccontextmanager
+async def stops_on_loop(record: Callable[[str], None]) -> AsyncIterator[None]:
+    """SIGINT and SIGTERM recorded as `StopSignals(record, early=False)` records them, for the body
+    of an anyio event loop in the main thread; what the previous handlers did (asyncio's SIGINT:
+    cancel the run, then KeyboardInterrupt; SIGTERM's default: death) is done on the loop, between
+    two of its callbacks, not at whatever bytecode the signal finds: after any record the handler
+    queued behind a write of its own thread (see the module's docstring), never in the middle
+    of a write. The loop's wakeup fd also wakes the main thread for a signal the kernel handed
+    to another of its threads."""
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    with anyio.open_signal_receiver(*STOP_SIGNALS) as arrivals:
+        stops = StopSignals(record, early=False)
+        stops.install()  # in front of the receiver's handlers, which only wake the loop
+        try:
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(_hand_on_from_loop, arrivals, previous)
+                yield
+                tasks.cancel_scope.cancel()
+        finally:
+            stops.restore()
+    for signum, handler in previous.items():  # the receiver leaves the defaults behind
+        if handler is not None:
+            signal.signal(signum, handler)
+
+
+async def _hand_on_from_loop(arrivals, previous: dict) -> None:
+    async for signum in arrivals:
+        hand_on(previous.get(signum, signal.SIG_DFL), signum, None)

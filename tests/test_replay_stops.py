@@ -210,6 +210,56 @@ def test_every_member_inside_a_collective_when_one_recorded_the_stop(tmp_path, r
             assert hangs == [("hang", LAST, (0, 1))], (case, report.format())
 
 
+def _past_last_expert_exchange(path, then: int = 0) -> list[dict]:
+    """A rank's records up to its `done` of the last step's expert exchange, and `then` more."""
+    records = _records(path)
+    done = next(i for i, r in enumerate(records) if r["step_id"] == LAST and r.get("group") == "expert"
+                and r.get("stage") == "done")
+    return records[: done + 1 + then]
+
+
+@pytest.mark.parametrize("recorded", [0, 1])
+def test_a_member_past_the_collective_recorded_the_stop_its_peer_blocked_in_it(tmp_path, recorded):
+    """Ctrl-C (CI, `test_stop_requested[ctrl-c]`): one replica went past the step's expert
+    exchange and recorded SIGINT in that step; the other, still inside the exchange (blocked in
+    C++), was killed before it recorded anything. Nobody is to blame (both issued it; the one
+    past it holds its peer's part): SOUND with a note naming both ends. Without the record, with
+    the record after a fault of its own, at another step, or with the recording member ending
+    in a later collective (whoever it waits for there may be dead), the hang stays. Mutation
+    seen to fail this: `stopped_inside` asking only the ranks waiting in the collective."""
+    silent = 1 - recorded
+    cases = ("recorded", "no record", "after a fault", "another step", "waits in a later collective")
+    for case in cases:
+        run = write_run(tmp_path / case.replace(" ", "-"), DP_ONLY)
+        _write(run / f"rank-{silent}.jsonl", _inside_last_expert_exchange(run / f"rank-{silent}.jsonl"))
+        path = run / f"rank-{recorded}.jsonl"
+        records = _past_last_expert_exchange(path)
+        if case == "waits in a later collective":
+            later = _records(path)[len(records):]
+            records += later[: next(i for i, r in enumerate(later) if r.get("stage") == "enqueue") + 1]
+        last = records[-1]
+        if case == "after a fault":
+            header = {k: last[k] for k in ("schema", "run_id", "dp_rank", "pcp_rank")}
+            records.append({**header, "t_ns": last["t_ns"] + 5, "event": "fault", "step_id": LAST,
+                            "error": "RuntimeError", "message": "Connection reset by peer"})
+        if case != "no record":
+            records.append(_stop_record(last, LAST - 1 if case == "another step" else LAST, last["t_ns"] + 10))
+        _write(path, records)
+        report = replay(run)
+        hangs = [(v.kind, v.step, v.replica) for v in report.verdicts if v.kind == "hang"]
+        if case == "recorded":
+            assert report.sound, report.format()
+            (note,) = [n for n in report.summary.notes if n.startswith("stop requested")]
+            assert note.startswith(f"stop requested: SIGINT (rank {recorded}, step {LAST})"), note
+            assert f"rank(s) {silent} ended after it" in note or "rank(s) 0, 1 ended after it" in note, note
+            assert "a death" not in note, note
+        else:
+            assert (("hang", LAST, silent) in hangs
+                    or ("unfinished", (silent,)) in [(v.kind, v.ranks) for v in report.verdicts]), \
+                (case, report.format())
+            assert not report.sound, (case, report.format())
+
+
 @pytest.mark.parametrize("killed", [0, 1])
 def test_a_rank_killed_inside_a_collective_before_the_stop_is_named(tmp_path, killed):
     """Done-when (d) as the logs show it: one worker SIGKILLed inside the expert exchange; its

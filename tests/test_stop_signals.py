@@ -115,6 +115,72 @@ def test_a_signal_during_another_thread_s_write_waits_for_it(tmp_path):
     assert out.stdout.strip() == "1"
 
 
+def test_a_handler_that_raises_mid_write_leaves_its_record_after_it(tmp_path):
+    """The handler lands inside a write of its own thread (its record waits behind it), then
+    raises (Python's KeyboardInterrupt, vLLM's SystemExit): the record is written as the
+    exception leaves the write, for nothing else may write after it. Mutation seen to fail this:
+    `_write_all` writing what waits only after a write that returned."""
+    out = _child(PRELUDE + """
+    real = log._render_lines
+    def interrupted(*args):
+        log._render_lines = real  # once: the record's own write renders as usual
+        real(*args)
+        log.stop(3, "signal", "SIGINT")  # the handler, between two bytecodes of this write
+        raise KeyboardInterrupt
+    log._render_lines = interrupted
+    try:
+        log.fault(3, "RuntimeError", "the write the signal interrupted")
+    except KeyboardInterrupt:
+        pass
+    print(log.next_seq)
+    """, tmp_path, timeout=20)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "1"
+    records = list(read_records(tmp_path / "run" / "rank-0.jsonl"))
+    assert [(r["seq"], r["event"], r["signal"]) for r in records] == [(0, "stop", "SIGINT")]
+
+
+def test_sigterm_to_a_loop_writing_records_dies_by_it_after_the_record(tmp_path):
+    """`stops_on_loop`: SIGTERM to a process whose loop writes records all the time (most
+    arrivals land mid-write) still leaves its `stop` record, then the process dies by SIGTERM.
+    Eight processes, signalled while they write. Mutation seen to fail this: `stops_on_loop`
+    chaining to SIG_DFL in the handler (`StopSignals` alone), which lost most records."""
+    script = tmp_path / "loop.py"
+    script.write_text(textwrap.dedent("""
+    import sys
+    import anyio
+    from runner_fsm.audit import AuditLog
+    from runner_fsm.stop_signals import stops_on_loop
+
+    async def main(log):
+        async with stops_on_loop(lambda name: log.stop(9, "signal", name)):
+            for step in range(10**9):
+                log.collective(step, "dp", "all_reduce", 0, [[4]], step, "enqueue")
+                if step == 200:
+                    print("writing", flush=True)
+                await anyio.sleep(0)
+
+    anyio.run(main, AuditLog(sys.argv[1], "r", 0, 0, 0))
+    """))
+    runs = [tmp_path / f"run{i}" for i in range(8)]
+    children = [subprocess.Popen([sys.executable, str(script), str(run)], stdout=subprocess.PIPE, text=True)
+                for run in runs]
+    try:
+        for child in children:
+            assert child.stdout.readline().strip() == "writing"
+        time.sleep(0.05)
+        for child in children:
+            child.send_signal(signal.SIGTERM)
+        codes = [child.wait(timeout=30) for child in children]
+    finally:
+        for child in children:
+            child.kill() if child.poll() is None else None
+    assert codes == [-signal.SIGTERM] * len(children)
+    for run in runs:
+        stops = [r for r in read_records(run / "rank-0.jsonl") if r["event"] == "stop"]
+        assert [(r["step_id"], r["signal"]) for r in stops] == [(9, "SIGTERM")], run
+
+
 def test_not_installed_outside_the_main_thread(tmp_path):
     out = _child(PRELUDE + """
     import threading

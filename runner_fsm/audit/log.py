@@ -268,22 +268,27 @@ class AuditLog(_Records):
 
         A record of a batch keeps the time it was made, so t_ns may step back by a few
         microseconds against a record another thread wrote meanwhile; seq is the file order."""
-        with self._lock:
-            self._holder = threading.get_ident()  # a signal handler must know whether to wait
-            try:
-                if self._closed:
-                    first = records[0]
-                    raise AuditLogClosedError(
-                        f"audit log {self.path} is closed; cannot write {first[1]!r} (step {first[2]})"
-                    )
-                # seq is only consumed once the lines are written: a record that fails to
-                # serialise leaves no gap behind.
-                self._logger.msg(self._render_lines(self._next_seq, records, time.monotonic_ns()))
-                self._next_seq += len(records)
-            finally:
-                self._holder = None
-        if self._deferred:  # a signal handler ran while this write held the lock
-            self._write_deferred()
+        try:
+            with self._lock:
+                self._holder = threading.get_ident()  # a signal handler must know whether to wait
+                try:
+                    if self._closed:
+                        first = records[0]
+                        raise AuditLogClosedError(
+                            f"audit log {self.path} is closed; cannot write {first[1]!r} (step {first[2]})"
+                        )
+                    # seq is only consumed once the lines are written: a record that fails to
+                    # serialise leaves no gap behind.
+                    self._logger.msg(self._render_lines(self._next_seq, records, time.monotonic_ns()))
+                    self._next_seq += len(records)
+                finally:
+                    self._holder = None
+        finally:
+            # A signal handler ran while this write held the lock: its record follows the write,
+            # also when the handler then raised in it (KeyboardInterrupt, vLLM's SystemExit),
+            # which may end the process with no other write to carry it.
+            if self._deferred:
+                self._write_deferred()
 
     # -- segments: the write path while a full segment waits for its step to end
 

@@ -72,6 +72,9 @@ class Verdict:
     # (`replay.name_coordinates`, once the job's shape is known)
     coords: tuple[dict, ...] = dataclasses.field(default=(), compare=False)
     shown: tuple[str, ...] = dataclasses.field(default=(), compare=False)
+    # hang verdicts: the members of the collective that logged its `done` (went past it), which
+    # a stop's rule asks about (`stops.StopRule.stopped_inside`); its text names their replicas
+    past: tuple[int, ...] = dataclasses.field(default=(), compare=False)
 
     def __post_init__(self) -> None:
         if self.kind not in _KIND_ORDER:

@@ -300,7 +300,8 @@ def _verdict(step: int, culprits: tuple[int, ...], hangs: list[_Hang], groups: G
         parts.append(f"replica(s) {_ids(waiting)} {how} waiting in {hang.name} ({_pg_text(hang, groups)})"
                      f" at step {step}; to blame: {_blamed_text(hang, groups)}; already past it: {_ids(past) or 'none'}")
     culprit = min(groups.replica(r) for r in culprits)
-    return Verdict("hang", culprit, step, "; and ".join(parts), culprits)
+    past = tuple(sorted({r for hang in hangs for r in hang.past}))
+    return Verdict("hang", culprit, step, "; and ".join(parts), culprits, past=past)
 
 
 def _pg_text(hang: _Hang, groups: Groups) -> str:

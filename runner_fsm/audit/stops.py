@@ -11,7 +11,8 @@ ends without `shutdown` has its end explained by a request:
 - it waits in a collective whose culprits (the peers that never came: `hang`) all ended so:
   a rank blocked in a collective (C++) runs no Python signal handler before it is killed, and
   its peers' records of the stop cover it;
-- it waits in a collective every member issued, one of which recorded the request there.
+- it waits in a collective every member issued, one of which recorded the request in that
+  step (waiting in it too, or past it and waiting in no other).
 
 Then the `unfinished`, `hang` and `missing_replica` verdicts of those ends, and the faults a
 rank logged after a request (an interrupted step, a peer's closed connection), become one note
@@ -85,16 +86,20 @@ class StopRule:
             or self.stopped_inside(hang)
 
     def stopped_inside(self, hang: Verdict) -> bool:
-        """Nobody is to blame (every member issued the collective: its ranks are all waiting in
-        it), and one of them recorded a stop request there, with no fault of its own before: the
-        group was whole when the stop came, and the members blocked in C++ could record nothing
-        before they were killed. A death in a collective leaves no such record: its peers see a
-        closed connection (a fault) first, or are killed with it."""
+        """Nobody is to blame (every member issued the collective: its ranks all wait in it, or
+        went past it), and one of them recorded a stop request in that step, with no fault of its
+        own before: the group was whole when the stop came (a member past it holds every peer's
+        part), and the members blocked in C++ could record nothing before they were killed. A
+        death in a collective leaves no such record: its peers see a closed connection (a fault)
+        first, or are killed with it, or wait for it in their next collective."""
         ends = [self.facts.ends.get(rank) for rank in hang.ranks]
         if self.waiting(hang) or not all(end is not None and end.in_collective and end.step == hang.step
                                          for end in ends):
             return False
-        return any(self.left_on_request(rank) and self.own[rank].step == hang.step for rank in hang.ranks)
+        # A member past it that waits in a later collective of the step is in `waiting` (above):
+        # whoever it waits for there may be dead, so its stop says nothing of the group.
+        return any(self.left_on_request(rank) and self.own[rank].step == hang.step
+                   for rank in (*hang.ranks, *hang.past))
 
 
 def settle_stops(verdicts: list[Verdict], facts: RunFacts) -> tuple[list[Verdict], tuple[str, ...]]:

@@ -22,6 +22,7 @@ import multiprocessing as mp
 import os
 import pickle
 import queue as queue_module
+import signal
 import sys
 import time
 import traceback
@@ -174,11 +175,14 @@ def spawn(
     deadline = time.monotonic() + timeout_s
     child_args = (fn, layout, host, port, args, pg_timeout_s or timeout_s, results_queue)
     processes: list[mp.process.BaseProcess] = []
-    # A stop request to the launcher (SIGINT, SIGTERM) reaches every rank as SIGTERM, which each
-    # records in its audit log (`stop_signals`) before it goes; then the launcher stops as before.
-    # early=False: this main thread waits in Python, so its handler runs at once; and it
-    # terminates the ranks, which is the handler's work, not a watch thread's.
-    stops = StopSignals(lambda _name: _terminate_all(processes), early=False)
+    # A stop request to the launcher (SIGINT, SIGTERM) reaches every rank as the same signal,
+    # which each records in its audit log (`stop_signals`) before it goes; then the launcher
+    # stops as before. The same signal, not SIGTERM for both: after a Ctrl-C (SIGINT to the
+    # whole group) a rank heard the launcher's SIGTERM before the group's SIGINT, 3 runs in 20
+    # on a loaded box (each signal lands in whichever of its threads the kernel picks), and its
+    # log named SIGTERM as the request. early=False: this main thread waits in Python, so its
+    # handler runs at once; and it stops the ranks, which is the handler's work, not a watch's.
+    stops = StopSignals(lambda name: _stop_all(processes, signal.Signals[name]), early=False)
     stops.install()
     try:
         with _single_threaded_children():
@@ -302,11 +306,12 @@ def _join_all(processes, deadline: float) -> None:
         process.join(timeout=max(0.0, deadline - time.monotonic()))
 
 
-def _terminate_all(processes) -> None:
-    """SIGTERM to every child still running, then a moment for them to record it and leave."""
+def _stop_all(processes, signum: signal.Signals) -> None:
+    """`signum` to every child still running, then a moment for them to record it and leave."""
     alive = [p for p in processes if p.is_alive()]
     for process in alive:
-        process.terminate()
+        with contextlib.suppress(ProcessLookupError):  # it left since
+            os.kill(process.pid, signum)
     deadline = time.monotonic() + _STOP_GRACE_S
     for process in alive:
         process.join(timeout=max(0.0, deadline - time.monotonic()))

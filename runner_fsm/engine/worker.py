@@ -35,7 +35,7 @@ from runner_fsm.heartbeat import Heartbeat
 from runner_fsm.pcp.buffers import BUFFER_NAMES
 from runner_fsm.replica import Replica
 from runner_fsm.runner import Outcome, ReplicaRunner
-from runner_fsm.stop_signals import StopSignals
+from runner_fsm.stop_signals import stops_on_loop
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,16 +124,14 @@ async def _serve(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, cou
     handlers are chained here, inside the event loop, in front of asyncio's own SIGINT handler
     (which cancels the run cleanly), and taken out before the loop ends."""
     replica = runner.replica
-    # early=False: handlers only, as tested here for long. With the watch thread
-    # (`signal_watch`) a Ctrl-C of `runner-fsm run --dp 2` (SIGINT to the group, then the
-    # launcher's SIGTERM) was seen, 1 run in 8, to record SIGTERM (from the watch) before SIGINT
-    # (from the handler) on one rank; until that is understood, the watch is vLLM's only.
-    stops = StopSignals(lambda name: replica.audit.stop(replica.step_id, "signal", name), early=False)
-    stops.install()
-    try:
+    # Handlers only (early=False, in `stops_on_loop`), woken by the loop's wakeup fd. Each signal
+    # is handed on from the loop: SIGTERM's default action, taken in the handler, killed a rank
+    # mid-write before the `stop` record queued behind that write (CI: a rank of a stopped run
+    # read as a death). A rank may hear the launcher's forwarded signal before the group's own
+    # Ctrl-C (whichever of its threads the kernel hands each to): the launcher forwards the
+    # signal it got (`launch.spawn`), so the request is named alike either way.
+    async with stops_on_loop(lambda name: replica.audit.stop(replica.step_id, "signal", name)):
         await _serve_events(runner, sched, cfg, counts)
-    finally:
-        stops.restore()
 
 
 async def _serve_events(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, counts: dict) -> None:
