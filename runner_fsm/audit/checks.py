@@ -33,6 +33,7 @@ import functools
 import zlib
 from typing import Mapping, Sequence
 
+from runner_fsm.audit.expand import FINGERPRINTS
 from runner_fsm.audit.report import label
 from runner_fsm.audit.transitions import OUTCOMES, TransitionChecker  # noqa: F401  (re-exported)
 
@@ -193,7 +194,9 @@ class BufferTracker:
     def buffers(self, record, step: int) -> list[str]:
         """Problems of a `buffers` record: those taken at a forward point (a graph replay's
         inputs, a refused forward's) are the inputs of that forward, judged here."""
-        snapshot = _tuples(record["buffers"])
+        snapshot = record.get(FINGERPRINTS)  # a compact record's, read as tuples (`expand`)
+        if snapshot is None:
+            snapshot = _tuples(record["buffers"])
         reason = record["reason"]
         problems = []
         size = record.get("graph_tokens")  # the graph's size, where the writer logs it here

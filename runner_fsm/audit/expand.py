@@ -16,6 +16,11 @@ from runner_fsm.audit.compact import CHUNKINGS, DEST, FORWARD, INPUTS_FIELDS, NA
 from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, FIELDS as DECISION_FIELDS
 
 _NEW_STEP = object()  # not a step's first record
+_NO_ROWS = object()  # a buffer logged without `rows`
+# A `buffers` record as replay reads it: {name: (ptr, shape, version, digest, rows)}, the tuples
+# `checks.BufferTracker` judges, under this key instead of `buffers` (built without a dict per
+# buffer: a third of a compact record's expansion); `full` gives the logged form back.
+FINGERPRINTS = "fingerprints"
 _UNKNOWN = (None, None, None, None)  # a done whose enqueue was not read (a seek)
 _EVENT_FIELDS = {"transition": ("trigger", "src", "dst", "outcome"), "buffers": ("reason", "buffers"),
                  "collective": ("group", "op", "phase", "shapes", "pg_seq", "stage"), "graph": ("action",),
@@ -52,13 +57,13 @@ class Expander:
         reads, per line, so it builds nothing it does not need (the most frequent first)."""
         if "event" in record:  # a record in full (the `job` record of the segment)
             return record
-        step = record.pop("s", _NEW_STEP)
-        if step is not _NEW_STEP:
-            self.step, seq = step, record.pop("q")
+        if "s" in record:  # a step's first record
+            self.step = step = record.pop("s")
+            seq = record.pop("q")
             self._step_t = t_ns = self._step_t + record.pop("t") * 1000
         else:
             step, seq = self.step, self.seq
-            t_ns = self._step_t + record.pop("t", 0) * 1000
+            t_ns = self._step_t + record.pop("t") * 1000 if "t" in record else self._step_t
         self.seq = seq + 1
         record["seq"], record["t_ns"], record["step_id"] = seq, t_ns, step
         done = record.pop("d", None)
@@ -93,8 +98,8 @@ class Expander:
                     record[DECISIONS_FIELD] = changed if type(changed) is dict else {
                         name: value for name, value in zip(DECISION_FIELDS, changed) if value is not None}
         elif "b" in record:
-            buffers = self._buffers(record, step)
-            record["event"], record["reason"], record["buffers"] = "buffers", record.pop("b"), buffers
+            fingerprints = self._fingerprints(record, step)
+            record["event"], record["reason"], record[FINGERPRINTS] = "buffers", record.pop("b"), fingerprints
         elif "g" in record:
             record["event"], record["action"] = "graph", record.pop("g")
             if record["action"] == "replay" and "num_tokens" not in record:  # the open forward's rows
@@ -114,6 +119,8 @@ class Expander:
         if "schema" in record:  # the `job` record
             return record
         event = record.pop("event")
+        if FINGERPRINTS in record:
+            record["buffers"] = _logged(record.pop(FINGERPRINTS))
         out = {**self._head, "seq": record.pop("seq"), "t_ns": record.pop("t_ns"), **self._ranks, "event": event,
                "step_id": record.pop("step_id")}
         for name in _EVENT_FIELDS.get(event, ()):  # the event's own fields first, as its builder writes them
@@ -121,24 +128,19 @@ class Expander:
         out.update(record)
         return out
 
-    def _buffers(self, record: dict, step) -> dict:
+    def _fingerprints(self, record: dict, step) -> dict:
         buf, base, version = record.pop("buf"), record.pop("p0", 0), record.pop("v", None)
-        if buf == SAME:  # the step's previous buffers record's
+        if buf == SAME:  # the step's previous buffers record's (its tuples are never changed)
             last_step, last = self._last_buffers
-            return {name: dict(fp) for name, fp in last.items()} if last_step == step else {}
+            return last if last_step == step else {}
         out = {}
         for name, fp in (zip(self._names, buf) if type(buf) is list else buf.items()):
-            if version is None:
-                entry = {"ptr": fp[0] + base, "shape": fp[1], "version": fp[2]}
-                more = fp[3:]
-            else:
-                entry = {"ptr": fp[0] + base, "shape": fp[1], "version": version}
-                more = fp[2:]
-            if more and more[0] is not None:
-                entry["digest"] = more[0]
-            if len(more) > 1:
-                entry["rows"] = more[1]
-            out[name] = entry
+            if version is None:  # [ptr, shape, version(, digest(, rows))]
+                more = len(fp) - 3
+                out[name] = (fp[0] + base, fp[1], fp[2], fp[3] if more > 0 else None, fp[4] if more > 1 else _NO_ROWS)
+            else:  # [ptr, shape(, digest(, rows))], the version the record's
+                more = len(fp) - 2
+                out[name] = (fp[0] + base, fp[1], version, fp[2] if more > 0 else None, fp[3] if more > 1 else _NO_ROWS)
         self._last_buffers = (step, out)
         return out
 
@@ -175,3 +177,15 @@ class Expander:
         values = record.pop("out", None)
         if values is not None:
             record["output"] = {"digest": values[0], "tokens": values[1]}
+
+
+def _logged(fingerprints: dict) -> dict:
+    """{name: {ptr, shape, version[, digest][, rows]}}: the buffers as they were logged."""
+    out = {}
+    for name, (ptr, shape, version, digest, rows) in fingerprints.items():
+        entry = out[name] = {"ptr": ptr, "shape": shape, "version": version}
+        if digest is not None:
+            entry["digest"] = digest
+        if rows is not _NO_ROWS:
+            entry["rows"] = rows
+    return out
