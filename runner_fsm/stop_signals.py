@@ -114,6 +114,9 @@ async def stops_on_loop(record: Callable[[str], None]) -> AsyncIterator[None]:
     queued behind a write of its own thread (see the module's docstring), never in the middle
     of a write. The loop's wakeup fd also wakes the main thread for a signal the kernel handed
     to another of its threads."""
+    if threading.current_thread() is not threading.main_thread():  # no handler can be set there
+        yield
+        return
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
     with anyio.open_signal_receiver(*STOP_SIGNALS) as arrivals:
         stops = StopSignals(record, early=False)

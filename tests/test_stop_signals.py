@@ -193,6 +193,24 @@ def test_not_installed_outside_the_main_thread(tmp_path):
     assert out.stdout.strip() == "[False]"
 
 
+def test_stops_on_loop_outside_the_main_thread_runs_its_body_with_no_handler(tmp_path):
+    """An engine run from a library's worker thread: its loop sets no handler (Python refuses
+    to there), and runs as before. Mutation seen to fail this: no main-thread check."""
+    out = _child(PRELUDE + """
+    import threading, anyio
+    from runner_fsm.stop_signals import stops_on_loop
+    result = []
+    async def body():
+        async with stops_on_loop(lambda name: None):
+            result.append(signal.getsignal(signal.SIGTERM))
+    thread = threading.Thread(target=lambda: anyio.run(body))
+    thread.start(); thread.join()
+    print(result == [signal.SIG_DFL])
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True"
+
+
 def test_a_stop_on_a_closed_log_is_dropped_quietly(tmp_path):
     """After close (a rank that shut down), a late signal must not fail vLLM's own handling."""
     out = _child(PRELUDE + """
