@@ -118,19 +118,21 @@ async def stops_on_loop(record: Callable[[str], None]) -> AsyncIterator[None]:
         yield
         return
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-    with anyio.open_signal_receiver(*STOP_SIGNALS) as arrivals:
-        stops = StopSignals(record, early=False)
-        stops.install()  # in front of the receiver's handlers, which only wake the loop
-        try:
-            async with anyio.create_task_group() as tasks:
-                tasks.start_soon(_hand_on_from_loop, arrivals, previous)
-                yield
-                tasks.cancel_scope.cancel()
-        finally:
-            stops.restore()
-    for signum, handler in previous.items():  # the receiver leaves the defaults behind
-        if handler is not None:
-            signal.signal(signum, handler)
+    try:
+        with anyio.open_signal_receiver(*STOP_SIGNALS) as arrivals:
+            stops = StopSignals(record, early=False)
+            stops.install()  # in front of the receiver's handlers, which only wake the loop
+            try:
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(_hand_on_from_loop, arrivals, previous)
+                    yield
+                    tasks.cancel_scope.cancel()
+            finally:
+                stops.restore()
+    finally:  # also after a cancelled or failed body: the receiver leaves the defaults behind
+        for signum, handler in previous.items():
+            if handler is not None:
+                signal.signal(signum, handler)
 
 
 async def _hand_on_from_loop(arrivals, previous: dict) -> None:

@@ -210,12 +210,12 @@ def test_every_member_inside_a_collective_when_one_recorded_the_stop(tmp_path, r
             assert hangs == [("hang", LAST, (0, 1))], (case, report.format())
 
 
-def _past_last_expert_exchange(path, then: int = 0) -> list[dict]:
-    """A rank's records up to its `done` of the last step's expert exchange, and `then` more."""
+def _past_last_expert_exchange(path) -> list[dict]:
+    """A rank's records up to its `done` of the last step's expert exchange."""
     records = _records(path)
     done = next(i for i, r in enumerate(records) if r["step_id"] == LAST and r.get("group") == "expert"
                 and r.get("stage") == "done")
-    return records[: done + 1 + then]
+    return records[: done + 1]
 
 
 @pytest.mark.parametrize("recorded", [0, 1])

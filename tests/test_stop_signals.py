@@ -181,6 +181,29 @@ def test_sigterm_to_a_loop_writing_records_dies_by_it_after_the_record(tmp_path)
         assert [(r["step_id"], r["signal"]) for r in stops] == [(9, "SIGTERM")], run
 
 
+def test_stops_on_loop_puts_the_previous_handlers_back_after_a_failed_body(tmp_path):
+    """A body that raises (a rank's fault) leaves the handlers as it found them, not the
+    receiver's defaults. Mutation seen to fail this: the handlers put back only after a body
+    that returned."""
+    out = _child(PRELUDE + """
+    import anyio
+    from runner_fsm.stop_signals import stops_on_loop
+    def mine(signum, frame):
+        pass
+    signal.signal(signal.SIGINT, mine)
+    async def body():
+        async with stops_on_loop(lambda name: None):
+            raise RuntimeError("the rank failed")
+    try:
+        anyio.run(body)
+    except BaseException:
+        pass
+    print(signal.getsignal(signal.SIGINT) is mine, signal.getsignal(signal.SIGTERM) is signal.SIG_DFL)
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "True True"
+
+
 def test_not_installed_outside_the_main_thread(tmp_path):
     out = _child(PRELUDE + """
     import threading
