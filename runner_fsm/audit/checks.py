@@ -45,7 +45,8 @@ _PTR, _SHAPE, _VERSION, _DIGEST = range(4)
 def moved_storage(captured: Mapping[str, Sequence], now: Mapping[str, Sequence]) -> list[str]:
     """Buffers whose storage (address, shape) differs from capture: a graph would read elsewhere."""
     return [name for name, then in captured.items()
-            if name in now and (now[name][_PTR] != then[_PTR] or list(now[name][_SHAPE]) != list(then[_SHAPE]))]
+            if name in now and (now[name][_PTR] != then[_PTR] or (
+                now[name][_SHAPE] != then[_SHAPE] and list(now[name][_SHAPE]) != list(then[_SHAPE])))]
 
 
 def stale_inputs(now: Mapping[str, Sequence], since: Mapping[str, Sequence] | None,
@@ -168,12 +169,13 @@ class BufferTracker:
 
     def __init__(self) -> None:
         self._captured: dict = {}  # graph size -> snapshot logged at its capture
+        self._largest: int | None = None  # the largest int size in it (asked every step, set at a capture)
         self._capture_size = None
         self.forget_steps()
 
     def largest_capture(self) -> int | None:
         """The largest graph size captured (None: none, or sizes not logged)."""
-        return max((size for size in self._captured if isinstance(size, int)), default=None)
+        return self._largest
 
     def forget_steps(self) -> None:
         """Drop what earlier steps left (a scan resumed mid-file); captures are kept."""
@@ -216,6 +218,7 @@ class BufferTracker:
             self._step_dummy = True
         elif reason == "capture":
             self._captured[size if size is not None else self._capture_size] = snapshot
+            self._largest = max((size for size in self._captured if isinstance(size, int)), default=None)
         self._current = snapshot
         return problems
 

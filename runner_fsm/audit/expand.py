@@ -55,8 +55,20 @@ class Expander:
         """`record` in full but for the header fields its segment's `job` record holds
         (`schema`, `run_id`, `dp_rank`, `pcp_rank`: see `full`), filled in place: what replay
         reads, per line, so it builds nothing it does not need (the most frequent first)."""
+        collective = self.lean(record)
+        if collective is not None:
+            group, op, phase, pg_seq, shapes, stage = collective
+            record["event"], record["group"], record["op"], record["phase"] = "collective", group, op, phase
+            record["shapes"], record["pg_seq"], record["stage"] = shapes, pg_seq, stage
+        return record
+
+    def lean(self, record: dict) -> tuple | None:
+        """`record` filled in place as `__call__` fills it, but for a collective's own fields:
+        those come back as (group, op, phase, pg_seq, shapes, stage), for the scanner to take
+        without reading them back out of the record (a collective is most records of a run);
+        None for any other record."""
         if "event" in record:  # a record in full (the `job` record of the segment)
-            return record
+            return None
         if "s" in record:  # a step's first record
             self.step = step = record.pop("s")
             seq = record.pop("q")
@@ -78,9 +90,7 @@ class Expander:
                 op, phase, pg_seq, shapes = self._open.pop(group, _UNKNOWN)
             if len(record) > 3:  # fields of its own: some are compact
                 self._dispatch(record, step, phase)
-            record["event"], record["group"], record["op"], record["phase"] = "collective", group, op, phase
-            record["shapes"], record["pg_seq"], record["stage"] = shapes, pg_seq, stage
-            return record
+            return group, op, phase, pg_seq, shapes, stage
         edge = record.pop("tr", None)
         if edge is not None:
             if type(edge) is str:  # as the table says, from the last transition's dst
@@ -111,7 +121,7 @@ class Expander:
             record["event"] = "fault"
         else:
             record["event"] = record.pop("e", None)
-        return record
+        return None
 
     def full(self, record: dict) -> dict:
         """`record` in full: every header field, in the order a record in full has them."""

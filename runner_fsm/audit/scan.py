@@ -8,8 +8,8 @@ identities is a `gap`, unjudged); the count sent to each agreement is the one th
 logged batch yields (`dispatch_mismatch`) and the agreement gives it back (`agreed_mismatch`);
 faults (`fault`: what the runner said, listed, never evidence) and logs that just stop
 (`unfinished`).
-What peers must agree on (collectives, agreements) goes into a `RankStep` per step, which
-`crossrank` merges across ranks. Only the current step is held: memory does not grow.
+What peers must agree on (collectives, agreements: read by `scan_collectives`) goes into a
+`RankStep` per step, which `crossrank` merges across ranks. Only the current step is held: memory does not grow.
 """
 
 from __future__ import annotations
@@ -18,27 +18,24 @@ from collections.abc import Iterator
 
 import orjson
 
-from runner_fsm.audit.checks import BufferTracker, TransitionChecker, check_own_agreement, dispatch_problem
+from runner_fsm.audit.checks import BufferTracker, TransitionChecker
 from runner_fsm.audit.context_rule import ContextEvidence
 from runner_fsm.audit.decisions import DIGEST_FIELD, GATE_FIELD, DecisionTrail
 from runner_fsm.audit.facts import RunFacts
-from runner_fsm.audit.integrity import LogIntegrity
 from runner_fsm.audit.mapped import is_blank, rest_is_blank
 from runner_fsm.audit.ranks import RankInfo
-from runner_fsm.audit.read import RankStep, StepBuilder, freeze as _freeze
-from runner_fsm.audit.report import Verdict, label
+from runner_fsm.audit.read import RankStep, StepBuilder
+from runner_fsm.audit.report import Verdict
+from runner_fsm.audit.scan_collectives import CollectiveReader
 
 TERMINAL_STATES = ("stopped", "faulted")
 QUIESCENT_STATE = "ready"  # between steps: no forward, no collective, nothing half done
 BETWEEN_STEPS = "the log ends between steps, in state 'ready'"
 STEP_TRIGGERS = frozenset({"prefill", "decode", "idle"})
 TIMEOUT_ERRORS = frozenset({"CollectiveTimeout", "TimeoutError"})
-# Groups whose members must pass equal shapes (an all_reduce, an all_gather of equal parts);
-# elsewhere (the expert group's forward) shapes are each rank's own rows: op and phase match.
-SHAPE_MATCHED_GROUPS = frozenset({"dp", "pcp"})
 
 
-class RankScanner(LogIntegrity):
+class RankScanner(CollectiveReader):
     """Feeds on one rank's records in file order; appends local verdicts to `verdicts`."""
 
     def __init__(self, info: RankInfo, verdicts: list[Verdict], facts: RunFacts | None = None):
@@ -89,13 +86,16 @@ class RankScanner(LogIntegrity):
         handlers = {"collective": self._collective, "transition": self._transition,
                     "buffers": self._buffers, "graph": self._graph, "fault": self._fault,
                     "stop": self._rare, "injected": self._rare, "job": self._rare, "gate": self._gate}
+        lean, collective_of = (expand.lean if expand is not None else None), self._collective_of
+        collective = None  # a compact collective's own fields, as the expander reads them
         for line_no, raw in enumerate(lines, first_line):
             self._line = line_no
             try:
                 record = loads(raw)
-                if expand is not None:
-                    record = expand(record)
-                seq, event, step = record["seq"], record["event"], record["step_id"]
+                if lean is not None:
+                    collective = lean(record)
+                seq, step = record["seq"], record["step_id"]
+                event = "collective" if collective is not None else record["event"]
             except decode_error as err:
                 if is_blank(raw) and rest_is_blank(lines):
                     return  # the unwritten tail of a log that was not closed (audit.mapped)
@@ -127,9 +127,12 @@ class RankScanner(LogIntegrity):
                     yield finished
             self._dangling = None
             try:
-                handler = handlers.get(event)
-                if handler is not None:
-                    handler(record)
+                if collective is not None:
+                    collective_of(collective, record)
+                else:
+                    handler = handlers.get(event)
+                    if handler is not None:
+                        handler(record)
             except (LookupError, TypeError, AttributeError, ValueError) as err:
                 self._malformed(f"{event!r} record is malformed ({type(err).__name__}: {err})")
 
@@ -225,110 +228,6 @@ class RankScanner(LogIntegrity):
     def _gate(self, record) -> None:
         """The drafter's gate (`decisions.GATE_EVENT`): written before any drafter collective."""
         self.current.gate = int(record[GATE_FIELD])
-
-    def _collective(self, record) -> None:
-        group, stage, pg_seq = record["group"], record["stage"], record["pg_seq"]
-        if stage == "done":
-            pending = self.current.open.get(group)
-            last = pending[-1] if pending else None
-            # `done` almost always closes the group's last enqueue; search only otherwise.
-            if last is not None and last[4] == pg_seq and last[3] == record["phase"] and last[2] == record["op"]:
-                pending.pop()
-                if "agreed" in record:
-                    self._agreed(last, record["agreed"])
-            else:
-                self._done_elsewhere(group, record, pg_seq)
-        elif stage == "enqueue":
-            self._enqueue(group, record, pg_seq)
-        else:
-            self._malformed(f"collective stage {stage!r} is neither 'enqueue' nor 'done'")
-
-    def _enqueue(self, group: str, record, pg_seq) -> None:
-        last = self._last_pg.get(group)
-        if last is None or pg_seq != last + 1:
-            pg_seq = self._pg_seq_break(group, last, pg_seq)
-        if pg_seq is not None:
-            self._last_pg[group] = pg_seq
-        shapes = None
-        op, phase = record["op"], record["phase"]
-        if group in SHAPE_MATCHED_GROUPS:
-            shapes = record["shapes"]
-            cached = self._shapes.get((group, phase))
-            if cached is None or cached[0] != shapes:  # shapes repeat per phase: freeze a new value once
-                cached = self._shapes[(group, phase)] = (shapes, _freeze(shapes))
-            shapes = cached[1]
-        step = self.current
-        keys = step.keys.get(group)
-        if keys is None:
-            keys = step.keys[group] = []
-            step.first_pg[group] = pg_seq
-            step.open[group] = []
-        sent = record.get("sent")
-        if op == "forward":
-            self._forward_evidence(record)
-        elif group == "dp":
-            if phase == 1 and isinstance(sent, dict):  # TARGET: what it proposed, with its graphs
-                step.proposed = (sent.get("num_tokens"), sent.get("graph_mode"), self.buffers.largest_capture())
-            if "inputs" in record:
-                self._dispatch_evidence(record["inputs"], sent)
-            elif isinstance(sent, dict) and sent.get("status"):
-                step.aborted = True  # an abort: the agreement fails on every member by design
-        elif group == "pcp" and "output" in record:
-            step.output = record["output"]["digest"]
-        pending = (group, len(keys), op, phase, pg_seq, self._line, sent if isinstance(sent, dict) else None)
-        keys.append((op, phase, shapes))
-        step.open[group].append(pending)
-        self._dangling = pending
-
-    def _agreed(self, pending: tuple, agreed) -> None:
-        if not isinstance(agreed, dict):
-            if agreed is not None:
-                self._malformed(f"`agreed` is a {type(agreed).__name__}, expected an object")
-            return
-        step, phase, sent = self.current.step, pending[3], pending[6]
-        self.current.agreed.append((phase, agreed))
-        try:  # the common case, without a call: this step and phase, and what it sent
-            fine = agreed["step_id"] == step and agreed["phase"] == phase and (
-                sent is None or agreed["num_tokens_across_dp"][self.info.dp_rank] == sent["num_tokens"])
-        except (KeyError, IndexError, TypeError):
-            fine = False
-        if not fine:
-            for detail in check_own_agreement(pending, agreed, step, self.info.dp_rank):
-                self._verdict("agreed_mismatch", detail)
-
-    def _done_elsewhere(self, group: str, record, pg_seq) -> None:
-        phase, op = record["phase"], record["op"]
-        pending = self.current.open.get(group, [])
-        for position in range(len(pending) - 1, -1, -1):
-            found = pending[position]
-            if found[4] == pg_seq and found[3] == phase and found[2] == op:
-                del pending[position]
-                self._agreed(found, record.get("agreed"))
-                return
-        self._verdict("gap", f"`done` of {label(group, op, phase)} (pg_seq {pg_seq}) has no `enqueue`"
-                      " in its step: the enqueue record is lost")
-
-    # -- evidence: recomputed, never taken on the runner's word ------------------------
-
-    def _forward_evidence(self, record) -> None:
-        """A target forward: the PCP context it used is its batch's; eager, its inputs are fresh."""
-        found = self.contexts.forward(self.current.step, record.get("ctx"), record.get("batch"))
-        if found is not None:
-            self._verdict(found[0], f"replica {self.info.dp_rank}: {found[1]}")
-        if record.get("graph") is False:
-            for detail in self.buffers.eager_forward(self.current.step):
-                self._verdict("stale_buffer_replay", detail)
-
-    def _dispatch_evidence(self, inputs, sent) -> None:
-        """The count the replica sent against the count its logged batch yields."""
-        if not isinstance(sent, dict):
-            return
-        told = sent["num_tokens"]
-        if not inputs["prefill"] and told == inputs["decode"] and "decodes" not in inputs:
-            return  # decode only: the count is the decode tokens, replicated on every PCP rank
-        problem = dispatch_problem(inputs, told)
-        if problem is not None:
-            self._verdict("dispatch_mismatch", f"replica {self.info.dp_rank} {problem}")
 
     def _fault(self, record) -> None:
         error, message = str(record["error"]), str(record["message"])

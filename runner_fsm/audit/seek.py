@@ -27,6 +27,8 @@ _TAIL = 1 << 16
 
 def _step_of(raw: bytes):
     """The step of a line that names one: a record in full, or a compact step's first record."""
+    if b'"s"' not in raw and b'"step_id"' not in raw:  # most compact lines: not parsed (a seek reads hundreds)
+        return None
     try:
         record = orjson.loads(raw)
         step = record["s"] if "s" in record else record["step_id"]
