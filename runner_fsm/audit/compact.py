@@ -43,7 +43,8 @@ the time base. Every other record says only what is its own, in short keys:
 `expand.Expander` turns them back into the records of DESIGN section 7, every header field
 filled from the segment's `job` record (what `read_records` and replay read). `CompactRenderer`
 writes them; the bodies a hot loop renders once (`transition_body`, `BuffersTemplate` in `render`) are
-compact already.
+compact already, and so is a `finish` transition's tail of decisions (`decisions_tail`, written with
+its transition body by `rendered_transition`).
 """
 
 from __future__ import annotations
@@ -140,16 +141,19 @@ class CompactRenderer:
                     self.step, self._step_t = step_id, t
                 else:
                     head = b'{"t":%d,' % ((t - self._step_t) // 1000)
-                if type(fields) is not bytes:
-                    body = self._body(event, step_id, fields)
-                else:
-                    body = fields
+                kind = type(fields)
+                if kind is bytes or kind is tuple:  # rendered; a tuple: a transition and its own fields
+                    body, tail = (fields, None) if kind is bytes else fields  # (`rendered_transition`)
                     if event == "transition":
-                        edge = _EDGES.get(fields)
+                        edge = _EDGES.get(body)
                         if edge is not None:
                             if edge[2] is not None and edge[0] == self._state:
                                 body = edge[2]
                             self._state = edge[1]
+                    if tail:
+                        body = body[:-1] + tail + b"}"
+                else:
+                    body = self._body(event, step_id, fields)
                 out.append(head[:-1] + b"}" if len(body) == 2 else head + body[1:])
                 seq += 1
         except BaseException:  # none of it is written: the next record starts its step anew
@@ -227,6 +231,20 @@ class CompactRenderer:
                 values = [int(identity["dummy"]), identity["rows"], identity["digest"]]
                 fields[name] = values if identity["step"] == step_id else values + [identity["step"]]
         return dumps_record({**head, **fields})
+
+
+def decisions_tail(digest: int, changed: list | None) -> bytes:
+    """A `finish` transition's own fields rendered, as `rendered_transition` takes them: what
+    `_decided` renders of `{decision_digest: digest, decisions: ...}`, from `changed`, the
+    decisions in `decisions.FIELDS` order, None where unchanged, trailing Nones left out (None:
+    nothing changed). Ints by `%d` (one format per record, where the dict path builds two dicts
+    and calls the encoder); anything else through `_decided` itself."""
+    if not changed:
+        return b',"dg":%d' % digest if type(digest) is int else b"," + dumps_record({"dg": digest})[1:-1]
+    if type(digest) is int and all(type(v) is int or v is None for v in changed):
+        return b',"dg":%d,"dc":[%b]' % (digest, b",".join([b"null" if v is None else b"%d" % v for v in changed]))
+    decisions = {name: value for name, value in zip(DECISION_FIELDS, changed) if value is not None}
+    return b"," + dumps_record(_decided({DIGEST_FIELD: digest, DECISIONS_FIELD: decisions}))[1:-1]
 
 
 def _decided(fields: dict) -> dict:

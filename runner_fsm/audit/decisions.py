@@ -52,13 +52,17 @@ class StepDecisions:
 
     def digest(self) -> int:
         """crc32 of every decision, the sampled tokens included."""
-        return zlib.crc32(_PACK.pack(int(self.real), self.batch, self.dispatch, self.padded, self.graph,
-                                     self.draft, self.tokens))
+        return decisions_digest(self.real, self.batch, self.dispatch, self.padded, self.graph, self.draft, self.tokens)
 
     def fields(self) -> dict[str, int]:
         """The decisions `FIELDS` names (the sampled tokens are the digest's only)."""
         return {"real": int(self.real), "batch": self.batch, "dispatch": self.dispatch, "padded": self.padded,
                 "graph": self.graph, "draft": self.draft}
+
+
+def decisions_digest(real: bool, batch: int, dispatch: int, padded: int, graph: int, draft: int, tokens: int) -> int:
+    """`StepDecisions.digest` of the decisions as plain values (a hot loop builds no object)."""
+    return zlib.crc32(_PACK.pack(int(real), batch, dispatch, padded, graph, draft, tokens))
 
 
 def batch_identity(req_ids: Sequence[str], num_scheduled: Sequence[int]) -> int:
@@ -86,6 +90,28 @@ class DecisionLog:
         changed = fields if last is None else {name: value for name, value in fields.items() if last[name] != value}
         self._last = fields
         return decided.digest(), changed or None
+
+
+class DecisionChanges:
+    """`DecisionLog` for a writer that holds its decisions as a tuple of `FIELDS` values (ints):
+    what changed since the last step, by position as the compact `dc` writes it (`compact`).
+    An unchanged step, most of a decode run, costs one tuple comparison."""
+
+    def __init__(self) -> None:
+        self._last: tuple[int, ...] | None = None
+
+    def changed(self, values: tuple[int, ...]) -> list[int | None] | None:
+        """`values` where they changed since the last call, None where not, the trailing Nones
+        left out (all of them the first time; None when nothing changed)."""
+        last, self._last = self._last, values
+        if last is None:
+            return list(values)
+        if values == last:
+            return None
+        changed = [value if value != before else None for value, before in zip(values, last)]
+        while changed[-1] is None:
+            changed.pop()
+        return changed
 
 
 def outvoted(digests: Mapping[int, int]) -> tuple[int, int | None, bool]:

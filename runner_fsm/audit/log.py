@@ -309,7 +309,13 @@ class AuditLog(_Records):
 def _plain_lines(renderer: RecordRenderer):
     """`renderer.lines` for a log written in full: compact bodies (`rendered`) in full first."""
 
+    def full(event: str, fields):
+        if type(fields) is bytes:
+            return plain_fields(event, fields)
+        if type(fields) is tuple:  # `rendered_transition`: the body and its tail, as one body
+            return plain_fields(event, fields[0][:-1] + fields[1] + b"}")
+        return fields
+
     def lines(seq: int, records, now: int) -> bytes:
-        return renderer.lines(seq, [(t, event, step, plain_fields(event, fields) if type(fields) is bytes else fields)
-                                    for t, event, step, fields in records], now)
+        return renderer.lines(seq, [(t, event, step, full(event, fields)) for t, event, step, fields in records], now)
     return lines

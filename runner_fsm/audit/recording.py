@@ -64,6 +64,16 @@ class _Records:
                 _TRANSITION_BODIES[(trigger, src, dst, outcome)] = body
         self._emit("transition", step_id, body)
 
+    def rendered_transition(self, step_id: int | None, body: bytes, tail: bytes) -> None:
+        """A transition whose body is rendered already (`compact.transition_body`, outcome and
+        all) followed by fields of its own, rendered too (`tail`: `,"key":value...`, e.g. the
+        decisions a vLLM step's `finish` carries, `compact.decisions_tail`): the record
+        `transition` writes with those fields, without a dict or an encoder call per record."""
+        if type(body) is not bytes or body[:6] != b'{"tr":' or body[-1] != 125 or type(tail) is not bytes \
+                or (tail and tail[0] != 44):
+            raise ValueError("a rendered transition is a transition body and a ',\"key\":value' tail, as bytes")
+        self._emit("transition", step_id, (body, tail))
+
     # `rendered(event, step_id, body)`: a record of `event` whose fields are rendered already, in
     # the compact encoding (`body` is one JSON object made by `compact.transition_body` or
     # `render.BuffersTemplate`, read back as the record its builder writes). Each

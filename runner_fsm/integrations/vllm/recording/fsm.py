@@ -40,22 +40,24 @@ class StepMachine:
         return self._core.state.value
 
     def fire(self, trigger: Trigger, step_id: int | None, batch: AuditBatch | None = None,
-             decided: tuple | None = None) -> None:
+             decided: bytes | None = None) -> None:
         """Move on `trigger`; a trigger the table forbids is logged `refused` and raised.
         With `batch`, the record joins it (written when the batch is) instead of the log;
-        `decided`: the step's decisions a `finish` carries (`audit.decisions`)."""
+        `decided`: the step's decisions a `finish` carries, rendered (`compact.decisions_tail`)."""
         src, dst = self._core.advance(trigger)
         out = self.audit if batch is None else batch
         if dst is None:
             if out is not None:
                 out.rendered("transition", step_id, _body(trigger, src, src, "refused"))
             raise StepRefused(f"{trigger.value!r} is not allowed in state {src.value!r}")
-        if out is not None and decided is not None:
-            out.transition(step_id, trigger.value, src.value, dst.value, "ok", decided)
-        elif out is not None:
-            body = self._bodies.get((src, trigger))
-            if body is None:  # the edge's first time: a handful of edges, each rendered once
-                body = self._bodies[(src, trigger)] = _body(trigger, src, dst, "ok")
+        if out is None:
+            return
+        body = self._bodies.get((src, trigger))
+        if body is None:  # the edge's first time: a handful of edges, each rendered once
+            body = self._bodies[(src, trigger)] = _body(trigger, src, dst, "ok")
+        if decided is not None:
+            out.rendered_transition(step_id, body, decided)
+        else:
             out.rendered("transition", step_id, body)
 
     def is_(self, state: State) -> bool:

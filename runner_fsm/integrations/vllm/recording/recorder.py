@@ -19,7 +19,8 @@ from __future__ import annotations
 from typing import Any
 
 from runner_fsm.audit import AuditLog
-from runner_fsm.audit.decisions import DecisionLog, StepDecisions, batch_identity, tokens_digest
+from runner_fsm.audit.compact import decisions_tail
+from runner_fsm.audit.decisions import DecisionChanges, StepDecisions, batch_identity, decisions_digest, tokens_digest
 from runner_fsm.audit.log import AuditBatch
 from runner_fsm.integrations.vllm.recording.fsm import StepMachine
 from runner_fsm.integrations.vllm.recording.journal import Journal
@@ -45,10 +46,13 @@ class ReplicaRecorder:
         self._entry: dict | None = None  # this step's journal entry
         self._later: tuple[str, Any, str] | None = None  # its field read when it is written (`note_later`)
         self._end = audit.batch()  # the records of a step's end (one batch, reused every step)
-        self._decision_log = DecisionLog()
+        self._changes = DecisionChanges()  # the decisions the last `finish` carried, as a tuple
         self._batch = (0, 0)  # this step's batch: (its identity, the tokens scheduled)
+        # The last real batch, as its (request, tokens) items, and its `_batch`: a run of steps
+        # over the same batch (decode) keeps one identity, computed once.
+        self._last_batch: tuple = ((), (0, 0))
         self._gated: int | None = None  # drafter steps this step's gate let run (None: no gate asked)
-        self.decided: StepDecisions | None = None  # the last ended step's decisions (`replica_check`)
+        self._decided_now: tuple | None = None  # the last ended step's decisions (`decided`), as values
         self.after_end = None  # called once a step's records are written (`replica_check.after_step`)
 
     # -- start-up -------------------------------------------------------------------
@@ -75,8 +79,16 @@ class ReplicaRecorder:
         if self._entry is not None:
             self._flush_entry()
         self.machine.fire(STEP_TRIGGERS[kind], self.step_id)  # raises StepRefused: nothing changed
-        self.kind, self._gated, self.decided = kind, None, None
-        self._batch = (batch_identity(scheduled, scheduled.values()), sum(scheduled.values())) if scheduled else (0, 0)
+        self.kind, self._gated, self._decided_now = kind, None, None
+        if scheduled:
+            items = tuple(scheduled.items())  # in the batch's order: the identity depends on it
+            last_items, batch = self._last_batch
+            if items != last_items:
+                batch = (batch_identity(scheduled, scheduled.values()), sum(scheduled.values()))
+                self._last_batch = (items, batch)
+            self._batch = batch
+        else:
+            self._batch = (0, 0)
         self._entry = {"step": self.step_id, "kind": kind, **(decision or {})}
         return self.step_id
 
@@ -133,18 +145,28 @@ class ReplicaRecorder:
         self._gated = draft_steps
         self.audit.gate(self.step_id, draft_steps)
 
-    def _decided(self, draft_steps: int) -> tuple:
-        """The step's decisions (`audit.decisions`): its last target forward's graph mode and
-        padded size, as vLLM's forward context gave them; the sampled tokens where they are known
-        by now (not an async output's: MRV2 resolves them after the step)."""
+    @property
+    def decided(self) -> StepDecisions | None:
+        """The last ended step's decisions (`replica_check`); None while a step runs."""
+        decided = self._decided_now
+        return None if decided is None else StepDecisions(*decided)
+
+    def _decided(self, draft_steps: int) -> bytes:
+        """The step's decisions (`audit.decisions`), rendered for its `finish` record: its last
+        target forward's graph mode and padded size, as vLLM's forward context gave them; the
+        sampled tokens where they are known by now (not an async output's: MRV2 resolves them
+        after the step). The digest and the decisions changed since the last `finish`, as
+        `decisions.DecisionChanges` gives them (all of them the first time)."""
         mode, size = "NONE", 0
         for forward in self._forwards:
             mode, size = forward[3], forward[4][0] if forward[4] else 0
         sampled = self._entry.get("sampled") if self._entry is not None else None
         identity, scheduled = self._batch
-        self.decided = StepDecisions(self.kind != "idle", identity, scheduled, size, size if mode == "FULL" else 0,
-                                     draft_steps, tokens_digest(sampled) if sampled else 0)
-        return self._decision_log.entry(self.decided)
+        real, graph = self.kind != "idle", size if mode == "FULL" else 0
+        decided = self._decided_now = (real, identity, scheduled, size, graph, draft_steps,
+                                       tokens_digest(sampled) if sampled else 0)
+        changed = self._changes.changed((int(real), identity, scheduled, size, graph, draft_steps))
+        return decisions_tail(decisions_digest(*decided), changed)
 
     def _write_forwards(self, step: int, out: AuditLog | AuditBatch | None = None) -> None:
         out = self.audit if out is None else out
