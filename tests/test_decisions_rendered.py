@@ -12,7 +12,7 @@ import pytest
 
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.compact import decisions_tail, transition_body
-from runner_fsm.audit.decisions import FIELDS, DecisionChanges, DecisionLog, StepDecisions, decisions_digest
+from runner_fsm.audit.decisions import FIELDS, DecisionChanges, DecisionLog, StepDecisions
 from runner_fsm.audit.shape import job_shape_fields
 
 
@@ -55,10 +55,7 @@ def test_a_rendered_finish_is_the_finish_written_from_dicts(tmp_path, compact):
         finish = transition_body("finish", "decode", "ready", "ok")
         for step, decided in enumerate(steps):
             rendered.transition(step, "decode", "ready", "decode", "ok")
-            tail = decisions_tail(decisions_digest(*(getattr(decided, f) for f in
-                                                     ("real", "batch", "dispatch", "padded", "graph", "draft",
-                                                      "tokens"))),
-                                  changes.changed(_values(decided)))
+            tail = decisions_tail(decided.digest(), changes.changed(_values(decided)))
             rendered.rendered_transition(step, finish, tail)
     strip = lambda line: re.sub(rb'"t(_ns)?":-?\d+,?', b"", line)  # noqa: E731  the times differ
     want = [strip(line) for line in dicts.path.read_bytes().splitlines() if b'"event":"job"' not in line]
@@ -67,21 +64,31 @@ def test_a_rendered_finish_is_the_finish_written_from_dicts(tmp_path, compact):
     assert b'"dc"' in b"".join(got) if compact else b'"decisions"' in b"".join(got)
 
 
-def test_decision_changes_are_decision_log_entries_by_position():
-    """Mutation seen to fail this: `changed` comparing with the first step's values instead of
-    the last one's -> a decision that changed back reads as unchanged."""
-    log, changes = DecisionLog(), DecisionChanges()
+def test_what_changed_is_each_decision_against_the_step_before():
+    """By position (`DecisionChanges`) and by name (`DecisionLog`), against the previous step's
+    decisions worked out here. Mutation seen to fail this: `changed` comparing with the first
+    step's values instead of the last one's -> a decision that changed back reads as unchanged."""
+    log, changes, before = DecisionLog(), DecisionChanges(), None
     for decided in _steps(seed=5)[:-1]:
+        now = _values(decided)
+        if before is None:
+            expected = list(now)
+        else:
+            expected = [value if value != then else None for value, then in zip(now, before)]
+            while expected and expected[-1] is None:
+                expected.pop()
+        expected = expected or None
+        before = now
         digest, by_name = log.entry(decided)
-        by_position = changes.changed(_values(decided))
+        assert changes.changed(now) == expected
+        assert by_name == (None if expected is None else
+                           {name: value for name, value in zip(FIELDS, expected) if value is not None})
         assert digest == decided.digest()
-        expected = None if by_name is None else [by_name.get(name) for name in FIELDS]
-        while expected and expected[-1] is None:
-            expected.pop()
-        assert by_position == expected
 
 
 def test_a_rendered_transition_must_be_a_transition_and_a_tail():
+    """Mutation seen to fail this: `rendered_transition` without its check of the body and the
+    tail -> no ValueError, a malformed line would be written."""
     with pytest.raises(ValueError, match="rendered transition"):
         AuditLog.rendered_transition(None, 3, b'{"b":"real"}', b',"dg":1')
     with pytest.raises(ValueError, match="rendered transition"):

@@ -77,25 +77,10 @@ def tokens_digest(sampled: Mapping[str, Sequence[int]] | Sequence[Sequence[int]]
     return zlib.crc32(orjson.dumps(sampled, option=orjson.OPT_SERIALIZE_NUMPY)) if sampled else 0
 
 
-class DecisionLog:
-    """What one rank writes of its decisions step after step: the digest, and the decisions
-    that changed since the step it last wrote."""
-
-    def __init__(self) -> None:
-        self._last: dict[str, int] | None = None
-
-    def entry(self, decided: StepDecisions) -> tuple[int, dict[str, int] | None]:
-        """(digest, the changed decisions or None) for this step's `finish` record."""
-        fields, last = decided.fields(), self._last
-        changed = fields if last is None else {name: value for name, value in fields.items() if last[name] != value}
-        self._last = fields
-        return decided.digest(), changed or None
-
-
 class DecisionChanges:
-    """`DecisionLog` for a writer that holds its decisions as a tuple of `FIELDS` values (ints):
-    what changed since the last step, by position as the compact `dc` writes it (`compact`).
-    An unchanged step, most of a decode run, costs one tuple comparison."""
+    """Which decisions changed since the last step, for a writer that holds them as a tuple of
+    `FIELDS` values (ints), by position as the compact `dc` writes it (`compact`); `DecisionLog`
+    gives the same by name. An unchanged step, most of a decode run, costs one comparison."""
 
     def __init__(self) -> None:
         self._last: tuple[int, ...] | None = None
@@ -112,6 +97,21 @@ class DecisionChanges:
         while changed[-1] is None:
             changed.pop()
         return changed
+
+
+class DecisionLog:
+    """What one rank writes of its decisions step after step: the digest, and the decisions
+    that changed since the step it last wrote (by name; `DecisionChanges` decides which)."""
+
+    def __init__(self) -> None:
+        self._changes = DecisionChanges()
+
+    def entry(self, decided: StepDecisions) -> tuple[int, dict[str, int] | None]:
+        """(digest, the changed decisions or None) for this step's `finish` record."""
+        changed = self._changes.changed(tuple(decided.fields().values()))
+        if changed is None:
+            return decided.digest(), None
+        return decided.digest(), {name: value for name, value in zip(FIELDS, changed) if value is not None}
 
 
 def outvoted(digests: Mapping[int, int]) -> tuple[int, int | None, bool]:
