@@ -7,8 +7,8 @@ sampled. A rank that decides otherwise deadlocks its peers' collectives or silen
 them (SGLang #31566: idle ranks took another capture mode; vLLM #49027: the drafter gate
 diverged across TP ranks).
 
-Each rank logs, on its step's `finish` transition, `decision_digest` (crc32 of every decision,
-sampled tokens included: about 15 bytes a step, compact key `dg`) and `decisions`: those of
+Each rank logs, on its step's `finish` transition, `decision_digest` (a 32-bit hash of every
+decision, sampled tokens included: about 15 bytes a step, compact key `dg`) and `decisions`: those of
 `FIELDS` that changed since its previous step (all of them on its first; compact key `dc`). The
 sampled tokens change every step, so only the digest holds them. Replay rebuilds each rank's
 decisions from those changes and compares digests (`audit.consensus`); the decisions say which
@@ -19,7 +19,6 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 import dataclasses
-import struct
 import zlib
 
 import orjson
@@ -35,7 +34,13 @@ DIGEST_FIELD, DECISIONS_FIELD = "decision_digest", "decisions"  # on a `finish` 
 # not run). Where ranks' gates disagree, the one that drafts waits in a collective its peer never
 # joins (vLLM #49027): no `finish` of that step ever carries its digest, the gate record does.
 GATE_EVENT, GATE_FIELD = "gate", "draft"
-_PACK = struct.Struct("<7q")
+# The digests of plain ints are Python's tuple hash, kept to 32 bits: the same in every process
+# and on every 64-bit CPython since 3.8 (PYTHONHASHSEED salts str and bytes, never an int or a
+# tuple of ints), so every rank of a job computes the same one. They run at each vLLM step's
+# end, right after vLLM's sampler evicted the CPU caches, where `hash` (the interpreter's own
+# code, warm from vLLM's dict lookups) costs about a microsecond and a first call into struct,
+# zlib or orjson 7-18 us. Request ids are strings, salted: what holds them goes through crc32.
+_MASK = 0xFFFFFFFF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,7 +56,7 @@ class StepDecisions:
     tokens: int = 0  # `tokens_digest` of what it sampled (0: nothing)
 
     def digest(self) -> int:
-        """crc32 of every decision, the sampled tokens included."""
+        """A 32-bit hash of every decision, the sampled tokens included (`decisions_digest`)."""
         return decisions_digest(self.real, self.batch, self.dispatch, self.padded, self.graph, self.draft, self.tokens)
 
     def fields(self) -> dict[str, int]:
@@ -62,7 +67,13 @@ class StepDecisions:
 
 def decisions_digest(real: bool, batch: int, dispatch: int, padded: int, graph: int, draft: int, tokens: int) -> int:
     """`StepDecisions.digest` of the decisions as plain values (a hot loop builds no object)."""
-    return zlib.crc32(_PACK.pack(int(real), batch, dispatch, padded, graph, draft, tokens))
+    return digest_of((real, batch, dispatch, padded, graph, draft, tokens))
+
+
+def digest_of(decided: tuple) -> int:
+    """The digest of (real, batch, dispatch, padded, graph, draft, tokens), as one tuple: its
+    hash (`real` a bool or 0/1: True and 1 hash alike), 32 bits."""
+    return hash(decided) & _MASK
 
 
 def batch_identity(req_ids: Sequence[str], num_scheduled: Sequence[int]) -> int:
@@ -73,8 +84,15 @@ def batch_identity(req_ids: Sequence[str], num_scheduled: Sequence[int]) -> int:
 
 
 def tokens_digest(sampled: Mapping[str, Sequence[int]] | Sequence[Sequence[int]]) -> int:
-    """crc32 of the sampled tokens per request, in the batch's order (0: nothing sampled)."""
-    return zlib.crc32(orjson.dumps(sampled, option=orjson.OPT_SERIALIZE_NUMPY)) if sampled else 0
+    """A 32-bit digest of the sampled tokens per request, in the batch's order (0: nothing
+    sampled). vLLM's list of token lists (one per request, by position): the hash of them as
+    tuples (numpy integers hash as the ints they hold); keyed by request id (the embedded
+    engine's dict): crc32 of its JSON, since a str's hash differs between processes."""
+    if not sampled:
+        return 0
+    if type(sampled) is list:
+        return hash(tuple(map(tuple, sampled))) & _MASK
+    return zlib.crc32(orjson.dumps(sampled, option=orjson.OPT_SERIALIZE_NUMPY))
 
 
 class DecisionChanges:
@@ -83,12 +101,12 @@ class DecisionChanges:
     gives the same by name. An unchanged step, most of a decode run, costs one comparison."""
 
     def __init__(self) -> None:
-        self._last: tuple[int, ...] | None = None
+        self.last: tuple[int, ...] | None = None  # the values of the last call
 
     def changed(self, values: tuple[int, ...]) -> list[int | None] | None:
         """`values` where they changed since the last call, None where not, the trailing Nones
         left out (all of them the first time; None when nothing changed)."""
-        last, self._last = self._last, values
+        last, self.last = self.last, values
         if last is None:
             return list(values)
         if values == last:
