@@ -10,6 +10,7 @@ CPU runs of vLLM have no FULL graphs, so the runner here is a stand-in with real
 
 from __future__ import annotations
 
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from runner_fsm.audit import AuditLog, read_records
 from runner_fsm.audit.records import plain_fields
 from runner_fsm.audit.replay import replay
+from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.integrations.vllm.errors import StepRefused
 from runner_fsm.integrations.vllm.recording.journal import BATCH as journal_batch, Journal, read_journal
 from runner_fsm.integrations.vllm.recording.probe import JUDGED, NAMES, TOKEN_BUFFERS, InputProbe, resolve
@@ -147,6 +149,32 @@ def test_a_step_before_capture_is_refused_and_logged(tmp_path):
     rec.shutdown()
     report = replay(run_dir)
     assert report.sound, report.format()  # a refusal leaves the state as it was: legal
+
+
+def test_a_refusal_after_edges_were_taken_is_refused_from_the_replicas_state(tmp_path):
+    """The machine keeps each edge it took (`StepMachine._moves`): a trigger refused in a state
+    whose other edges are known is still refused, logged from that state, and moves nothing;
+    the steps after it go on. Mutation seen to fail this: `_first_move` asking the core without
+    setting its state first (the core still in `init`: every edge looks refused or wrong)."""
+    run_dir = str(tmp_path / "run")
+    rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0, shape=job_shape_fields(1, 1, 0, 0)), None)
+    rec.end_capture()
+    for _ in range(3):
+        rec.begin_step("decode")
+        rec.end_step()
+    rec.begin_step("decode")
+    with pytest.raises(StepRefused, match="'prefill' is not allowed in state 'decode'"):
+        rec.begin_step("prefill")
+    assert rec.machine.state == "decode"
+    rec.end_step()
+    rec.begin_step("idle")
+    rec.end_step()
+    rec.shutdown()
+    records = [r for r in read_records(Path(run_dir) / "rank-0.jsonl") if r["event"] == "transition"]
+    refused = [r for r in records if r["outcome"] == "refused"]
+    assert [(r["trigger"], r["src"], r["dst"], r["step_id"]) for r in refused] == [("prefill", "decode", "decode", 3)]
+    assert [r["trigger"] for r in records if r["outcome"] == "ok"][-3:] == ["idle", "finish", "shutdown"]
+    assert replay(run_dir).sound
 
 
 def test_a_fault_inside_a_step_moves_to_faulted_and_replays_as_a_fault(tmp_path):

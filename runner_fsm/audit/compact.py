@@ -161,6 +161,26 @@ class CompactRenderer:
             raise
         return out[0] if len(out) == 1 else b"\n".join(out)
 
+    def transition(self, seq: int, step_id, t: int, body: bytes, tail: bytes = b"") -> bytes:
+        """The line of one transition, its newline included (what `lines` renders of `(t, "transition", step_id, body)`,
+        `body` rendered by `transition_body`, `tail` its own fields as `rendered_transition`
+        takes them): a vLLM step's start and its `finish`, each right after vLLM's own work
+        evicted the CPU caches, without the loop and the dispatch on the record's kind."""
+        if step_id != self.step or self.step is _NEW_STEP:
+            head = b'{"s":%b,"q":%d,"t":%d,' % (b"null" if step_id is None else b"%d" % step_id, seq,
+                                                 (t - self._step_t) // 1000)
+            self.step, self._step_t = step_id, t
+        else:
+            head = b'{"t":%d,' % ((t - self._step_t) // 1000)
+        edge = _EDGES.get(body)
+        if edge is not None:
+            if edge[2] is not None and edge[0] == self._state:
+                body = edge[2]
+            self._state = edge[1]
+        if tail:
+            return b"%b%b%b}\n" % (head, body[1:-1], tail)
+        return b"%b%b\n" % (head, body[1:])
+
     def _body(self, event: str, step_id, fields: dict) -> bytes:
         if event == "collective":
             return self._collective(step_id, fields)

@@ -33,7 +33,7 @@ import structlog
 from runner_fsm.errors import RunnerError
 from runner_fsm.audit import compact
 from runner_fsm.audit.mapped import MappedFile
-from runner_fsm.audit.records import AuditLogFormatError, TIME_FIELDS, plain_fields, read_records, strip_times  # noqa: F401
+from runner_fsm.audit.records import AuditLogFormatError, TIME_FIELDS, plain_fields, plain_lines, read_records, strip_times  # noqa: F401
 from runner_fsm.audit.recording import (COLLECTIVE_STAGES, EVENTS, GRAPH_ACTIONS, HEADER_FIELDS,  # noqa: F401
                                         STOP_SOURCES, AuditBatch, _RESERVED, _Records, _refuse_rendered)
 from runner_fsm.audit.render import RecordRenderer
@@ -46,6 +46,7 @@ SCHEMA_VERSION = 2
 # leaving its record to that write: bounded, since the holder may be the interrupted thread
 # itself caught between taking the lock and saying so.
 _HANDLER_WAIT_S = 0.2
+_get_ident, _monotonic_ns = threading.get_ident, time.monotonic_ns  # bound once: the step lane's
 
 
 class AuditLogClosedError(RunnerError):
@@ -111,9 +112,10 @@ class AuditLog(_Records):
         self._segments = SegmentPolicy(Path(run_dir), global_rank, max_log_bytes, pinned_steps=pinned_steps,
                                        compress=compress_segments) if max_log_bytes else None
         self._compact: compact.CompactRenderer | None = None
+        self._lane = False  # whether `step_transition` may write itself (compact, no segment switch due)
         if shape is None:
             self._open_file(self.path)
-            self._render_lines = _plain_lines(self._plain)
+            self._render_lines = plain_lines(self._plain)
         else:
             self._shape = {**shape, compact.FORMAT_FIELD: compact.FORMAT}
             self._open_segment(0)
@@ -142,6 +144,7 @@ class AuditLog(_Records):
         self._next_seq += 1
         self._compact = compact.CompactRenderer(t0, self._shape.get(compact.NAMES_FIELD))
         self._render_lines = self._compact.lines
+        self._lane = True
 
     @property
     def next_seq(self) -> int:
@@ -263,6 +266,45 @@ class AuditLog(_Records):
             _refuse_rendered(event)  # not a known event, or not a JSON object {...} as bytes
         self._write_all(((None, event, step_id, body),))
 
+    def step_transition(self, step_id: int | None, body: bytes, tail: bytes = b"",
+                        batch: AuditBatch | None = None) -> None:
+        """A transition rendered already (`body` from `compact.transition_body`, `tail` its own
+        fields as `rendered_transition` takes them), written at once, after what `batch` holds
+        (records of the same step, collected: the batch is empty afterwards), in one write.
+
+        The vLLM worker's step start and end, each right after vLLM's own work evicted the CPU
+        caches: the general path (`rendered_transition` into a batch, `write`, `_write_all`, the
+        renderer's loop, structlog's logger) cost 25-30 us a step more. Same lines, seq and lock;
+        a log written in full, or whose full segment waits for its step's end, goes that path."""
+        pending = batch._pending if batch is not None else ()
+        if not self._lane:
+            if batch is not None:
+                batch._pending = []
+            return self._write_all((*pending, (None, "transition", step_id, (body, tail) if tail else body)))
+        try:
+            with self._lock:
+                self._holder = _get_ident()  # a signal handler must know whether to wait
+                try:
+                    if self._closed:
+                        raise AuditLogClosedError(
+                            f"audit log {self.path} is closed; cannot write 'transition' (step {step_id})")
+                    seq, now = self._next_seq, _monotonic_ns()
+                    if pending:
+                        batch._pending = []
+                        line = self._compact.lines(seq, pending, now) + b"\n" + \
+                            self._compact.transition(seq + len(pending), step_id, now, body, tail)
+                    else:
+                        line = self._compact.transition(seq, step_id, now, body, tail)
+                    # Into the mapped file, not through structlog's BytesLogger (every other write):
+                    # the same bytes without its second lock, copy and two calls (~3 us a write).
+                    self._file.write(line)
+                    self._next_seq = seq + len(pending) + 1
+                finally:
+                    self._holder = None
+        finally:
+            if self._deferred:  # a signal handler's record (see `_write_all`)
+                self._write_deferred()
+
     def _write_all(self, records) -> None:
         """Number, render and write `records` ((t_ns, event, step_id, fields), ...) in one write.
 
@@ -296,6 +338,7 @@ class AuditLog(_Records):
         """The current segment filled (called from inside a write): until the next step begins,
         each write looks for that step's first record and switches segments before it."""
         self._write_all = self._write_watching
+        self._lane = False
 
     def _write_watching(self, records) -> None:
         with self._lock:
@@ -303,19 +346,5 @@ class AuditLog(_Records):
             if not self._closed and step is not None and step != self._compact.step:
                 self._segments.switch(step, self._file.close, self._open_segment)
                 del self._write_all  # the plain write path again
+                self._lane = True
         AuditLog._write_all(self, records)
-
-
-def _plain_lines(renderer: RecordRenderer):
-    """`renderer.lines` for a log written in full: compact bodies (`rendered`) in full first."""
-
-    def full(event: str, fields):
-        if type(fields) is bytes:
-            return plain_fields(event, fields)
-        if type(fields) is tuple:  # `rendered_transition`: the body and its tail, as one body
-            return plain_fields(event, fields[0][:-1] + fields[1] + b"}")
-        return fields
-
-    def lines(seq: int, records, now: int) -> bytes:
-        return renderer.lines(seq, [(t, event, step, full(event, fields)) for t, event, step, fields in records], now)
-    return lines

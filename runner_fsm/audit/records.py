@@ -111,3 +111,18 @@ def plain_fields(event: str, body: bytes) -> dict[str, Any]:
 
 
 _HEADER = frozenset({"schema", "run_id", "seq", "t_ns", "dp_rank", "pcp_rank", "event", "step_id"})
+
+
+def plain_lines(renderer):
+    """`renderer.lines` for a log written in full: compact bodies (`rendered`) in full first."""
+
+    def full(event: str, fields):
+        if type(fields) is bytes:
+            return plain_fields(event, fields)
+        if type(fields) is tuple:  # `rendered_transition`: the body and its tail, as one body
+            return plain_fields(event, fields[0][:-1] + fields[1] + b"}")
+        return fields
+
+    def lines(seq: int, records, now: int) -> bytes:
+        return renderer.lines(seq, [(t, event, step, full(event, fields)) for t, event, step, fields in records], now)
+    return lines

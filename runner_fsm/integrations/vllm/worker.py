@@ -44,7 +44,8 @@ from runner_fsm.integrations.vllm.recording.engine_stops import WorkerStops
 from runner_fsm.integrations.vllm.recording.flight import WorkerFlight, groups as flight_groups
 from runner_fsm.integrations.vllm.recording.flight import start as start_flight_recorder
 from runner_fsm.integrations.vllm.recording.forwards import forward_context, hook_forward
-from runner_fsm.integrations.vllm.recording.journal import Journal, scheduler_decision
+from runner_fsm.integrations.vllm.recording.journal import Journal, step_entry
+from runner_fsm.integrations.vllm.recording.step_kinds import StepKinds
 from runner_fsm.integrations.vllm.options import WorkerOptions
 from runner_fsm.integrations.vllm.recording.probe import InputProbe
 from runner_fsm.integrations.vllm.recording.recorder import ReplicaRecorder
@@ -78,7 +79,7 @@ class FSMWorkerMixin:
         self.drafting = vllm_config.speculative_config is not None
         self.draft_steps = int(vllm_config.speculative_config.num_speculative_tokens) if self.drafting else 0
         self.probe = InputProbe()
-        self._prompt_lens: dict[str, int] = {}
+        self.step_kinds = StepKinds()  # which steps prefill
         self._dummy = False
 
     # -- start-up, in vLLM's order ------------------------------------------------------
@@ -184,23 +185,24 @@ class FSMWorkerMixin:
     def execute_model(self, scheduler_output: Any):
         so = scheduler_output
         if not so.total_num_scheduled_tokens:
-            self._forget(so)
+            self.step_kinds.forget(so)
             return super().execute_model(so)
         rec = self.recorder
-        kind = self._classify(so)
-        rec.begin_step(kind, scheduler_decision(so), so.num_scheduled_tokens)
-        if self.dp_support is not None:
-            self.dp_support.injector.saw(rec.step_id, kind)
+        kind = self.step_kinds.of(so)
+        rec.begin_step(kind, None, so.num_scheduled_tokens, entry=step_entry(so, rec.step_id, kind))
+        dp_support = self.dp_support
+        if dp_support is not None:
+            dp_support.injector.saw(rec.step_id, kind)
         try:
-            if self.dp_support is not None:
-                self.dp_support.before_step(so)  # scheduled drafts vs. proposals
+            if dp_support is not None:
+                dp_support.before_step(so)  # scheduled drafts vs. proposals
             out = super().execute_model(so)
             if out is not None:  # no sample_tokens follows (e.g. pipeline stages, pooling)
                 rec.end_step()
             return out
         except BaseException as error:
-            if self.dp_support is not None:  # first, while the step is open: peers waiting in
-                self.dp_support.abort(error)  # its DP agreement stop too, naming this replica
+            if dp_support is not None:  # first, while the step is open: peers waiting in
+                dp_support.abort(error)  # its DP agreement stop too, naming this replica
             self._fault(error)
             raise
 
@@ -211,8 +213,8 @@ class FSMWorkerMixin:
         try:
             out = super().sample_tokens(grammar_output)
             sampled = getattr(out, "sampled_token_ids", None)
-            if isinstance(sampled, list):
-                rec.note(sampled=sampled)
+            if type(sampled) is list:
+                rec.note_sampled(sampled)
             elif (output := getattr(out, "model_runner_output", None)) is not None:
                 # An async output (MRV2): its tokens are copied and listed by vLLM's engine
                 # (`get_output()`) after this call, before the next step: read them then.
@@ -254,7 +256,7 @@ class FSMWorkerMixin:
         mode, desc, dp_counts = forward_context()
         if capturing and mode != "FULL":
             return  # warm-up and profiling forwards: only graph captures are evidence
-        taken, copied, logged = None, [], False
+        taken, copied, logged = None, (), False
         adapter = self.runner_adapter
         pcp = None if capturing or adapter.pcp is None else adapter.pcp_evidence()
         if rec.fingerprints:
@@ -268,43 +270,12 @@ class FSMWorkerMixin:
                 # now, before the forward's own record, where replay judges them (`stale_inputs`).
                 rec.audit.buffers(rec.step_id, "dummy" if self._dummy else "real", fingerprints)
                 logged = True
-        rec.on_forward(taken, copied, self._dummy, mode, desc, dp_counts, logged=logged)
+        rec.on_forward(taken, copied, self._dummy, mode, desc, dp_counts, logged)
 
     def _fault(self, error: BaseException) -> None:
         """An error inside a step: logged, the replica `faulted`, the Flight Recorder dumped."""
         self.recorder.fault(error)
         self.flight.dump("fault")
-
-    # -- requests: which steps prefill ----------------------------------------------------
-
-    def _classify(self, so: Any) -> str:
-        """`prefill` when any scheduled request has prompt tokens left to compute."""
-        lens, prefill = self._prompt_lens, False
-        for new in so.scheduled_new_reqs:
-            ids = new.prompt_token_ids
-            length = len(ids) if ids is not None else int(new.prompt_embeds.shape[0])
-            lens[new.req_id] = length
-            prefill = prefill or new.num_computed_tokens < length
-        cached = so.scheduled_cached_reqs
-        resumed = cached.resumed_req_ids
-        if resumed and not prefill:  # a resumed request recomputes its prompt
-            for rid in cached.req_ids:
-                if rid in resumed:
-                    prefill = True
-                    break
-        if not prefill:  # one computed short of its prompt (plain loops: see docs/vllm.md)
-            get = lens.get
-            for rid, computed in zip(cached.req_ids, cached.num_computed_tokens):
-                if computed < get(rid, 0):
-                    prefill = True
-                    break
-        for rid in so.finished_req_ids:  # `_forget`, inline: one call less a step
-            lens.pop(rid, None)
-        return "prefill" if prefill else "decode"
-
-    def _forget(self, so: Any) -> None:
-        for rid in so.finished_req_ids:
-            self._prompt_lens.pop(rid, None)
 
     # -- health and the end ---------------------------------------------------------------
 

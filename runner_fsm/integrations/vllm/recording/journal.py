@@ -104,10 +104,11 @@ def read_journal(run_dir: str, global_rank: int = 0) -> list[dict]:
     return [orjson.loads(line) for _, name in found for line in (Path(run_dir) / name).read_bytes().splitlines()]
 
 
-def scheduler_decision(so: Any) -> dict:
-    """What vLLM's scheduler decided for this step, compactly (the journal's fields)."""
+def step_entry(so: Any, step: int, kind: str) -> dict:
+    """A step's journal entry as it begins: the step, its kind, and what vLLM's scheduler
+    decided for it, compactly (one dict, built once: the recorder adds to it as the step runs)."""
     spec = so.scheduled_spec_decode_tokens
-    return {"tokens": so.total_num_scheduled_tokens, "sched": list(so.num_scheduled_tokens.values()),
+    return {"step": step, "kind": kind, "tokens": so.total_num_scheduled_tokens, "sched": list(so.num_scheduled_tokens.values()),
             "new": len(so.scheduled_new_reqs), "resumed": len(so.scheduled_cached_reqs.resumed_req_ids),
             "finished": len(so.finished_req_ids),
             "spec": sum(map(len, spec.values())) if spec else 0}

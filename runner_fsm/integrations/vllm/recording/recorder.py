@@ -20,7 +20,7 @@ from typing import Any
 
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.compact import decisions_tail
-from runner_fsm.audit.decisions import DecisionChanges, StepDecisions, batch_identity, decisions_digest, tokens_digest
+from runner_fsm.audit.decisions import DecisionChanges, StepDecisions, batch_identity, digest_of, tokens_digest
 from runner_fsm.audit.log import AuditBatch
 from runner_fsm.integrations.vllm.recording.fsm import StepMachine
 from runner_fsm.integrations.vllm.recording.journal import Journal
@@ -31,6 +31,8 @@ CAPTURE_STEP = -1
 
 
 STEP_TRIGGERS = {"prefill": Trigger.PREFILL, "decode": Trigger.DECODE, "idle": Trigger.IDLE}
+_DRAFT, _FINISH = Trigger.DRAFT, Trigger.FINISH  # module globals: an enum member is a class lookup
+_NO_FORWARD = ("NONE", None)  # a step with no target forward: eager, no rows
 
 
 class ReplicaRecorder:
@@ -42,15 +44,16 @@ class ReplicaRecorder:
         self.step_id = CAPTURE_STEP  # the step being run, or the next one between steps
         self.kind: str | None = None  # "prefill" | "decode" | "idle" while a step runs
         self.fault_cause: BaseException | None = None
-        self._forwards: list[tuple] = []  # this step's forwards, written when it ends
+        self._forwards: list[tuple] = []  # this step's forwards that leave records, written when it ends
+        self._last_forward: tuple = _NO_FORWARD  # this step's last target forward: (graph mode, batch descriptor)
         self._entry: dict | None = None  # this step's journal entry
         self._later: tuple[str, Any, str] | None = None  # its field read when it is written (`note_later`)
         self._end = audit.batch()  # the records of a step's end (one batch, reused every step)
         self._changes = DecisionChanges()  # the decisions the last `finish` carried, as a tuple
         self._batch = (0, 0)  # this step's batch: (its identity, the tokens scheduled)
-        # The last real batch, as its (request, tokens) items, and its `_batch`: a run of steps
-        # over the same batch (decode) keeps one identity, computed once.
-        self._last_batch: tuple = ((), (0, 0))
+        # The last real batch ({request: tokens}, a copy), its requests in order, and its `_batch`:
+        # a run of steps over the same batch (decode) keeps one identity, computed once.
+        self._last_batch: tuple = ({}, [], (0, 0))
         self._gated: int | None = None  # drafter steps this step's gate let run (None: no gate asked)
         self._decided_now: tuple | None = None  # the last ended step's decisions (`decided`), as values
         self.after_end = None  # called once a step's records are written (`replica_check.after_step`)
@@ -74,39 +77,50 @@ class ReplicaRecorder:
     def in_step(self) -> bool:
         return self.kind is not None
 
-    def begin_step(self, kind: str, decision: dict | None = None, scheduled: dict | None = None) -> int:
-        """Enter a step of `kind`; returns its id. `scheduled`: {request id: tokens} of a real step."""
+    def begin_step(self, kind: str, decision: dict | None = None, scheduled: dict | None = None, *,
+                   entry: dict | None = None) -> int:
+        """Enter a step of `kind`; returns its id. `decision`: fields of its journal entry, or
+        `entry`: the entry itself, its step and kind first (`journal.step_entry`); `scheduled`:
+        {request id: tokens} of a real step."""
         if self._entry is not None:
             self._flush_entry()
         self.machine.fire(STEP_TRIGGERS[kind], self.step_id)  # raises StepRefused: nothing changed
-        self.kind, self._gated, self._decided_now = kind, None, None
+        self.kind, self._gated, self._decided_now, self._last_forward = kind, None, None, _NO_FORWARD
         if scheduled:
-            items = tuple(scheduled.items())  # in the batch's order: the identity depends on it
-            last_items, batch = self._last_batch
-            if items != last_items:
-                batch = (batch_identity(scheduled, scheduled.values()), sum(scheduled.values()))
-                self._last_batch = (items, batch)
+            last, order, batch = self._last_batch
+            keys = [*scheduled]  # in the batch's order: the identity depends on it
+            if scheduled != last or keys != order:
+                batch = (batch_identity(keys, scheduled.values()), sum(scheduled.values()))
+                self._last_batch = (dict(scheduled), keys, batch)
             self._batch = batch
         else:
             self._batch = (0, 0)
-        self._entry = {"step": self.step_id, "kind": kind, **(decision or {})}
+        self._entry = entry if entry is not None else {"step": self.step_id, "kind": kind, **(decision or {})}
         return self.step_id
 
-    def on_forward(self, taken: dict | None, copied: list[str], dummy: bool, mode: str, desc: Any,
-                   dp_counts: Any, *, logged: bool = False) -> None:
+    def on_forward(self, taken: dict | None, copied: list[str] | tuple, dummy: bool, mode: str, desc: Any,
+                   dp_counts: Any, logged: bool = False) -> None:
         """A target forward is about to run (called from the forward pre-hook). `logged`: its
         `buffers` record is on disk already (the PCP evidence, written before the forward):
         the probe's hashes then go to the journal only."""
-        self._forwards.append((taken, copied, dummy, mode, desc, logged))
-        if self._entry is not None:
-            self._entry.setdefault("forwards", []).append(
-                [("dummy" if dummy else "real"), mode, desc, dp_counts])
+        self._last_forward = (mode, desc)
+        if taken is not None or mode == "FULL":  # a buffers or a graph record (eager at `transitions`: none)
+            self._forwards.append((taken, copied, dummy, mode, desc, logged))
+        entry = self._entry
+        if entry is not None:
+            entry.setdefault("forwards", []).append([("dummy" if dummy else "real"), mode, desc, dp_counts])
 
 
     def note(self, **fields: Any) -> None:
         """Add what vLLM decided to this step's journal entry (sampled tokens, drafts, ...)."""
         if self._entry is not None:
             self._entry.update(fields)
+
+    def note_sampled(self, sampled: list) -> None:
+        """The step's sampled tokens (`note(sampled=...)`, without a dict of keywords: every step)."""
+        entry = self._entry
+        if entry is not None:
+            entry["sampled"] = sampled
 
     def note_later(self, name: str, source: Any, attr: str) -> None:
         """A journal field whose value exists only after the step (an async output vLLM's engine
@@ -123,19 +137,23 @@ class ReplicaRecorder:
         the drafter ran — proposals, or its dummy run on an idle replica — and `finish`, with the
         step's decisions: `draft_steps` drafter steps) are written together, in one write."""
         batch = self._end
-        gated, self._gated = self._gated, None
+        gated = self._gated
         if gated is not None:  # the drafter's gate decided this step (`gate`)
+            self._gated = None
             drafted, draft_steps = gated > 0, gated
+        step = self.step_id
         try:
             decided = self._decided(draft_steps if drafted else 0)
-            self._write_forwards(self.step_id, batch)
+            if self._forwards:
+                self._write_forwards(step, batch)
             if drafted:
-                self.machine.fire(Trigger.DRAFT, self.step_id, batch)
-            self.machine.fire(Trigger.FINISH, self.step_id, batch, decided)
+                self.machine.fire(_DRAFT, step, batch, now=False)
+            self.machine.fire(_FINISH, step, batch, decided)  # the batch's records, then `finish`
         finally:
-            batch.write()  # a refused trigger's record too, before the error reaches vLLM
+            if batch._pending:  # a refused trigger's record too, before the error reaches vLLM
+                batch.write()
         self.kind = None
-        self.step_id += 1
+        self.step_id = step + 1
         if self.after_end is not None:
             self.after_end()
 
@@ -157,16 +175,18 @@ class ReplicaRecorder:
         sampled tokens where they are known by now (not an async output's: MRV2 resolves them
         after the step). The digest and the decisions changed since the last `finish`, as
         `decisions.DecisionChanges` gives them (all of them the first time)."""
-        mode, size = "NONE", 0
-        for forward in self._forwards:
-            mode, size = forward[3], forward[4][0] if forward[4] else 0
-        sampled = self._entry.get("sampled") if self._entry is not None else None
+        mode, desc = self._last_forward
+        size = desc[0] if desc else 0
+        entry = self._entry
+        sampled = entry.get("sampled") if entry is not None else None
         identity, scheduled = self._batch
         real, graph = self.kind != "idle", size if mode == "FULL" else 0
         decided = self._decided_now = (real, identity, scheduled, size, graph, draft_steps,
                                        tokens_digest(sampled) if sampled else 0)
-        changed = self._changes.changed((int(real), identity, scheduled, size, graph, draft_steps))
-        return decisions_tail(decisions_digest(*decided), changed)
+        values = (int(real), identity, scheduled, size, graph, draft_steps)
+        if values == self._changes.last:  # most of a decode run: nothing changed (`decisions_tail`)
+            return b',"dg":%d' % (hash(decided) & 0xFFFFFFFF)  # `digest_of`, inline
+        return decisions_tail(digest_of(decided), self._changes.changed(values))
 
     def _write_forwards(self, step: int, out: AuditLog | AuditBatch | None = None) -> None:
         out = self.audit if out is None else out

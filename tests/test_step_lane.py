@@ -1,0 +1,104 @@
+"""`AuditLog.step_transition` (the vLLM worker's step start and step end) writes the lines the
+general path writes (`rendered` / `rendered_transition` into a batch, `AuditBatch.write`): the
+same bytes, seq and order, in both log formats, with a batch before it or not, across a step
+change, a step id of None, an edge off the table's chain, and a capped log's segment switch."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from runner_fsm.audit import AuditLog, read_records
+from runner_fsm.audit.compact import decisions_tail, transition_body
+from runner_fsm.audit.segments import MIN_SEGMENT
+from runner_fsm.audit.shape import job_shape_fields
+
+START = transition_body("decode", "ready", "decode", "ok")
+PREFILL = transition_body("prefill", "ready", "prefill", "ok")
+FINISH = transition_body("finish", "decode", "ready", "ok")
+FINISH_PREFILL = transition_body("finish", "prefill", "ready", "ok")
+REFUSED = transition_body("decode", "decode", "decode", "refused")
+BUFFERS = b'{"b":"real","buf":[[1,[8],3,77,4],[2,[8],3,78,4]]}'
+
+
+def _script(base: int = 0):
+    """(step, kind, body, tail, records collected before it): what a run of vLLM steps writes."""
+    out = []
+    for step in range(base, base + 12):
+        start, finish = (PREFILL, FINISH_PREFILL) if step % 5 == 0 else (START, FINISH)
+        out.append((step, start, b"", ()))
+        before = (("buffers", BUFFERS),) if step % 2 else ()
+        tail = decisions_tail(1000 + step, [1, step, 4] if step % 3 == 0 else None)
+        out.append((step, finish, tail, before))
+    out.append((base + 12, REFUSED, b"", ()))  # off the chain: written in full
+    out.append((None, START, b"", ()))  # no step
+    return out
+
+
+def _write(log: AuditLog, lane: bool, base: int = 0) -> None:
+    batch = log.batch()
+    for step, body, tail, before in _script(base):
+        for event, record in before:
+            batch.rendered(event, step, record)
+        if lane:
+            log.step_transition(step, body, tail, batch)
+            assert not batch._pending  # written with it
+        else:
+            if tail:
+                batch.rendered_transition(step, body, tail)
+            else:
+                batch.rendered("transition", step, body)
+            batch.write()
+
+
+def _lines(path) -> list[bytes]:
+    lines = []
+    for name in sorted(path.iterdir()):
+        text = name.read_bytes().rstrip(b"\n\x00")
+        lines += [re.sub(rb'"t(_ns)?":-?\d+,?', b"", line) for line in text.split(b"\n")]
+    return lines
+
+
+@pytest.mark.parametrize("compact", (False, True), ids=("full", "compact"))
+def test_the_lane_writes_the_general_paths_lines(tmp_path, compact):
+    """Mutation seen to fail this: `CompactRenderer.transition` not updating `self.step` (the
+    next record of the step gets a second `s`/`q` head)."""
+    shape = job_shape_fields(1, 1, 0, 0) if compact else None
+    for lane in (False, True):
+        with AuditLog(tmp_path / str(lane), "run-l", 0, 0, 0, shape=shape) as log:
+            _write(log, lane)
+    assert _lines(tmp_path / "True") == _lines(tmp_path / "False")
+    records = list(read_records(tmp_path / "True" / "rank-0.jsonl"))
+    assert [r["seq"] for r in records] == list(range(len(records)))
+    assert records[-2]["outcome"] == "refused" and records[-1]["step_id"] is None
+
+
+def _records(run_dir) -> list[dict]:
+    """Every record but the `job` records, segment after segment, without their times and seq
+    (each segment's `job` record takes a seq, and where a segment ends depends on the bytes of
+    the times)."""
+    files = sorted(run_dir.glob("rank-0*.jsonl"), key=lambda p: int(p.name.split(".")[1]) if p.name.count(".") > 1 else 0)
+    return [{k: v for k, v in r.items() if k not in ("t_ns", "seq")} for f in files for r in read_records(f)
+            if r["event"] != "job"]
+
+
+def test_the_lane_switches_segments_as_the_general_path_does(tmp_path):
+    """A capped log: a full segment waits for its step to end, then the next step starts the
+    next segment. The lane hands those writes to the general path and takes them back after:
+    whole steps in each segment, seq gapless, the same records. Mutation seen to fail this:
+    the lane ignoring `_lane` (writing on into the full segment: no switch happens)."""
+    shape = job_shape_fields(1, 1, 0, 0)
+    for lane in (False, True):
+        with AuditLog(tmp_path / str(lane), "run-s", 0, 0, 0, shape=shape, max_log_bytes=64 * MIN_SEGMENT,
+                      pinned_steps=1) as log:
+            for round_ in range(400):  # ~3 segments' worth
+                _write(log, lane, base=13 * round_)
+            assert len(log.segments.switches) >= 2, "the run must switch segments"
+            assert log._lane is True  # the lane is back after the last switch
+    lane_records, plain_records = _records(tmp_path / "True"), _records(tmp_path / "False")
+    assert lane_records[:len(plain_records)] == plain_records[:len(lane_records)]
+    for f in (tmp_path / "True").glob("rank-0.*.jsonl"):  # each later segment: whole steps, seq gapless
+        records = list(read_records(f))
+        assert records[1]["event"] == "transition" and records[1]["trigger"] in ("decode", "prefill"), f.name
+        assert [r["seq"] for r in records] == list(range(records[0]["seq"], records[0]["seq"] + len(records)))
