@@ -355,19 +355,24 @@ def test_each_step_ends_with_its_decisions(tmp_path):
     """FSMWorker's recorder logs each step's decisions on its `finish` (`audit.decisions`): the
     batch vLLM scheduled, the forward's padded size and graph mode (vLLM's forward context), the
     drafter's steps, the sampled tokens; only the changed decisions after the first step.
-    Mutation: `end_step` firing `finish` without the decisions -> no digest."""
-    from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, StepDecisions, batch_identity
+    Mutations: `end_step` firing `finish` without the decisions -> no digest; `end_step` not
+    noting the tokens handed to it -> step 2's journal entry lacks them."""
+    from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, StepDecisions, batch_identity, tokens_digest
 
     run_dir = str(tmp_path / "run")
-    rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0), None)
+    rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0), Journal(run_dir, 0))
     rec.start_capture()
     rec.end_capture()
     scheduled = {"a": 1, "b": 1, "c": 1}
-    for tokens in ([[1], [2], [3]], [[4], [5], [6]]):
+    sampled = ([[1], [2], [3]], [[4], [5], [6]], [[7], [8], [9]])
+    for step, tokens in enumerate(sampled):
         rec.begin_step("decode", {"tokens": 3}, scheduled)
         rec.on_forward(None, [], False, "FULL", (4, 3, True), None)
-        rec.note(sampled=tokens)
-        rec.end_step(True, 2)
+        if step < 2:
+            rec.note(sampled=tokens)
+            rec.end_step(True, 2)
+        else:  # the worker's way: the tokens handed to `end_step`
+            rec.end_step(True, 2, tokens)
     rec.begin_step("idle")
     rec.on_forward(None, [], True, "NONE", (1, 1, False), None)
     rec.end_step(True, 2)
@@ -377,5 +382,8 @@ def test_each_step_ends_with_its_decisions(tmp_path):
     assert finishes[0][DECISIONS_FIELD] == {"real": 1, "batch": batch, "dispatch": 3, "padded": 4, "graph": 4,
                                             "draft": 2}
     assert DECISIONS_FIELD not in finishes[1] and finishes[1][DIGEST_FIELD] != finishes[0][DIGEST_FIELD]
-    assert finishes[2][DECISIONS_FIELD] == {"real": 0, "batch": 0, "dispatch": 0, "padded": 1, "graph": 0}
-    assert finishes[2][DIGEST_FIELD] == StepDecisions(False, 0, 0, 1, 0, 2).digest()
+    for step in (1, 2):  # the tokens are in the digest, whichever way they came
+        assert finishes[step][DIGEST_FIELD] == StepDecisions(True, batch, 3, 4, 4, 2, tokens_digest(sampled[step])).digest()
+    assert finishes[3][DECISIONS_FIELD] == {"real": 0, "batch": 0, "dispatch": 0, "padded": 1, "graph": 0}
+    assert finishes[3][DIGEST_FIELD] == StepDecisions(False, 0, 0, 1, 0, 2).digest()
+    assert [entry.get("sampled") for entry in read_journal(run_dir)] == [*map(list, sampled), None]

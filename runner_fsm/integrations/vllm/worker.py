@@ -213,13 +213,13 @@ class FSMWorkerMixin:
         try:
             out = super().sample_tokens(grammar_output)
             sampled = getattr(out, "sampled_token_ids", None)
-            if type(sampled) is list:
-                rec.note_sampled(sampled)
-            elif (output := getattr(out, "model_runner_output", None)) is not None:
-                # An async output (MRV2): its tokens are copied and listed by vLLM's engine
-                # (`get_output()`) after this call, before the next step: read them then.
-                rec.note_later("sampled", output, "sampled_token_ids")
-            rec.end_step(self.drafting, self.draft_steps)
+            if type(sampled) is not list:
+                sampled = None
+                if (output := getattr(out, "model_runner_output", None)) is not None:
+                    # An async output (MRV2): its tokens are copied and listed by vLLM's engine
+                    # (`get_output()`) after this call, before the next step: read them then.
+                    rec.note_later("sampled", output, "sampled_token_ids")
+            rec.end_step(self.drafting, self.draft_steps, sampled)
             return out
         except BaseException as error:
             self._fault(error)

@@ -82,8 +82,13 @@ class ReplicaRecorder:
         """Enter a step of `kind`; returns its id. `decision`: fields of its journal entry, or
         `entry`: the entry itself, its step and kind first (`journal.step_entry`); `scheduled`:
         {request id: tokens} of a real step."""
-        if self._entry is not None:
-            self._flush_entry()
+        last = self._entry
+        if last is not None:  # the previous step's journal entry: complete now
+            if self._later is None and self.journal is not None:  # `_flush_entry`'s usual case, inline
+                self._entry = None
+                self.journal.write(last)
+            else:
+                self._flush_entry()
         self.machine.fire(STEP_TRIGGERS[kind], self.step_id)  # raises StepRefused: nothing changed
         self.kind, self._gated, self._decided_now, self._last_forward = kind, None, None, _NO_FORWARD
         if scheduled:
@@ -116,12 +121,6 @@ class ReplicaRecorder:
         if self._entry is not None:
             self._entry.update(fields)
 
-    def note_sampled(self, sampled: list) -> None:
-        """The step's sampled tokens (`note(sampled=...)`, without a dict of keywords: every step)."""
-        entry = self._entry
-        if entry is not None:
-            entry["sampled"] = sampled
-
     def note_later(self, name: str, source: Any, attr: str) -> None:
         """A journal field whose value exists only after the step (an async output vLLM's engine
         resolves later): `getattr(source, attr)` when the entry is written, dropped if it is
@@ -132,10 +131,14 @@ class ReplicaRecorder:
             self._entry[name] = None  # keeps the field's place in the entry
             self._later = (name, source, attr)
 
-    def end_step(self, drafted: bool = False, draft_steps: int = 0) -> None:
+    def end_step(self, drafted: bool = False, draft_steps: int = 0, sampled: list | None = None) -> None:
         """The step's forwards are over. Its records (buffers and graph records, `draft` when
         the drafter ran — proposals, or its dummy run on an idle replica — and `finish`, with the
-        step's decisions: `draft_steps` drafter steps) are written together, in one write."""
+        step's decisions: `draft_steps` drafter steps) are written together, in one write.
+        `sampled`: the tokens the step sampled, one list per request (also noted in the journal),
+        where `note` did not give them already."""
+        if sampled is not None and self._entry is not None:
+            self._entry["sampled"] = sampled
         batch = self._end
         gated = self._gated
         if gated is not None:  # the drafter's gate decided this step (`gate`)
@@ -143,7 +146,7 @@ class ReplicaRecorder:
             drafted, draft_steps = gated > 0, gated
         step = self.step_id
         try:
-            decided = self._decided(draft_steps if drafted else 0)
+            decided = self._decided(draft_steps if drafted else 0, sampled)
             if self._forwards:
                 self._write_forwards(step, batch)
             if drafted:
@@ -169,7 +172,7 @@ class ReplicaRecorder:
         decided = self._decided_now
         return None if decided is None else StepDecisions(*decided)
 
-    def _decided(self, draft_steps: int) -> bytes:
+    def _decided(self, draft_steps: int, sampled: list | None) -> bytes:
         """The step's decisions (`audit.decisions`), rendered for its `finish` record: its last
         target forward's graph mode and padded size, as vLLM's forward context gave them; the
         sampled tokens where they are known by now (not an async output's: MRV2 resolves them
@@ -177,8 +180,8 @@ class ReplicaRecorder:
         `decisions.DecisionChanges` gives them (all of them the first time)."""
         mode, desc = self._last_forward
         size = desc[0] if desc else 0
-        entry = self._entry
-        sampled = entry.get("sampled") if entry is not None else None
+        if sampled is None and self._entry is not None:
+            sampled = self._entry.get("sampled")  # `note(sampled=...)`
         identity, scheduled = self._batch
         real, graph = self.kind != "idle", size if mode == "FULL" else 0
         decided = self._decided_now = (real, identity, scheduled, size, graph, draft_steps,
