@@ -135,25 +135,14 @@ class CompactRenderer:
         try:
             for t_ns, event, step_id, fields in records:
                 t = t_ns or now
-                if step_id != self.step or self.step is _NEW_STEP:
-                    head = b'{"s":%b,"q":%d,"t":%d,' % (b"null" if step_id is None else b"%d" % step_id, seq,
-                                                         (t - self._step_t) // 1000)
-                    self.step, self._step_t = step_id, t
-                else:
-                    head = b'{"t":%d,' % ((t - self._step_t) // 1000)
                 kind = type(fields)
-                if kind is bytes or kind is tuple:  # rendered; a tuple: a transition and its own fields
-                    body, tail = (fields, None) if kind is bytes else fields  # (`rendered_transition`)
-                    if event == "transition":
-                        edge = _EDGES.get(body)
-                        if edge is not None:
-                            if edge[2] is not None and edge[0] == self._state:
-                                body = edge[2]
-                            self._state = edge[1]
-                    if tail:
-                        body = body[:-1] + tail + b"}"
-                else:
-                    body = self._body(event, step_id, fields)
+                if event == "transition":  # rendered, with its own fields (a tuple), or a dict
+                    body, tail = (fields, b"") if kind is bytes else fields if kind is tuple else _transition(fields)
+                    out.append(self.transition(seq, step_id, t, body, tail or b"")[:-1])
+                    seq += 1
+                    continue
+                head = self._head(seq, step_id, t)
+                body = fields if kind is bytes else self._body(event, step_id, fields)
                 out.append(head[:-1] + b"}" if len(body) == 2 else head + body[1:])
                 seq += 1
         except BaseException:  # none of it is written: the next record starts its step anew
@@ -161,17 +150,19 @@ class CompactRenderer:
             raise
         return out[0] if len(out) == 1 else b"\n".join(out)
 
-    def transition(self, seq: int, step_id, t: int, body: bytes, tail: bytes = b"") -> bytes:
-        """The line of one transition, its newline included (what `lines` renders of `(t, "transition", step_id, body)`,
-        `body` rendered by `transition_body`, `tail` its own fields as `rendered_transition`
-        takes them): a vLLM step's start and its `finish`, each right after vLLM's own work
-        evicted the CPU caches, without the loop and the dispatch on the record's kind."""
+    def _head(self, seq: int, step_id, t: int) -> bytes:
+        """A record's header: step, seq and time on its step's first record, else the time."""
         if step_id != self.step or self.step is _NEW_STEP:
-            head = b'{"s":%b,"q":%d,"t":%d,' % (b"null" if step_id is None else b"%d" % step_id, seq,
-                                                 (t - self._step_t) // 1000)
-            self.step, self._step_t = step_id, t
-        else:
-            head = b'{"t":%d,' % ((t - self._step_t) // 1000)
+            self.step, t0, self._step_t = step_id, self._step_t, t
+            return b'{"s":%b,"q":%d,"t":%d,' % (b"null" if step_id is None else b"%d" % step_id, seq, (t - t0) // 1000)
+        return b'{"t":%d,' % ((t - self._step_t) // 1000)
+
+    def transition(self, seq: int, step_id, t: int, body: bytes, tail: bytes = b"") -> bytes:
+        """The line of one transition, its newline included (`body` rendered by `transition_body`,
+        `tail` its own fields as `rendered_transition` takes them): the trigger alone where the
+        record chains on and goes where the table says. One call for a vLLM step's start and for
+        its `finish` (`AuditLog.step_transition`), each right after vLLM evicted the CPU caches."""
+        head = self._head(seq, step_id, t)
         edge = _EDGES.get(body)
         if edge is not None:
             if edge[2] is not None and edge[0] == self._state:
@@ -184,16 +175,6 @@ class CompactRenderer:
     def _body(self, event: str, step_id, fields: dict) -> bytes:
         if event == "collective":
             return self._collective(step_id, fields)
-        if event == "transition":
-            body = transition_body(fields["trigger"], fields["src"], fields["dst"], fields["outcome"])
-            edge = _EDGES.get(body)
-            if edge is not None:
-                if edge[2] is not None and edge[0] == self._state:
-                    body = edge[2]
-                self._state = edge[1]
-            if len(fields) > 4:  # a step's decisions on its `finish`
-                return body[:-1] + b"," + dumps_record(_decided(fields))[1:]
-            return body
         if event == "buffers":
             rest = dict(fields)
             buffers = rest.pop("buffers")
@@ -251,6 +232,13 @@ class CompactRenderer:
                 values = [int(identity["dummy"]), identity["rows"], identity["digest"]]
                 fields[name] = values if identity["step"] == step_id else values + [identity["step"]]
         return dumps_record({**head, **fields})
+
+
+def _transition(fields: dict) -> tuple[bytes, bytes]:
+    """A transition record's fields as (body, tail), as `CompactRenderer.transition` takes them:
+    the tail holds a step's decisions on its `finish` (and any other field of its own)."""
+    body = transition_body(fields["trigger"], fields["src"], fields["dst"], fields["outcome"])
+    return body, (b"," + dumps_record(_decided(fields))[1:-1] if len(fields) > 4 else b"")
 
 
 def decisions_tail(digest: int, changed: list | None) -> bytes:
