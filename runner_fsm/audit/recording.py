@@ -147,8 +147,9 @@ class AuditBatch(_Records):
 
     def write(self) -> None:
         """Write what was collected (one write; nothing when empty) and start afresh."""
-        pending, self._pending = self._pending, []
+        pending = self._pending
         if pending:
+            self._pending = []
             self._log._write_all(pending)
 
     def _pin(self, step_id: int | None) -> None:

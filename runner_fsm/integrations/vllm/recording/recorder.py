@@ -153,8 +153,7 @@ class ReplicaRecorder:
                 self.machine.fire(_DRAFT, step, batch, now=False)
             self.machine.fire(_FINISH, step, batch, decided)  # the batch's records, then `finish`
         finally:
-            if batch._pending:  # a refused trigger's record too, before the error reaches vLLM
-                batch.write()
+            batch.write()  # what is left: a refused trigger's record, before the error reaches vLLM
         self.kind = None
         self.step_id = step + 1
         if self.after_end is not None:
