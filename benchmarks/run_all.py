@@ -250,8 +250,21 @@ def merged(table_path: Path, rows: list[Row], summary: str) -> tuple[str, list[R
         elif name not in new:
             out.append(row)
     out += [row for row in rows if row.name not in placed]
-    names = ", ".join(f"`{row.name}`" for row in rows)
-    return f"{old_summary} Re-measured since: {names}. {summary}", out
+    return _summary(old_summary, [row.name for row in rows], summary), out
+
+
+REMEASURED = " Re-measured since: "  # then `name`, ...: their run's own "Measured ..." sentence
+
+
+def _summary(old_summary: str, names: list[str], summary: str) -> str:
+    """The table's summary line: the whole run's sentence, then per later `--merge` the rows it
+    re-measured and its sentence; a re-measure whose rows are all measured again now is dropped
+    (the line holds one entry per set of rows, not one per run)."""
+    base, *since = old_summary.split(REMEASURED)
+    measured = set(names)
+    kept = [entry for entry in since
+            if not {RENAMED.get(n, n) for n in re.findall(r"`([^`]+)`", entry.split(". Measured ", 1)[0])} <= measured]
+    return REMEASURED.join([base, *kept, ", ".join(f"`{name}`" for name in names) + f". {summary}"])
 
 
 def _regenerate_main_readme(table_path: Path, main_readme: Path) -> int:

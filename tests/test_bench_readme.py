@@ -1,6 +1,7 @@
 """README numbers come from one table: `make bench` writes benchmarks/README.md and README.md's
 generated block from the same rows (benchmarks/readme.py); nothing is typed by hand."""
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -73,3 +74,26 @@ def test_a_merge_replaces_only_the_rows_measured_again(tmp_path):
     assert rows[0] == plan and rows[1] == own and rows[2] == ROWS[1]
     assert summary.startswith(SUMMARY) and summary.endswith("Measured 2026-12-03 10:30 UTC with `x`.")
     assert f"`{own.name}`" in summary and f"`{ROWS[1].name}`" not in summary
+
+
+def test_the_summary_keeps_one_entry_per_set_of_rows_measured_again(tmp_path):
+    """Each `--merge` names the rows it measured and its own "Measured ..." sentence; an entry
+    whose rows are all measured again later goes (the line stays one entry per set of rows, not
+    one per run), one that still holds a row not measured again stays. Mutation seen to fail
+    this: keeping every earlier entry (the line grows by one sentence a run)."""
+    from run_all import merged
+
+    table = tmp_path / "README.md"
+    table.write_text(f"{BEGIN}\n{SUMMARY}\n\n{format_table(ROWS)}\n{END}\n")
+    again = lambda row, figure: dataclasses.replace(row, figure=figure)  # noqa: E731
+    for i, (rows, when) in enumerate((([ROWS[0]], "10:00"), ([ROWS[1]], "11:00"), ([ROWS[0]], "12:00"),
+                                      ([ROWS[0], ROWS[1]], "13:00"), ([ROWS[0]], "14:00"))):
+        summary, merged_rows = merged(table, [again(r, f"{i}") for r in rows],
+                                      f"Measured 2026-12-04 {when} UTC with `python benchmarks/run_all.py --only x`.")
+        table.write_text(f"{BEGIN}\n{summary}\n\n{format_table(merged_rows)}\n{END}\n")
+    assert summary.startswith(SUMMARY)
+    entries = summary[len(SUMMARY):].split(" Re-measured since: ")[1:]
+    assert [e.split("Measured 2026-12-04 ")[1][:5] for e in entries] == ["13:00", "14:00"]
+    assert entries[0].startswith(f"`{ROWS[0].name}`, `{ROWS[1].name}`. ")
+    assert entries[1].startswith(f"`{ROWS[0].name}`. ")
+

@@ -2,8 +2,8 @@
 
 Each record is one line, in the page cache before the call returns, so that a process killed
 mid-step (or hung inside a collective) still leaves every record up to that point on disk.
-structlog's `BytesLogger` writes them (see `AuditLog.__init__`) into a memory-mapped file
-(`mapped`): a log that was not closed ends in blank lines, where readers stop.
+structlog's `BytesLogger` writes them (a vLLM step's transitions: `step_transition` itself) into
+a memory-mapped file (`mapped`): a log that was not closed ends in blank lines, where readers stop.
 
 `AuditLog.batch()` collects records that are written together (e.g. everything a vLLM step
 logs once its forward is over): each keeps its own `seq` and the time it was made, and the

@@ -108,7 +108,8 @@ def step_entry(so: Any, step: int, kind: str) -> dict:
     """A step's journal entry as it begins: the step, its kind, and what vLLM's scheduler
     decided for it, compactly (one dict, built once: the recorder adds to it as the step runs)."""
     spec = so.scheduled_spec_decode_tokens
-    return {"step": step, "kind": kind, "tokens": so.total_num_scheduled_tokens, "sched": list(so.num_scheduled_tokens.values()),
+    return {"step": step, "kind": kind, "tokens": so.total_num_scheduled_tokens,
+            "sched": list(so.num_scheduled_tokens.values()),
             "new": len(so.scheduled_new_reqs), "resumed": len(so.scheduled_cached_reqs.resumed_req_ids),
             "finished": len(so.finished_req_ids),
             "spec": sum(map(len, spec.values())) if spec else 0}
