@@ -138,7 +138,7 @@ class CompactRenderer:
                 kind = type(fields)
                 if event == "transition":  # rendered, with its own fields (a tuple), or a dict
                     body, tail = (fields, b"") if kind is bytes else fields if kind is tuple else _transition(fields)
-                    out.append(self.transition(seq, step_id, t, body, tail or b"")[:-1])
+                    out.append(self.transition(seq, step_id, t, body, tail)[:-1])
                     seq += 1
                     continue
                 head = self._head(seq, step_id, t)

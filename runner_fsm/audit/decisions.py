@@ -101,12 +101,12 @@ class DecisionChanges:
     gives the same by name. An unchanged step, most of a decode run, costs one comparison."""
 
     def __init__(self) -> None:
-        self.last: tuple[int, ...] | None = None  # the values of the last call
+        self._last: tuple[int, ...] | None = None
 
     def changed(self, values: tuple[int, ...]) -> list[int | None] | None:
         """`values` where they changed since the last call, None where not, the trailing Nones
         left out (all of them the first time; None when nothing changed)."""
-        last, self.last = self.last, values
+        last, self._last = self._last, values
         if last is None:
             return list(values)
         if values == last:

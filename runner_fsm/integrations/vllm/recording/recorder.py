@@ -82,13 +82,8 @@ class ReplicaRecorder:
         """Enter a step of `kind`; returns its id. `decision`: fields of its journal entry, or
         `entry`: the entry itself, its step and kind first (`journal.step_entry`); `scheduled`:
         {request id: tokens} of a real step."""
-        last = self._entry
-        if last is not None:  # the previous step's journal entry: complete now
-            if self._later is None and self.journal is not None:  # `_flush_entry`'s usual case, inline
-                self._entry = None
-                self.journal.write(last)
-            else:
-                self._flush_entry()
+        if self._entry is not None:  # the previous step's journal entry: complete now
+            self._flush_entry()
         self.machine.fire(STEP_TRIGGERS[kind], self.step_id)  # raises StepRefused: nothing changed
         self.kind, self._gated, self._decided_now, self._last_forward = kind, None, None, _NO_FORWARD
         if scheduled:
@@ -185,10 +180,8 @@ class ReplicaRecorder:
         real, graph = self.kind != "idle", size if mode == "FULL" else 0
         decided = self._decided_now = (real, identity, scheduled, size, graph, draft_steps,
                                        tokens_digest(sampled) if sampled else 0)
-        values = (int(real), identity, scheduled, size, graph, draft_steps)
-        if values == self._changes.last:  # most of a decode run: nothing changed (`decisions_tail`)
-            return b',"dg":%d' % (hash(decided) & 0xFFFFFFFF)  # `digest_of`, inline
-        return decisions_tail(digest_of(decided), self._changes.changed(values))
+        changed = self._changes.changed((int(real), identity, scheduled, size, graph, draft_steps))
+        return decisions_tail(digest_of(decided), changed)
 
     def _write_forwards(self, step: int, out: AuditLog | AuditBatch | None = None) -> None:
         out = self.audit if out is None else out
