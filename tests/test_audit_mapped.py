@@ -147,3 +147,31 @@ def test_a_blank_line_inside_the_log_is_a_gap_not_its_end(tmp_path):
     path.write_bytes(b"".join(lines[:3]) + b"\n" + b"".join(lines[3:]))  # a blank line after seq 2
     kinds = [(v.kind, v.step) for v in replay(tmp_path).verdicts]
     assert ("gap", 0) in kinds and ("unfinished", 2) in kinds
+
+
+def test_a_writer_into_the_mapping_within_room_leaves_the_bytes_write_leaves(tmp_path):
+    """The hot path's protocol (`MappedFile.room`, `mapping`): lines copied into the map while
+    they fit, `write` where they do not (it grows the file). The same file as `write` alone, in
+    the open file's data end and once closed; closed, `room` is 0 and a write raises. Mutation
+    seen to fail this: `write` not taking `room` down (the next line lands on the last one)."""
+    lines = [b'{"i":%d,"pad":"%s"}\n' % (i, b"x" * (i % 300)) for i in range(2500)]  # ~0.4 MB: two growths
+    plain, direct = MappedFile(tmp_path / "plain.jsonl"), MappedFile(tmp_path / "direct.jsonl")
+    grown = 0
+    for i, line in enumerate(lines):
+        plain.write(line)
+        if i % 3 and len(line) <= direct.room:
+            direct.mapping.write(line)
+            direct.room -= len(line)
+        else:
+            grown += len(line) > direct.room
+            direct.write(line)
+    assert grown >= 1, "a line must have needed the file to grow"
+    expected = b"".join(lines)
+    assert direct.size == plain.size == len(expected)
+    assert data_end(tmp_path / "direct.jsonl") == len(expected)
+    direct.close()
+    plain.close()
+    assert (tmp_path / "direct.jsonl").read_bytes() == (tmp_path / "plain.jsonl").read_bytes() == expected
+    assert direct.room == 0
+    with pytest.raises(ValueError, match="closed"):
+        direct.write(b"{}\n")

@@ -102,3 +102,17 @@ def test_the_lane_switches_segments_as_the_general_path_does(tmp_path):
         records = list(read_records(f))
         assert records[1]["event"] == "transition" and records[1]["trigger"] in ("decode", "prefill"), f.name
         assert [r["seq"] for r in records] == list(range(records[0]["seq"], records[0]["seq"] + len(records)))
+
+
+def test_the_lane_writes_the_general_paths_bytes_across_the_files_growth(tmp_path):
+    """Thousands of steps: the file grows by chunks under the lane, which copies lines into the
+    map while they fit and lets `MappedFile.write` grow it when one does not. Mutation seen to
+    fail this: the lane not taking `room` down (its lines overwrite each other)."""
+    shape = job_shape_fields(1, 1, 0, 0)
+    for lane in (False, True):
+        with AuditLog(tmp_path / str(lane), "run-g", 0, 0, 0, shape=shape) as log:
+            for round_ in range(400):  # ~0.56 MB: two growths of the file
+                _write(log, lane, base=13 * round_)
+            size = log._file.size
+    assert size > 2 * (1 << 18), "the run must grow the file twice"
+    assert _lines(tmp_path / "True") == _lines(tmp_path / "False")

@@ -64,7 +64,12 @@ def data_end(path: str | os.PathLike[str]) -> int:
 class MappedFile:
     """Append-only binary file (created exclusively) written through a memory map; a file-like
     object for structlog's `BytesLogger` (`write`, `flush`, `close`, `closed`). One process
-    writes it: a forked child writing its inherited copy would write over the parent's lines."""
+    writes it: a forked child writing its inherited copy would write over the parent's lines.
+
+    A writer on a hot path may copy a line into `mapping` itself (`mapping.write`, at the map's
+    position: the end of what was written) when it is at most `room` bytes, and must then take
+    `room` down by its length; `write` does the same, and grows the file first where needed.
+    A vLLM step's transitions go that way (`AuditLog.step_transition`): a Python call less each."""
 
     def __init__(self, path: str | os.PathLike[str], *, chunk: int = CHUNK, full_at: int | None = None,
                  on_full=None):
@@ -76,9 +81,9 @@ class MappedFile:
         self._full_at, self._on_full = full_at, on_full
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
         self._pid = os.getpid()  # the writer: a forked child never cuts the file under it
-        self._end = 0  # bytes written
         self._size = 0  # bytes mapped
-        self._map: mmap.mmap | None = None
+        self.room = 0  # bytes mapped and not written yet (written: `_size - room`)
+        self.mapping: mmap.mmap | None = None
         try:
             self._grow(0)
         except BaseException:  # e.g. a full disk: no empty file left to block the next try
@@ -91,14 +96,14 @@ class MappedFile:
         return self._fd < 0
 
     def write(self, data: bytes) -> int:
-        end = self._end + len(data)
-        if end > self._size:
+        size = len(data)
+        if size > self.room:
             if self._fd < 0:
                 raise ValueError(f"write to closed audit file {self.path}")
-            self._grow(end)
-        self._map.write(data)  # at the map's position, always `_end` (cheaper than a slice assignment)
-        self._end = end
-        return len(data)
+            self._grow(self._size - self.room + size)
+        self.mapping.write(data)  # at the map's position, the end of what was written (cheaper than a slice)
+        self.room -= size
+        return size
 
     # Nothing to flush: each write is in the page cache when it returns. structlog's BytesLogger
     # calls `flush()` after every write, two or three times a vLLM step: `NoneType()` (a C-level
@@ -109,17 +114,18 @@ class MappedFile:
         if self._fd < 0:
             return
         try:
-            self._map.close()
+            self.mapping.close()
             if os.getpid() == self._pid:
-                os.ftruncate(self._fd, self._end)  # the blank tail goes
+                os.ftruncate(self._fd, self._size - self.room)  # the blank tail goes
         finally:
             os.close(self._fd)
             self._fd = -1
+            self.room = 0  # a writer that checks `room` falls back to `write`, which raises
 
     @property
     def size(self) -> int:
         """Bytes written so far."""
-        return self._end
+        return self._size - self.room
 
     def _grow(self, needed: int) -> None:
         if self._full_at is not None and self._size >= self._full_at:
@@ -132,9 +138,10 @@ class MappedFile:
             allocate(self._fd, self._size, size - self._size)  # ENOSPC now, not SIGBUS later
         else:  # pragma: no cover - platforms without posix_fallocate (macOS)
             os.ftruncate(self._fd, size)
-        if self._map is None:
-            self._map = mmap.mmap(self._fd, size)
+        if self.mapping is None:
+            self.mapping = mmap.mmap(self._fd, size)
         else:
-            self._map.resize(size)
-        self._map[self._size:size] = _FILL * (size - self._size)
+            self.mapping.resize(size)
+        self.mapping[self._size:size] = _FILL * (size - self._size)
+        self.room += size - self._size
         self._size = size

@@ -10,7 +10,9 @@ is for diagnosis; the audit log, on disk per record, is the evidence a crash lea
 entries are kept as they are and rendered `BATCH` at a time, then written to the file's buffer,
 which goes to disk when full and at shutdown. One encoder call per step costs 12-15 us of
 thread CPU inside vLLM, whose own work evicts the encoder between two steps; a batch of
-entries renders with the encoder warm after its first one.
+entries renders with the encoder warm after its first one. For the same reason an entry holds
+vLLM's scheduler output itself, and a field whose value vLLM resolves after the step (`Later`):
+both are read when the entry is rendered.
 """
 
 from __future__ import annotations
@@ -44,11 +46,39 @@ def _default(obj: Any) -> Any:
     raise TypeError(f"journal cannot serialise {type(obj).__qualname__}")
 
 
+class Later:
+    """A field's value that exists only after the step (an async output vLLM's engine resolves
+    later): `getattr(source, attr)` when the entry is rendered; the field is left out if that
+    is empty or missing then."""
+
+    __slots__ = ("source", "attr")
+
+    def __init__(self, source: Any, attr: str):
+        self.source, self.attr = source, attr
+
+
+def _resolved(entry: dict) -> dict:
+    """The entry as it is written: the scheduler output's fields (`step_entry`) in its place,
+    each `Later` field's value, or nothing."""
+    if SCHEDULED not in entry and not any(type(value) is Later for value in entry.values()):
+        return entry
+    out = {}
+    for key, value in entry.items():
+        if key == SCHEDULED:
+            out.update(_scheduled(value))
+        elif type(value) is Later:
+            if (value := getattr(value.source, value.attr, None) or None) is not None:
+                out[key] = value
+        else:
+            out[key] = value
+    return out
+
+
 def _line(entry: dict) -> bytes:
     """One entry's line; an entry that cannot be rendered becomes a line that says so (its
     step and the error), and the others of its batch are kept."""
     try:
-        return orjson.dumps(entry, default=_default, option=OPTIONS) + b"\n"
+        return orjson.dumps(_resolved(entry), default=_default, option=OPTIONS) + b"\n"
     except TypeError as error:
         return orjson.dumps({"step": entry.get("step"), "journal_error": str(error)}) + b"\n"
 
@@ -59,7 +89,10 @@ class Journal:
         self.run_dir, self.global_rank = run_dir, int(global_rank)
         self.path = journal_path(run_dir, global_rank)
         self._file = open(self.path, "xb")
-        self._pending: list[dict] = []  # entries not rendered yet (the caller no longer changes them)
+        # Entries not rendered yet (their callers no longer change them): `write` adds one; a
+        # caller on a hot path (the recorder, once a step) may append to it and call `render`
+        # once it holds `BATCH`, a Python call less.
+        self.pending: list[dict] = []
 
     # -- a companion of the audit log's segments (`audit.segments.Companion`)
 
@@ -74,25 +107,28 @@ class Journal:
             self._file = open(self.path, "xb")
 
     def write(self, entry: dict) -> None:
-        pending = self._pending
+        pending = self.pending
         pending.append(entry)
         if len(pending) >= BATCH:
-            self._render()
+            self.render()
 
-    def _render(self) -> None:
-        pending, self._pending = self._pending, []
+    def render(self) -> None:
+        """Render what `pending` holds into the file's buffer."""
+        pending = self.pending
         if pending:
-            self._file.write(b"".join([_line(entry) for entry in pending]))
+            lines = b"".join([_line(entry) for entry in pending])
+            pending.clear()  # the same list: a caller may hold it
+            self._file.write(lines)
 
     def flush(self) -> None:
         if not self._file.closed:
-            self._render()
+            self.render()
             self._file.flush()
 
     def close(self) -> None:
         if not self._file.closed:
             try:
-                self._render()
+                self.render()
             finally:
                 self._file.close()
 
@@ -104,12 +140,21 @@ def read_journal(run_dir: str, global_rank: int = 0) -> list[dict]:
     return [orjson.loads(line) for _, name in found for line in (Path(run_dir) / name).read_bytes().splitlines()]
 
 
+SCHEDULED = "scheduler_output"  # an entry's key for vLLM's scheduler output, as it is (`step_entry`)
+
+
 def step_entry(so: Any, step: int, kind: str) -> dict:
     """A step's journal entry as it begins: the step, its kind, and what vLLM's scheduler
-    decided for it, compactly (one dict, built once: the recorder adds to it as the step runs)."""
+    decided for it (the recorder adds to it as the step runs). The scheduler output is read when
+    the entry is rendered (`_scheduled`: vLLM's scheduler makes a new one each step and changes
+    none after), except its scheduled drafts, counted now: a drafter may take some out of it
+    during the step (vLLM's GPU n-gram proposer)."""
     spec = so.scheduled_spec_decode_tokens
-    return {"step": step, "kind": kind, "tokens": so.total_num_scheduled_tokens,
-            "sched": list(so.num_scheduled_tokens.values()),
+    return {"step": step, "kind": kind, SCHEDULED: so, "spec": sum(map(len, spec.values())) if spec else 0}
+
+
+def _scheduled(so: Any) -> dict:
+    """What a journal entry says of vLLM's scheduler output, compactly."""
+    return {"tokens": so.total_num_scheduled_tokens, "sched": list(so.num_scheduled_tokens.values()),
             "new": len(so.scheduled_new_reqs), "resumed": len(so.scheduled_cached_reqs.resumed_req_ids),
-            "finished": len(so.finished_req_ids),
-            "spec": sum(map(len, spec.values())) if spec else 0}
+            "finished": len(so.finished_req_ids)}

@@ -23,7 +23,7 @@ from runner_fsm.audit.compact import decisions_tail
 from runner_fsm.audit.decisions import DecisionChanges, StepDecisions, batch_identity, digest_of, tokens_digest
 from runner_fsm.audit.log import AuditBatch
 from runner_fsm.integrations.vllm.recording.fsm import StepMachine
-from runner_fsm.integrations.vllm.recording.journal import Journal
+from runner_fsm.integrations.vllm.recording.journal import BATCH as JOURNAL_BATCH, Journal, Later
 from runner_fsm.integrations.vllm.recording.probe import resolve
 from runner_fsm.states import State, Trigger
 
@@ -47,7 +47,6 @@ class ReplicaRecorder:
         self._forwards: list[tuple] = []  # this step's forwards that leave records, written when it ends
         self._last_forward: tuple = _NO_FORWARD  # this step's last target forward: (graph mode, batch descriptor)
         self._entry: dict | None = None  # this step's journal entry
-        self._later: tuple[str, Any, str] | None = None  # its field read when it is written (`note_later`)
         self._end = audit.batch()  # the records of a step's end (one batch, reused every step)
         self._changes = DecisionChanges()  # the decisions the last `finish` carried, as a tuple
         self._batch = (0, 0)  # this step's batch: (its identity, the tokens scheduled)
@@ -82,8 +81,12 @@ class ReplicaRecorder:
         """Enter a step of `kind`; returns its id. `decision`: fields of its journal entry, or
         `entry`: the entry itself, its step and kind first (`journal.step_entry`); `scheduled`:
         {request id: tokens} of a real step."""
-        if self._entry is not None:  # the previous step's journal entry: complete now
-            self._flush_entry()
+        previous, journal = self._entry, self.journal
+        if previous is not None and journal is not None:  # the previous step's journal entry: complete now
+            pending = journal.pending  # `Journal.write`, without its call
+            pending.append(previous)
+            if len(pending) >= JOURNAL_BATCH:
+                journal.render()
         self.machine.fire(STEP_TRIGGERS[kind], self.step_id)  # raises StepRefused: nothing changed
         self.kind, self._gated, self._decided_now, self._last_forward = kind, None, None, _NO_FORWARD
         if scheduled:
@@ -118,41 +121,66 @@ class ReplicaRecorder:
 
     def note_later(self, name: str, source: Any, attr: str) -> None:
         """A journal field whose value exists only after the step (an async output vLLM's engine
-        resolves later): `getattr(source, attr)` when the entry is written, dropped if it is
-        empty or missing then. One such field per step (a second replaces the first)."""
+        resolves later): `getattr(source, attr)` when the entry is rendered (`journal.Later`),
+        left out if it is empty or missing then."""
         if self._entry is not None:
-            if self._later is not None:  # the first one's place goes with it
-                self._entry.pop(self._later[0], None)
-            self._entry[name] = None  # keeps the field's place in the entry
-            self._later = (name, source, attr)
+            self._entry[name] = Later(source, attr)
 
     def end_step(self, drafted: bool = False, draft_steps: int = 0, sampled: list | None = None) -> None:
         """The step's forwards are over. Its records (buffers and graph records, `draft` when
         the drafter ran — proposals, or its dummy run on an idle replica — and `finish`, with the
         step's decisions: `draft_steps` drafter steps) are written together, in one write.
         `sampled`: the tokens the step sampled, one list per request (also noted in the journal),
-        where `note` did not give them already."""
-        if sampled is not None and self._entry is not None:
-            self._entry["sampled"] = sampled
-        batch = self._end
+        where `note` did not give them already.
+
+        The step's decisions (`audit.decisions`), rendered for its `finish` record: its last
+        target forward's graph mode and padded size, as vLLM's forward context gave them; the
+        sampled tokens where they are known by now (not an async output's: MRV2 resolves them
+        after the step). The digest and the decisions changed since the last `finish`, as
+        `decisions.DecisionChanges` gives them (all of them the first time). Worked out here, not
+        in a method of their own: this runs right after vLLM's sampler evicted the CPU caches,
+        where each call costs about a microsecond."""
+        entry = self._entry
+        if sampled is not None:
+            if entry is not None:
+                entry["sampled"] = sampled
+        elif entry is not None:
+            sampled = entry.get("sampled")  # `note(sampled=...)`; not known yet where `note_later` gave them
+            if type(sampled) is Later:
+                sampled = None
         gated = self._gated
         if gated is not None:  # the drafter's gate decided this step (`gate`)
             self._gated = None
             drafted, draft_steps = gated > 0, gated
+        mode, desc = self._last_forward
+        size = desc[0] if desc else 0
+        identity, scheduled = self._batch
+        # `real` as 0/1: the values `changed` compares are the digest's first six, as they are
+        values = (0 if self.kind == "idle" else 1, identity, scheduled, size, size if mode == "FULL" else 0,
+                  draft_steps if drafted else 0)
+        decided = self._decided_now = (*values, tokens_digest(sampled) if sampled else 0)
+        tail = decisions_tail(digest_of(decided), self._changes.changed(values))
         step = self.step_id
-        try:
-            decided = self._decided(draft_steps if drafted else 0, sampled)
-            if self._forwards:
-                self._write_forwards(step, batch)
-            if drafted:
-                self.machine.fire(_DRAFT, step, batch, now=False)
-            self.machine.fire(_FINISH, step, batch, decided)  # the batch's records, then `finish`
-        finally:
-            batch.write()  # what is left: a refused trigger's record, before the error reaches vLLM
+        if self._forwards or drafted:
+            self._end_with_records(step, drafted, tail)
+        else:  # most steps: `finish` alone, no batch
+            self.machine.fire(_FINISH, step, None, tail)
         self.kind = None
         self.step_id = step + 1
         if self.after_end is not None:
             self.after_end()
+
+    def _end_with_records(self, step: int, drafted: bool, tail: bytes) -> None:
+        """A step's end with records before its `finish`: its forwards' and `draft`, one write."""
+        batch = self._end
+        try:
+            if self._forwards:
+                self._write_forwards(step, batch)
+            if drafted:
+                self.machine.fire(_DRAFT, step, batch, now=False)
+            self.machine.fire(_FINISH, step, batch, tail)  # the batch's records, then `finish`
+        finally:
+            batch.write()  # what is left: a refused trigger's record, before the error reaches vLLM
 
     def gate(self, draft_steps: int) -> None:
         """The drafter's gate decided for this step: logged at once, before any collective of
@@ -165,23 +193,6 @@ class ReplicaRecorder:
         """The last ended step's decisions (`replica_check`); None while a step runs."""
         decided = self._decided_now
         return None if decided is None else StepDecisions(*decided)
-
-    def _decided(self, draft_steps: int, sampled: list | None) -> bytes:
-        """The step's decisions (`audit.decisions`), rendered for its `finish` record: its last
-        target forward's graph mode and padded size, as vLLM's forward context gave them; the
-        sampled tokens where they are known by now (not an async output's: MRV2 resolves them
-        after the step). The digest and the decisions changed since the last `finish`, as
-        `decisions.DecisionChanges` gives them (all of them the first time)."""
-        mode, desc = self._last_forward
-        size = desc[0] if desc else 0
-        if sampled is None and self._entry is not None:
-            sampled = self._entry.get("sampled")  # `note(sampled=...)`
-        identity, scheduled = self._batch
-        real, graph = self.kind != "idle", size if mode == "FULL" else 0
-        decided = self._decided_now = (real, identity, scheduled, size, graph, draft_steps,
-                                       tokens_digest(sampled) if sampled else 0)
-        changed = self._changes.changed((int(real), identity, scheduled, size, graph, draft_steps))
-        return decisions_tail(digest_of(decided), changed)
 
     def _write_forwards(self, step: int, out: AuditLog | AuditBatch | None = None) -> None:
         out = self.audit if out is None else out
@@ -205,15 +216,7 @@ class ReplicaRecorder:
 
     def _flush_entry(self) -> None:
         entry, self._entry = self._entry, None
-        later, self._later = self._later, None
         if entry is not None and self.journal is not None:
-            if later is not None:
-                name, source, attr = later
-                value = getattr(source, attr, None) or None
-                if value is None:
-                    del entry[name]
-                else:
-                    entry[name] = value
             self.journal.write(entry)
 
     # -- faults and the end -----------------------------------------------------------
