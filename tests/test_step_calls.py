@@ -1,0 +1,25 @@
+"""FSMWorker's decode step at `audit=transitions` runs through a budget of Python calls
+(`benchmarks/step_calls.py` counts them; each costs a microsecond or two right after vLLM's
+work evicted the CPU caches, and a timing cannot show one more on a shared machine)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from step_calls import count  # noqa: E402
+
+BUDGET = 19  # 2026-12-04: 19 (27 before issue 37's third pass)
+
+
+def test_a_decode_step_stays_within_its_call_budget():
+    """Both transitions take the lane (`AuditLog.step_transition`, not the general path), and the
+    step makes at most `BUDGET` Python calls. Mutation seen to fail this: `begin_step` handing
+    the journal entry over through `_flush_entry` again (21 calls)."""
+    result = count(steps=10)
+    functions = result["functions"]
+    assert functions["AuditLog.step_transition"][0] == 2
+    assert "AuditLog._write_all" not in functions and "AuditBatch.write" not in functions
+    assert result["calls"] <= BUDGET, "\n".join(f"{name}: {calls:.1f}" for name, (calls, _) in functions.items())
