@@ -55,10 +55,9 @@ def test_a_later_field_is_read_when_rendered_and_left_out_when_empty(tmp_path):
 
 
 def test_the_recorder_hands_entries_over_in_batches_and_digests_no_later_tokens(tmp_path):
-    """The recorder appends each step's entry to the journal's `pending` and renders `BATCH` at
-    a time; a step whose tokens come later (`note_later`, MRV2) digests none at its `finish`.
-    Mutation seen to fail this: the recorder never calling `render` (nothing on disk before
-    shutdown)."""
+    """The recorder hands each step's entry to the journal, which renders `BATCH` at a time; a
+    step whose tokens come later (`note_later`, MRV2) digests none at its `finish`. Mutation seen
+    to fail this: `Journal.write` never calling `render` (every entry still pending)."""
     run_dir = str(tmp_path / "run")
     journal = Journal(run_dir, 0)
     rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0), journal, fingerprints=False)

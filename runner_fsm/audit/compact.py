@@ -75,7 +75,6 @@ _COLLECTIVE_FIELDS = frozenset({"group", "op", "phase", "shapes", "pg_seq", "sta
 _TRANSITION_FIELDS = frozenset({"trigger", "src", "dst", "outcome"})
 _AGREED_KEYS = frozenset(AGREED_FIELDS) | {"step_id", "phase"}
 _NEW_STEP = object()  # no record yet in this segment: the next one starts a step
-_FIRST, _NEXT = b'{"s":%b,"q":%d,"t":%d,', b'{"t":%d,'  # a step's first record's header, the others'
 FORWARD = ("expert", "forward")  # the target forward's collective (`replica._forward`)
 _REPLAY_KEYS = frozenset({"action", "num_tokens"})
 # Each trigger has one destination in the table; some have one source too.
@@ -155,20 +154,15 @@ class CompactRenderer:
         """A record's header: step, seq and time on its step's first record, else the time."""
         if step_id != self.step or self.step is _NEW_STEP:
             self.step, t0, self._step_t = step_id, self._step_t, t
-            return _FIRST % (b"null" if step_id is None else b"%d" % step_id, seq, (t - t0) // 1000)
-        return _NEXT % ((t - self._step_t) // 1000)
+            return b'{"s":%b,"q":%d,"t":%d,' % (b"null" if step_id is None else b"%d" % step_id, seq, (t - t0) // 1000)
+        return b'{"t":%d,' % ((t - self._step_t) // 1000)
 
     def transition(self, seq: int, step_id, t: int, body: bytes, tail: bytes = b"") -> bytes:
         """The line of one transition, its newline included (`body` rendered by `transition_body`,
         `tail` its own fields as `rendered_transition` takes them): the trigger alone where the
         record chains on and goes where the table says. One call for a vLLM step's start and for
-        its `finish` (`AuditLog.step_transition`), each right after vLLM evicted the CPU caches:
-        its header is `_head`'s, made here (a call less)."""
-        if step_id != self.step or self.step is _NEW_STEP:
-            self.step, t0, self._step_t = step_id, self._step_t, t
-            head = _FIRST % (b"null" if step_id is None else b"%d" % step_id, seq, (t - t0) // 1000)
-        else:
-            head = _NEXT % ((t - self._step_t) // 1000)
+        its `finish` (`AuditLog.step_transition`), each right after vLLM evicted the CPU caches."""
+        head = self._head(seq, step_id, t)
         edge = _EDGES.get(body)
         if edge is not None:
             if edge[2] is not None and edge[0] == self._state:

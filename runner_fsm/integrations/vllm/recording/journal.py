@@ -89,10 +89,7 @@ class Journal:
         self.run_dir, self.global_rank = run_dir, int(global_rank)
         self.path = journal_path(run_dir, global_rank)
         self._file = open(self.path, "xb")
-        # Entries not rendered yet (their callers no longer change them): `write` adds one; a
-        # caller on a hot path (the recorder, once a step) may append to it and call `render`
-        # once it holds `BATCH`, a Python call less.
-        self.pending: list[dict] = []
+        self.pending: list[dict] = []  # entries not rendered yet (their callers no longer change them)
 
     # -- a companion of the audit log's segments (`audit.segments.Companion`)
 
@@ -117,7 +114,7 @@ class Journal:
         pending = self.pending
         if pending:
             lines = b"".join([_line(entry) for entry in pending])
-            pending.clear()  # the same list: a caller may hold it
+            pending.clear()
             self._file.write(lines)
 
     def flush(self) -> None:

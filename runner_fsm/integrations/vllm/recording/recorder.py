@@ -23,7 +23,7 @@ from runner_fsm.audit.compact import decisions_tail
 from runner_fsm.audit.decisions import DecisionChanges, StepDecisions, batch_identity, digest_of, tokens_digest
 from runner_fsm.audit.log import AuditBatch
 from runner_fsm.integrations.vllm.recording.fsm import StepMachine
-from runner_fsm.integrations.vllm.recording.journal import BATCH as JOURNAL_BATCH, Journal, Later
+from runner_fsm.integrations.vllm.recording.journal import Journal, Later
 from runner_fsm.integrations.vllm.recording.probe import resolve
 from runner_fsm.states import State, Trigger
 
@@ -83,10 +83,7 @@ class ReplicaRecorder:
         {request id: tokens} of a real step."""
         previous, journal = self._entry, self.journal
         if previous is not None and journal is not None:  # the previous step's journal entry: complete now
-            pending = journal.pending  # `Journal.write`, without its call
-            pending.append(previous)
-            if len(pending) >= JOURNAL_BATCH:
-                journal.render()
+            journal.write(previous)
         self.machine.fire(STEP_TRIGGERS[kind], self.step_id)  # raises StepRefused: nothing changed
         self.kind, self._gated, self._decided_now, self._last_forward = kind, None, None, _NO_FORWARD
         if scheduled:
