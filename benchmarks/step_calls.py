@@ -23,7 +23,7 @@ from types import SimpleNamespace
 
 import runner_fsm
 
-from runner_fsm.audit import AuditLog
+from runner_fsm.audit import AuditLog, step_lane
 from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.integrations.vllm import worker as worker_module
 from runner_fsm.integrations.vllm.recording import forwards
@@ -113,6 +113,7 @@ def _count(worker, steps: int) -> dict:
         return trace
 
     outputs = [scheduler_output(step) for step in range(40, 40 + steps)]  # made before tracing
+    seq = worker.recorder.audit.next_seq
     sys.settrace(trace)
     try:
         for so in outputs:
@@ -120,8 +121,10 @@ def _count(worker, steps: int) -> dict:
             worker.sample_tokens(None)
     finally:
         sys.settrace(None)
+    records = worker.recorder.audit.next_seq - seq
     worker.recorder.shutdown()
     return {"calls": sum(calls.values()) / steps, "bytecodes": sum(ops.values()) / steps,
+            "records": records / steps, "lane": step_lane.status(),
             "functions": {name: (calls[name] / steps, ops[name] / steps) for name in sorted(calls, key=lambda n: -ops[n])}}
 
 
@@ -129,8 +132,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=20)
     result = count(parser.parse_args().steps)
-    print(f"per decode step: {result['calls']:.0f} Python calls, {result['bytecodes']:.0f} bytecodes"
-          f" (Python {sys.version.split()[0]})")
+    lane = "compiled" if result["lane"]["compiled"] else f"not compiled: {result['lane']['reason']}"
+    print(f"per decode step: {result['calls']:.0f} Python calls, {result['bytecodes']:.0f} bytecodes,"
+          f" {result['records']:.0f} records (Python {sys.version.split()[0]}; step lane {lane})")
     for name, (calls, ops) in result["functions"].items():
         print(f"  {name:45s} {calls:4.1f} calls {ops:6.1f} bytecodes")
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from runner_fsm.audit import AuditLog, read_records
+from runner_fsm.audit import AuditLog, read_records, step_lane
 from runner_fsm.audit.mapped import CHUNK, MappedFile, data_end, is_blank
 from runner_fsm.audit.replay import replay
 
@@ -149,29 +149,23 @@ def test_a_blank_line_inside_the_log_is_a_gap_not_its_end(tmp_path):
     assert ("gap", 0) in kinds and ("unfinished", 2) in kinds
 
 
-def test_a_writer_into_the_mapping_within_room_leaves_the_bytes_write_leaves(tmp_path):
-    """The hot path's protocol (`MappedFile.room`, `mapping`): lines copied into the map while
-    they fit, `write` where they do not (it grows the file). The same file as `write` alone, in
-    the open file's data end and once closed; closed, `room` is 0 and a write raises. Mutation
-    seen to fail this: `write` not taking `room` down (the next line lands on the last one)."""
+@pytest.mark.parametrize("state", ("compiled", "python"))
+def test_writes_across_growths_leave_the_bytes_written(tmp_path, state):
+    """`write` puts each line at the end of what was written (`_size - lane.room`: the compiled
+    step lane moves that end too), growing the file where a line does not fit: the bytes written,
+    in the open file's data end and once closed; closed, `room` is 0 and a write raises. With
+    the compiled `LaneState` (which holds the map: let go for each resize) and the Python one.
+    Mutation seen to fail this: `write` not taking `room` down (the next line lands on the last)."""
+    lane = step_lane.LaneState() if state == "compiled" else step_lane.PyLaneState()
     lines = [b'{"i":%d,"pad":"%s"}\n' % (i, b"x" * (i % 300)) for i in range(2500)]  # ~0.4 MB: two growths
-    plain, direct = MappedFile(tmp_path / "plain.jsonl"), MappedFile(tmp_path / "direct.jsonl")
-    grown = 0
-    for i, line in enumerate(lines):
-        plain.write(line)
-        if i % 3 and len(line) <= direct.room:
-            direct.mapping.write(line)
-            direct.room -= len(line)
-        else:
-            grown += len(line) > direct.room
-            direct.write(line)
-    assert grown >= 1, "a line must have needed the file to grow"
+    file = MappedFile(tmp_path / "f.jsonl", lane=lane)
+    for line in lines:
+        file.write(line)
     expected = b"".join(lines)
-    assert direct.size == plain.size == len(expected)
-    assert data_end(tmp_path / "direct.jsonl") == len(expected)
-    direct.close()
-    plain.close()
-    assert (tmp_path / "direct.jsonl").read_bytes() == (tmp_path / "plain.jsonl").read_bytes() == expected
-    assert direct.room == 0
+    assert file.size == len(expected) and file.room == file._size - len(expected)
+    assert data_end(tmp_path / "f.jsonl") == len(expected)
+    file.close()
+    assert (tmp_path / "f.jsonl").read_bytes() == expected
+    assert file.room == 0
     with pytest.raises(ValueError, match="closed"):
-        direct.write(b"{}\n")
+        file.write(b"{}\n")

@@ -1,7 +1,10 @@
-"""`AuditLog.step_transition` (the vLLM worker's step start and step end) writes the lines the
-general path writes (`rendered` / `rendered_transition` into a batch, `AuditBatch.write`): the
-same bytes, seq and order, in both log formats, with a batch before it or not, across a step
-change, a step id of None, an edge off the table's chain, and a capped log's segment switch."""
+"""The step lane (the vLLM worker's step start and step end) writes the lines the general path
+writes (`rendered` / `rendered_transition` into a batch, `AuditBatch.write`): the same bytes,
+seq and order, in both log formats, with a batch before it or not, across a step change, a step
+id of None, an edge off the table's chain, the file's growth and a capped log's segment switch.
+Two lanes: `AuditLog.step_transition` ("method"), and the compiled `LaneState.write` asked
+first as `StepMachine.fire` asks it ("compiled"; the method where it declines). Each runs with
+the compiled `LaneState` holding the fields and with the Python one (`state` fixture)."""
 
 from __future__ import annotations
 
@@ -9,7 +12,7 @@ import re
 
 import pytest
 
-from runner_fsm.audit import AuditLog, read_records
+from runner_fsm.audit import AuditLog, read_records, step_lane
 from runner_fsm.audit.compact import decisions_tail, transition_body
 from runner_fsm.audit.segments import MIN_SEGMENT
 from runner_fsm.audit.shape import job_shape_fields
@@ -36,12 +39,32 @@ def _script(base: int = 0):
     return out
 
 
-def _write(log: AuditLog, lane: bool, base: int = 0) -> None:
-    batch = log.batch()
+WRITERS = ("general", "method", "compiled")
+
+
+@pytest.fixture(params=("compiled-state", "python-state"))
+def state(request, monkeypatch):
+    """The class of the log's `LaneState`: the compiled one (make builds it; its absence fails
+    test_step_lane_native.py), or the Python one, which leaves every write to the method."""
+    if request.param == "python-state":
+        monkeypatch.setattr(step_lane, "LaneState", step_lane.PyLaneState)
+    else:
+        assert step_lane.status() == {"compiled": True}
+    return request.param
+
+
+def _write(log: AuditLog, writer: str, base: int = 0) -> int:
+    """The script's transitions by `writer`; returns how many the compiled lane wrote."""
+    batch, compiled = log.batch(), 0
     for step, body, tail, before in _script(base):
         for event, record in before:
             batch.rendered(event, step, record)
-        if lane:
+        lane = log.lane
+        if writer == "compiled" and not before and lane.write is not None and (opened := lane.open) | True \
+                and lane.write(step, body, tail):
+            assert opened, "the compiled lane wrote while the log's lane was closed"
+            compiled += 1
+        elif writer != "general":
             log.step_transition(step, body, tail, batch)
             assert not batch._pending  # written with it
         else:
@@ -50,6 +73,7 @@ def _write(log: AuditLog, lane: bool, base: int = 0) -> None:
             else:
                 batch.rendered("transition", step, body)
             batch.write()
+    return compiled
 
 
 def _lines(path) -> list[bytes]:
@@ -61,17 +85,23 @@ def _lines(path) -> list[bytes]:
 
 
 @pytest.mark.parametrize("compact", (False, True), ids=("full", "compact"))
-def test_the_lane_writes_the_general_paths_lines(tmp_path, compact):
-    """Mutation seen to fail this: `CompactRenderer.transition` not updating `self.step` (the
-    next record of the step gets a second `s`/`q` head)."""
+def test_the_lane_writes_the_general_paths_lines(tmp_path, compact, state):
+    """Mutations seen to fail this: `CompactRenderer.transition` not updating the lane's `step`
+    (the next record of the step gets a second `s`/`q` head); the compiled write not taking
+    the short body where the edge chains on."""
     shape = job_shape_fields(1, 1, 0, 0) if compact else None
-    for lane in (False, True):
-        with AuditLog(tmp_path / str(lane), "run-l", 0, 0, 0, shape=shape) as log:
-            _write(log, lane)
-    assert _lines(tmp_path / "True") == _lines(tmp_path / "False")
-    records = list(read_records(tmp_path / "True" / "rank-0.jsonl"))
-    assert [r["seq"] for r in records] == list(range(len(records)))
-    assert records[-2]["outcome"] == "refused" and records[-1]["step_id"] is None
+    compiled = {}
+    for writer in WRITERS:
+        with AuditLog(tmp_path / writer, "run-l", 0, 0, 0, shape=shape) as log:
+            compiled[writer] = _write(log, writer)
+    for writer in WRITERS[1:]:
+        assert _lines(tmp_path / writer) == _lines(tmp_path / "general"), writer
+        records = list(read_records(tmp_path / writer / "rank-0.jsonl"))
+        assert [r["seq"] for r in records] == list(range(len(records)))
+        assert records[-2]["outcome"] == "refused" and records[-1]["step_id"] is None
+    # the compiled lane writes every transition of a compact log with nothing before it
+    alone = sum(1 for _step, _body, _tail, before in _script() if not before)
+    assert compiled["compiled"] == (alone if compact and state == "compiled-state" else 0)
 
 
 def _records(run_dir) -> list[dict]:
@@ -83,36 +113,42 @@ def _records(run_dir) -> list[dict]:
             if r["event"] != "job"]
 
 
-def test_the_lane_switches_segments_as_the_general_path_does(tmp_path):
+def test_the_lane_switches_segments_as_the_general_path_does(tmp_path, state):
     """A capped log: a full segment waits for its step to end, then the next step starts the
     next segment. The lane hands those writes to the general path and takes them back after:
-    whole steps in each segment, seq gapless, the same records. Mutation seen to fail this:
-    the lane ignoring `_lane` (writing on into the full segment: no switch happens)."""
+    whole steps in each segment, seq gapless, the same records. Mutations seen to fail this:
+    the method ignoring `lane.open`, and the compiled write ignoring it (writing on into the
+    full segment: no switch happens)."""
     shape = job_shape_fields(1, 1, 0, 0)
-    for lane in (False, True):
-        with AuditLog(tmp_path / str(lane), "run-s", 0, 0, 0, shape=shape, max_log_bytes=64 * MIN_SEGMENT,
+    for writer in WRITERS:
+        with AuditLog(tmp_path / writer, "run-s", 0, 0, 0, shape=shape, max_log_bytes=64 * MIN_SEGMENT,
                       pinned_steps=1) as log:
             for round_ in range(400):  # ~3 segments' worth
-                _write(log, lane, base=13 * round_)
+                _write(log, writer, base=13 * round_)
             assert len(log.segments.switches) >= 2, "the run must switch segments"
-            assert log._lane is True  # the lane is back after the last switch
-    lane_records, plain_records = _records(tmp_path / "True"), _records(tmp_path / "False")
-    assert lane_records[:len(plain_records)] == plain_records[:len(lane_records)]
-    for f in (tmp_path / "True").glob("rank-0.*.jsonl"):  # each later segment: whole steps, seq gapless
-        records = list(read_records(f))
-        assert records[1]["event"] == "transition" and records[1]["trigger"] in ("decode", "prefill"), f.name
-        assert [r["seq"] for r in records] == list(range(records[0]["seq"], records[0]["seq"] + len(records)))
+            assert log.lane.open is True  # the lane is back after the last switch
+    plain_records = _records(tmp_path / "general")
+    for writer in WRITERS[1:]:
+        lane_records = _records(tmp_path / writer)
+        assert lane_records[:len(plain_records)] == plain_records[:len(lane_records)], writer
+        for f in (tmp_path / writer).glob("rank-0.*.jsonl"):  # each later segment: whole steps, seq gapless
+            records = list(read_records(f))
+            assert records[1]["event"] == "transition" and records[1]["trigger"] in ("decode", "prefill"), f.name
+            assert [r["seq"] for r in records] == list(range(records[0]["seq"], records[0]["seq"] + len(records)))
 
 
-def test_the_lane_writes_the_general_paths_bytes_across_the_files_growth(tmp_path):
+def test_the_lane_writes_the_general_paths_bytes_across_the_files_growth(tmp_path, state):
     """Thousands of steps: the file grows by chunks under the lane, which copies lines into the
-    map while they fit and lets `MappedFile.write` grow it when one does not. Mutation seen to
-    fail this: the lane not taking `room` down (its lines overwrite each other)."""
+    map while they fit and lets `MappedFile.write` grow it when one does not. Mutations seen to
+    fail this: the compiled write not taking `room` down (its lines overwrite each other), and
+    not declining a line that may not fit (`HEAD_MAX` dropped from its check: the run crashes
+    writing past the map)."""
     shape = job_shape_fields(1, 1, 0, 0)
-    for lane in (False, True):
-        with AuditLog(tmp_path / str(lane), "run-g", 0, 0, 0, shape=shape) as log:
+    for writer in WRITERS:
+        with AuditLog(tmp_path / writer, "run-g", 0, 0, 0, shape=shape) as log:
             for round_ in range(400):  # ~0.56 MB: two growths of the file
-                _write(log, lane, base=13 * round_)
+                _write(log, writer, base=13 * round_)
             size = log._file.size
-    assert size > 2 * (1 << 18), "the run must grow the file twice"
-    assert _lines(tmp_path / "True") == _lines(tmp_path / "False")
+        assert size > 2 * (1 << 18), "the run must grow the file twice"
+    for writer in WRITERS[1:]:
+        assert _lines(tmp_path / writer) == _lines(tmp_path / "general"), writer

@@ -54,6 +54,7 @@ from typing import Any
 
 from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, FIELDS as DECISION_FIELDS
 from runner_fsm.audit.render import dumps_record
+from runner_fsm.audit import step_lane
 from runner_fsm.states.table import TRANSITIONS
 
 FORMAT_FIELD, FORMAT = "record_format", "compact"  # in the `job` record of a compact log
@@ -82,6 +83,7 @@ DEST = {t.trigger.value: t.dest.value for t in TRANSITIONS}
 ONLY_SOURCE = {t.trigger.value: t.sources[0].value for t in TRANSITIONS if len(t.sources) == 1}
 # transition body -> (src, dst, its short body or None), filled by `transition_body`
 _EDGES: dict[bytes, tuple[str, str, bytes | None]] = {}
+step_lane.configure(_EDGES, _NEW_STEP)  # the compiled lane reads both
 
 
 def is_compact(job: Mapping[str, Any] | None) -> bool:
@@ -115,14 +117,19 @@ def _dispatch(value: Any, step: Any, phase: Any, fields: tuple[str, ...], keys: 
 
 
 class CompactRenderer:
-    """The lines of one segment's records after its `job` record, whose `t_ns` is `t0_ns`."""
+    """The lines of one segment's records after its `job` record, whose `t_ns` is `t0_ns`.
 
-    def __init__(self, t0_ns: int, buffer_names=None):
+    Its step, the time of the step's first record and its last transition's `dst` live in
+    `lane` (`step_lane.LaneState`: `step`, `step_t`, `state`), which the log's compiled step
+    lane writes too; its own unless one is given."""
+
+    def __init__(self, t0_ns: int, buffer_names=None, lane: Any = None):
         self.t0 = int(t0_ns)
         self._names = tuple(buffer_names) if buffer_names else None
-        self.step: Any = _NEW_STEP  # the step of the last record written
-        self._step_t = self.t0
-        self._state: str | None = None  # the last transition's dst in this segment
+        self.lane = lane = step_lane.LaneState() if lane is None else lane
+        lane.step = _NEW_STEP  # the step of the last record written
+        lane.step_t = self.t0
+        lane.state = None  # the last transition's dst in this segment
         self._buffers: tuple = (None, None)  # (step, buffers) of the last buffers record
         self._open: dict[Any, tuple] = {}  # group -> (op, phase, pg_seq) of its last open enqueue
         self._rows: int | None = None  # the rows of the open forward (`FORWARD`), for its graph replay
@@ -131,7 +138,8 @@ class CompactRenderer:
         """The lines of `records` ((t_ns, event, step_id, fields), ...) numbered from `seq`,
         joined by newlines; `now` for a t_ns of None. Inline, one call per write: it runs two or
         three times a vLLM step, each right after vLLM evicted the CPU caches."""
-        out, step, step_t = [], self.step, self._step_t
+        lane = self.lane
+        out, step, step_t = [], lane.step, lane.step_t
         try:
             for t_ns, event, step_id, fields in records:
                 t = t_ns or now
@@ -146,16 +154,22 @@ class CompactRenderer:
                 out.append(head[:-1] + b"}" if len(body) == 2 else head + body[1:])
                 seq += 1
         except BaseException:  # none of it is written: the next record starts its step anew
-            self.step, self._step_t = step, step_t
+            lane.step, lane.step_t = step, step_t
             raise
         return out[0] if len(out) == 1 else b"\n".join(out)
 
+    @property
+    def step(self) -> Any:
+        """The step of the last record written (`_NEW_STEP`: none yet in this segment)."""
+        return self.lane.step
+
     def _head(self, seq: int, step_id, t: int) -> bytes:
         """A record's header: step, seq and time on its step's first record, else the time."""
-        if step_id != self.step or self.step is _NEW_STEP:
-            self.step, t0, self._step_t = step_id, self._step_t, t
+        lane = self.lane
+        if step_id != lane.step or lane.step is _NEW_STEP:
+            lane.step, t0, lane.step_t = step_id, lane.step_t, t
             return b'{"s":%b,"q":%d,"t":%d,' % (b"null" if step_id is None else b"%d" % step_id, seq, (t - t0) // 1000)
-        return b'{"t":%d,' % ((t - self._step_t) // 1000)
+        return b'{"t":%d,' % ((t - lane.step_t) // 1000)
 
     def transition(self, seq: int, step_id, t: int, body: bytes, tail: bytes = b"") -> bytes:
         """The line of one transition, its newline included (`body` rendered by `transition_body`,
@@ -165,9 +179,10 @@ class CompactRenderer:
         head = self._head(seq, step_id, t)
         edge = _EDGES.get(body)
         if edge is not None:
-            if edge[2] is not None and edge[0] == self._state:
+            lane = self.lane
+            if edge[2] is not None and edge[0] == lane.state:
                 body = edge[2]
-            self._state = edge[1]
+            lane.state = edge[1]
         if tail:
             return b"%b%b%b}\n" % (head, body[1:-1], tail)
         return b"%b%b\n" % (head, body[1:])

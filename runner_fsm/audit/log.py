@@ -2,8 +2,9 @@
 
 Each record is one line, in the page cache before the call returns, so that a process killed
 mid-step (or hung inside a collective) still leaves every record up to that point on disk.
-structlog's `BytesLogger` writes them (a vLLM step's transitions: `step_transition` itself) into
-a memory-mapped file (`mapped`): a log that was not closed ends in blank lines, where readers stop.
+structlog's `BytesLogger` writes them (a vLLM step's transitions: its step lane, `step_lane`)
+into a memory-mapped file (`mapped`): a log that was not closed ends in blank lines, where
+readers stop.
 
 `AuditLog.batch()` collects records that are written together (e.g. everything a vLLM step
 logs once its forward is over): each keeps its own `seq` and the time it was made, and the
@@ -38,6 +39,7 @@ from runner_fsm.audit.recording import (COLLECTIVE_STAGES, EVENTS, GRAPH_ACTIONS
                                         STOP_SOURCES, AuditBatch, _RESERVED, _Records, _refuse_rendered)
 from runner_fsm.audit.render import RecordRenderer
 from runner_fsm.audit.segments import DEFAULT_PINNED_STEPS, Companion, SegmentPolicy
+from runner_fsm.audit import step_lane
 
 # 2: the `job` record names every parallel dimension (TP, PP), the rank's coordinates and host
 # (`audit.shape`); schema-1 logs still replay.
@@ -104,15 +106,17 @@ class AuditLog(_Records):
         self._run_id, self._dp_rank, self._pcp_rank = str(run_id), int(dp_rank), int(pcp_rank)
         # seq and the file order must agree, so numbering and writing share one lock.
         self._lock = threading.Lock()
-        self._next_seq = 0
         self._closed = False
         self._deferred: collections.deque = collections.deque()  # records made in a signal handler
+        # seq, the compact renderer's step and state, the file's room and map: the step lane's
+        # (`step_lane`), which writes a vLLM step's transitions itself while `lane.open`
+        # (compact, no segment switch due, not closed)
+        self.lane = step_lane.LaneState(self._lock, self._deferred)
         self._holder: int | None = None  # the thread writing, while one is
         self._plain = RecordRenderer(SCHEMA_VERSION, self._run_id, self._dp_rank, self._pcp_rank)
         self._segments = SegmentPolicy(Path(run_dir), global_rank, max_log_bytes, pinned_steps=pinned_steps,
                                        compress=compress_segments) if max_log_bytes else None
         self._compact: compact.CompactRenderer | None = None
-        self._lane = False  # whether `step_transition` may write itself (compact, no segment switch due)
         if shape is None:
             self._open_file(self.path)
             self._render_lines = plain_lines(self._plain)
@@ -123,10 +127,10 @@ class AuditLog(_Records):
     def _open_file(self, path: Path) -> None:
         segments = self._segments
         if segments is None:
-            self._file = _open_exclusive(path)
+            self._file = _open_exclusive(path, lane=self.lane)
         else:
             self._file = _open_exclusive(path, chunk=segments.chunk, full_at=segments.segment_bytes,
-                                         on_full=self._segment_full)
+                                         on_full=self._segment_full, lane=self.lane)
         # structlog's BytesLogger writes each rendered line (or batch of lines) into the mapped
         # file before returning. Records are rendered here, not by a processor chain around it: the
         # chain held only this renderer, and its per-call context copy and dispatch cost more
@@ -140,16 +144,16 @@ class AuditLog(_Records):
         self._open_file(self.path if segments is None else segments.path(index))
         fields = self._shape if segments is None else {**self._shape, **segments.job_fields()}
         t0 = time.monotonic_ns()
-        self._logger.msg(self._plain.line(self._next_seq, t0, "job", None, fields))
-        self._next_seq += 1
-        self._compact = compact.CompactRenderer(t0, self._shape.get(compact.NAMES_FIELD))
+        self._logger.msg(self._plain.line(self.lane.seq, t0, "job", None, fields))
+        self.lane.seq += 1
+        self._compact = compact.CompactRenderer(t0, self._shape.get(compact.NAMES_FIELD), self.lane)
         self._render_lines = self._compact.lines
-        self._lane = True
+        self.lane.open = True
 
     @property
     def next_seq(self) -> int:
         """The seq the next record will get (= records written so far)."""
-        return self._next_seq
+        return self.lane.seq
 
     @property
     def closed(self) -> bool:
@@ -204,6 +208,7 @@ class AuditLog(_Records):
         with self._lock:
             if not self._closed:
                 self._closed = True
+                self.lane.open = False
                 self._file.close()
 
     def __enter__(self) -> AuditLog:
@@ -213,7 +218,7 @@ class AuditLog(_Records):
         self.close()
 
     def __repr__(self) -> str:
-        return f"AuditLog({str(self.path)!r}, next_seq={self._next_seq}, closed={self._closed})"
+        return f"AuditLog({str(self.path)!r}, next_seq={self.lane.seq}, closed={self._closed})"
 
     # -- the one write path
 
@@ -246,8 +251,8 @@ class AuditLog(_Records):
                 while deferred:  # popleft, not a copy: a handler may append meanwhile
                     records.append(deferred.popleft())
                 if not self._closed:
-                    self._logger.msg(self._render_lines(self._next_seq, records, time.monotonic_ns()))
-                    self._next_seq += len(records)
+                    self._logger.msg(self._render_lines(self.lane.seq, records, time.monotonic_ns()))
+                    self.lane.seq += len(records)
             finally:
                 self._holder = None
                 self._lock.release()
@@ -268,10 +273,11 @@ class AuditLog(_Records):
         The vLLM worker's step start and end, right after vLLM evicted the CPU caches: the general
         path (a batch, `_write_all`, the renderer's loop, structlog's logger) cost 25-30 us a step
         more. Same lines, seq and lock; a log written in full, or whose full segment waits for its
-        step's end, goes that path. The line goes into the map itself where it fits (`MappedFile`),
-        not through structlog's BytesLogger: without its second lock, copy and three calls."""
+        step's end, goes that path. Not through structlog's BytesLogger: without its second lock,
+        copy and three calls. Where it is compiled, `lane.write` writes most of them instead
+        (`step_lane`; `StepMachine.fire`), the same bytes."""
         pending = batch._pending if batch is not None else ()
-        if not self._lane:
+        if not self.lane.open:
             if batch is not None:
                 batch._pending = []
             return self._write_all((*pending, (None, "transition", step_id, (body, tail) if tail else body)))
@@ -282,20 +288,15 @@ class AuditLog(_Records):
                     if self._closed:
                         raise AuditLogClosedError(
                             f"audit log {self.path} is closed; cannot write 'transition' (step {step_id})")
-                    seq, now = self._next_seq, _monotonic_ns()
+                    seq, now = self.lane.seq, _monotonic_ns()
                     if pending:
                         batch._pending = []
                         line = self._compact.lines(seq, pending, now) + b"\n" + \
                             self._compact.transition(seq + len(pending), step_id, now, body, tail)
                     else:
                         line = self._compact.transition(seq, step_id, now, body, tail)
-                    file, size = self._file, len(line)
-                    if size <= file.room:
-                        file.mapping.write(line)
-                        file.room -= size
-                    else:
-                        file.write(line)
-                    self._next_seq = seq + len(pending) + 1
+                    self._file.write(line)
+                    self.lane.seq = seq + len(pending) + 1
                 finally:
                     self._holder = None
         finally:
@@ -318,8 +319,8 @@ class AuditLog(_Records):
                         )
                     # seq is only consumed once the lines are written: a record that fails to
                     # serialise leaves no gap behind.
-                    self._logger.msg(self._render_lines(self._next_seq, records, time.monotonic_ns()))
-                    self._next_seq += len(records)
+                    self._logger.msg(self._render_lines(self.lane.seq, records, time.monotonic_ns()))
+                    self.lane.seq += len(records)
                 finally:
                     self._holder = None
         finally:
@@ -335,7 +336,7 @@ class AuditLog(_Records):
         """The current segment filled (called from inside a write): until the next step begins,
         each write looks for that step's first record and switches segments before it."""
         self._write_all = self._write_watching
-        self._lane = False
+        self.lane.open = False
 
     def _write_watching(self, records) -> None:
         with self._lock:
@@ -343,5 +344,5 @@ class AuditLog(_Records):
             if not self._closed and step is not None and step != self._compact.step:
                 self._segments.switch(step, self._file.close, self._open_segment)
                 del self._write_all  # the plain write path again
-                self._lane = True
+                self.lane.open = True
         AuditLog._write_all(self, records)

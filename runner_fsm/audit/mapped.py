@@ -23,6 +23,9 @@ from __future__ import annotations
 import mmap
 import os
 from pathlib import Path
+from typing import Any
+
+from runner_fsm.audit import step_lane
 
 CHUNK = 1 << 18  # bytes reserved at a time: a resize every few hundred vLLM steps
 _FILL = b"\n"
@@ -66,24 +69,25 @@ class MappedFile:
     object for structlog's `BytesLogger` (`write`, `flush`, `close`, `closed`). One process
     writes it: a forked child writing its inherited copy would write over the parent's lines.
 
-    A writer on a hot path may copy a line into `mapping` itself (`mapping.write`, at the map's
-    position: the end of what was written) when it is at most `room` bytes, and must then take
-    `room` down by its length; `write` does the same, and grows the file first where needed.
-    A vLLM step's transitions go that way (`AuditLog.step_transition`): a Python call less each."""
+    Its bytes mapped and not written yet live in `lane.room` (`step_lane.LaneState`), with the
+    map attached there while the file is open: the log's compiled step lane copies a vLLM
+    step's transitions into the map itself, at `_size - room`, and takes `room` down (never
+    more than it holds); `write` grows the file where needed. Its own lane unless one is given."""
 
     def __init__(self, path: str | os.PathLike[str], *, chunk: int = CHUNK, full_at: int | None = None,
-                 on_full=None):
+                 on_full=None, lane: Any = None):
         """`full_at`, `on_full`: `on_full()` is called once, from the write that grows the file
         past `full_at` bytes (a capped log's segment is full: `audit.segments`). The check rides
         on the growth a write needs anyway, so a write costs nothing more for it."""
         self.path = Path(path)
         self._chunk = int(chunk)
         self._full_at, self._on_full = full_at, on_full
+        self.lane = step_lane.LaneState() if lane is None else lane
+        self.lane.room = 0  # bytes mapped and not written yet (written: `_size - room`)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o666)
         self._pid = os.getpid()  # the writer: a forked child never cuts the file under it
         self._size = 0  # bytes mapped
-        self.room = 0  # bytes mapped and not written yet (written: `_size - room`)
-        self.mapping: mmap.mmap | None = None
+        self._mapping: mmap.mmap | None = None
         try:
             self._grow(0)
         except BaseException:  # e.g. a full disk: no empty file left to block the next try
@@ -95,14 +99,20 @@ class MappedFile:
     def closed(self) -> bool:
         return self._fd < 0
 
+    @property
+    def room(self) -> int:
+        """Bytes mapped and not written yet."""
+        return self.lane.room
+
     def write(self, data: bytes) -> int:
-        size = len(data)
-        if size > self.room:
+        size, lane = len(data), self.lane
+        if size > lane.room:
             if self._fd < 0:
                 raise ValueError(f"write to closed audit file {self.path}")
-            self._grow(self._size - self.room + size)
-        self.mapping.write(data)  # at the map's position, the end of what was written (cheaper than a slice)
-        self.room -= size
+            self._grow(self._size - lane.room + size)
+        end = self._size - lane.room  # the end of what was written (the lane's writes too)
+        self._mapping[end:end + size] = data
+        lane.room -= size
         return size
 
     # Nothing to flush: each write is in the page cache when it returns. structlog's BytesLogger
@@ -113,19 +123,21 @@ class MappedFile:
     def close(self) -> None:
         if self._fd < 0:
             return
+        lane = self.lane
         try:
-            self.mapping.close()
+            lane.detach()
+            self._mapping.close()
             if os.getpid() == self._pid:
-                os.ftruncate(self._fd, self._size - self.room)  # the blank tail goes
+                os.ftruncate(self._fd, self._size - lane.room)  # the blank tail goes
         finally:
             os.close(self._fd)
             self._fd = -1
-            self.room = 0  # a writer that checks `room` falls back to `write`, which raises
+            lane.room = 0  # the lane writes nothing more; `write` raises
 
     @property
     def size(self) -> int:
         """Bytes written so far."""
-        return self._size - self.room
+        return self._size - self.lane.room
 
     def _grow(self, needed: int) -> None:
         if self._full_at is not None and self._size >= self._full_at:
@@ -138,10 +150,13 @@ class MappedFile:
             allocate(self._fd, self._size, size - self._size)  # ENOSPC now, not SIGBUS later
         else:  # pragma: no cover - platforms without posix_fallocate (macOS)
             os.ftruncate(self._fd, size)
-        if self.mapping is None:
-            self.mapping = mmap.mmap(self._fd, size)
+        lane = self.lane
+        if self._mapping is None:
+            self._mapping = mmap.mmap(self._fd, size)
         else:
-            self.mapping.resize(size)
-        self.mapping[self._size:size] = _FILL * (size - self._size)
-        self.room += size - self._size
+            lane.detach()  # a map with a buffer exported cannot be resized
+            self._mapping.resize(size)
+        self._mapping[self._size:size] = _FILL * (size - self._size)
+        lane.attach(self._mapping)
+        lane.room += size - self._size
         self._size = size

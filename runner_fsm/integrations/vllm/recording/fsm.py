@@ -9,8 +9,8 @@ step id the worker gives.
 Two or three triggers fire per vLLM step, each right after vLLM's own work evicted the CPU
 caches, where every call and object touched costs about a microsecond: `fire` is one lookup
 of the edge (the core's, asked the first time each edge is taken and kept with its record's
-bytes) and one write (`AuditLog.step_transition`), where the driver's `fire` went through six
-calls to the same record.
+bytes) and one write: the log's compiled step lane (`audit.step_lane`), else
+`AuditLog.step_transition`, where the driver's `fire` went through six calls to the same record.
 """
 
 from __future__ import annotations
@@ -36,6 +36,7 @@ class StepMachine:
         self._core = TransitionCore()  # the table: asked once per edge (`_first_move`)
         self._state = self._core.state  # the replica's state (the core's is set when it is asked)
         self._moves: dict[tuple[State, Trigger], tuple[State, bytes]] = {}  # (src, trigger) -> (dst, ok record)
+        self._lane_write = audit.lane.write if audit is not None else None  # None: not compiled
 
     @property
     def state(self) -> str:
@@ -57,6 +58,9 @@ class StepMachine:
         if audit is None:
             return
         if now:
+            # the compiled step lane where it is built (False: it leaves this one to the method)
+            if batch is None and self._lane_write is not None and self._lane_write(step_id, body, decided):
+                return
             audit.step_transition(step_id, body, decided, batch)
         elif decided:
             batch.rendered_transition(step_id, body, decided)

@@ -1,0 +1,428 @@
+/* The step lane's state, and its write in C: runner_fsm/audit/step_lane.py says why.
+ *
+ * `LaneState` holds what a transition's line needs and changes, in one place: the log's next
+ * seq (`seq`), the compact renderer's last step, its time and its last transition's `dst`
+ * (`step`, `step_t`, `state`), and the mapped file's unwritten bytes (`room`), with the map
+ * itself (`attach`, `detach`). `AuditLog`, `CompactRenderer` and `MappedFile` keep these fields
+ * here, not in their own attributes, so that `write` touches one object, not the five whose
+ * cold cache lines cost about as much as the Python code did.
+ *
+ * `write(step_id, body, tail=b"")` writes one transition as `AuditLog.step_transition` does
+ * (the same bytes: tests/test_step_lane_native.py) and returns True; or returns False, having
+ * changed nothing, where the Python method must write it: the lane closed (`open` false: a
+ * plain log, a segment switch due, the log closed), a signal handler's record waiting, the
+ * log's lock taken, a line that may not fit the map, a step id that is no int of 64 bits.
+ * It takes the log's lock without blocking and holds it while it allocates nothing and calls
+ * no Python code: no other thread and no signal handler can run meanwhile, so `_holder` (the
+ * log's answer to a handler in the writing thread) is never needed here.
+ */
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stddef.h>
+#include <string.h>
+#include <time.h>
+
+#ifndef STEP_LANE_SOURCE_DIGEST
+#define STEP_LANE_SOURCE_DIGEST "unstamped"
+#endif
+
+#define EDGE_CACHE 16 /* transition bodies a vLLM worker writes: a handful */
+#define HEAD_MAX 72   /* {"s":<20>,"q":<20>,"t":<20>, */
+
+static PyObject *edges;    /* compact._EDGES: body -> (src, dst, short body or None) */
+static PyObject *new_step; /* compact._NEW_STEP */
+
+typedef struct {
+    PyObject *body, *src, *dst, *shortened; /* shortened: NULL where the edge has none */
+} Edge;
+
+typedef struct {
+    PyObject_HEAD
+    long long seq;
+    PyObject *step;  /* the step of the last record written, or compact._NEW_STEP */
+    long long step_t;
+    PyObject *state; /* the last transition's dst, or None */
+    long long room;
+    int open;
+    PyObject *acquire, *release, *deferred; /* the log's lock's methods, its handler queue */
+    Py_buffer view;
+    int attached;
+    int edge_count;
+    Edge edge_cache[EDGE_CACHE];
+    Edge spare; /* borrowed from compact._EDGES, once the cache is full */
+} LaneState;
+
+static int
+lane_init(LaneState *self, PyObject *args, PyObject *kwargs)
+{
+    static char *names[] = {"lock", "deferred", NULL};
+    PyObject *lock = Py_None, *deferred = Py_None;
+    if (!PyArg_ParseTupleAndKeywords(args, kwargs, "|OO:LaneState", names, &lock, &deferred))
+        return -1;
+    Py_XSETREF(self->step, Py_NewRef(new_step != NULL ? new_step : Py_None));
+    Py_XSETREF(self->state, Py_NewRef(Py_None));
+    if (lock != Py_None) {
+        PyObject *acquire = PyObject_GetAttrString(lock, "acquire");
+        PyObject *release = acquire ? PyObject_GetAttrString(lock, "release") : NULL;
+        if (release == NULL) {
+            Py_XDECREF(acquire);
+            return -1;
+        }
+        Py_XSETREF(self->acquire, acquire);
+        Py_XSETREF(self->release, release);
+    }
+    if (deferred != Py_None)
+        Py_XSETREF(self->deferred, Py_NewRef(deferred));
+    return 0;
+}
+
+static void
+lane_detach_view(LaneState *self)
+{
+    if (self->attached) {
+        self->attached = 0;
+        PyBuffer_Release(&self->view);
+    }
+}
+
+static void
+lane_dealloc(LaneState *self)
+{
+    lane_detach_view(self);
+    for (int i = 0; i < self->edge_count; i++) {
+        Edge *e = &self->edge_cache[i];
+        Py_DECREF(e->body);
+        Py_DECREF(e->src);
+        Py_DECREF(e->dst);
+        Py_XDECREF(e->shortened);
+    }
+    Py_XDECREF(self->step);
+    Py_XDECREF(self->state);
+    Py_XDECREF(self->acquire);
+    Py_XDECREF(self->release);
+    Py_XDECREF(self->deferred);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+/* attach(mapping): the map `write` copies into, at its end less `room`; held (an exported
+ * buffer: the map cannot be resized or closed) until `detach()`. */
+static PyObject *
+lane_attach(LaneState *self, PyObject *mapping)
+{
+    lane_detach_view(self);
+    if (PyObject_GetBuffer(mapping, &self->view, PyBUF_WRITABLE | PyBUF_SIMPLE) < 0)
+        return NULL;
+    self->attached = 1;
+    Py_RETURN_NONE;
+}
+
+static PyObject *
+lane_detach(LaneState *self, PyObject *Py_UNUSED(ignored))
+{
+    lane_detach_view(self);
+    Py_RETURN_NONE;
+}
+
+/* The edge of `body` (compact._EDGES), or NULL where it has none; cached by identity: the
+ * worker writes the same few body objects every step. -1 on error. */
+static int
+find_edge(LaneState *self, PyObject *body, Edge **out)
+{
+    *out = NULL;
+    for (int i = 0; i < self->edge_count; i++) {
+        if (self->edge_cache[i].body == body) {
+            *out = &self->edge_cache[i];
+            return 0;
+        }
+    }
+    if (edges == NULL)
+        return 0;
+    PyObject *edge = PyDict_GetItemWithError(edges, body); /* borrowed; the bytes hash is cached */
+    if (edge == NULL)
+        return PyErr_Occurred() ? -1 : 0;
+    if (!PyTuple_CheckExact(edge) || PyTuple_GET_SIZE(edge) != 3 ||
+        (PyTuple_GET_ITEM(edge, 2) != Py_None && !PyBytes_CheckExact(PyTuple_GET_ITEM(edge, 2)))) {
+        PyErr_SetString(PyExc_TypeError, "compact._EDGES holds (src, dst, short body or None)");
+        return -1;
+    }
+    if (self->edge_count == EDGE_CACHE) { /* not kept: the dict's tuple, each time (it holds them) */
+        Edge *e = &self->spare;
+        e->body = body;
+        e->src = PyTuple_GET_ITEM(edge, 0);
+        e->dst = PyTuple_GET_ITEM(edge, 1);
+        e->shortened = PyTuple_GET_ITEM(edge, 2) == Py_None ? NULL : PyTuple_GET_ITEM(edge, 2);
+        *out = e;
+        return 0;
+    }
+    Edge *e = &self->edge_cache[self->edge_count++];
+    e->body = Py_NewRef(body);
+    e->src = Py_NewRef(PyTuple_GET_ITEM(edge, 0));
+    e->dst = Py_NewRef(PyTuple_GET_ITEM(edge, 1));
+    e->shortened = PyTuple_GET_ITEM(edge, 2) == Py_None ? NULL : Py_NewRef(PyTuple_GET_ITEM(edge, 2));
+    *out = e;
+    return 0;
+}
+
+/* Python's floor division by 1000, for a negative difference too. */
+static long long
+floor_us(long long ns)
+{
+    long long q = ns / 1000;
+    return (ns % 1000 < 0) ? q - 1 : q;
+}
+
+/* 1: a step id as the lane writes it (None, or an int of 64 bits: *value), 0: not one. */
+static int
+step_value(PyObject *step_id, long long *value)
+{
+    *value = 0;
+    if (step_id == Py_None)
+        return 1;
+    if (!PyLong_CheckExact(step_id))
+        return 0;
+    int overflow = 0;
+    *value = PyLong_AsLongLongAndOverflow(step_id, &overflow);
+    return !overflow; /* an exact int raises nothing else */
+}
+
+static PyObject *
+lane_write(LaneState *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs < 2 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "write(step_id, body, tail=b'')");
+        return NULL;
+    }
+    PyObject *step_id = args[0], *body = args[1], *tail = nargs > 2 ? args[2] : NULL;
+    long long value, last;
+    if (!self->open || !self->attached || self->acquire == NULL || !PyBytes_CheckExact(body) ||
+        (tail != NULL && !PyBytes_CheckExact(tail)) || !step_value(step_id, &value))
+        Py_RETURN_FALSE;
+    Py_ssize_t body_len = PyBytes_GET_SIZE(body), tail_len = tail != NULL ? PyBytes_GET_SIZE(tail) : 0;
+    if (body_len < 2 || self->room < HEAD_MAX + body_len + tail_len + 2)
+        Py_RETURN_FALSE;
+    if (self->deferred != NULL) {
+        Py_ssize_t waiting = PyObject_Length(self->deferred);
+        if (waiting != 0)
+            return waiting < 0 ? NULL : Py_NewRef(Py_False);
+    }
+    Edge *edge;
+    if (find_edge(self, body, &edge) < 0)
+        return NULL;
+    PyObject *taken = PyObject_CallOneArg(self->acquire, Py_False);
+    if (taken == NULL)
+        return NULL;
+    int acquired = taken == Py_True;
+    Py_DECREF(taken);
+    if (!acquired) /* another thread writes: the Python method waits for it */
+        Py_RETURN_FALSE;
+    /* The lock is held: from here to its release nothing is allocated and no Python code runs.
+     * Taking it may have run some (a collection): look again at what that could change. */
+    PyObject *step = self->step;
+    int changed;
+    if (!self->open || !self->attached || self->room < HEAD_MAX + body_len + tail_len + 2)
+        changed = -1;
+    else if (step == new_step)
+        changed = 1;
+    else if (step == step_id)
+        changed = 0;
+    else if (step == Py_None || step_id == Py_None)
+        changed = 1;
+    else if (step_value(step, &last))
+        changed = last != value;
+    else
+        changed = -1; /* a step of the Python method's that is no int of 64 bits */
+    if (changed < 0) {
+        PyObject *released = PyObject_CallNoArgs(self->release);
+        if (released == NULL)
+            return NULL;
+        Py_DECREF(released);
+        Py_RETURN_FALSE;
+    }
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic_ns's clock */
+    long long now = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+    char *start = (char *)self->view.buf + (self->view.len - self->room), *out = start;
+    int head;
+    if (!changed)
+        head = snprintf(out, HEAD_MAX + 1, "{\"t\":%lld,", floor_us(now - self->step_t));
+    else if (step_id == Py_None)
+        head = snprintf(out, HEAD_MAX + 1, "{\"s\":null,\"q\":%lld,\"t\":%lld,", self->seq,
+                        floor_us(now - self->step_t));
+    else
+        head = snprintf(out, HEAD_MAX + 1, "{\"s\":%lld,\"q\":%lld,\"t\":%lld,", value, self->seq,
+                        floor_us(now - self->step_t));
+    out += head;
+    if (edge != NULL && edge->shortened != NULL &&
+        (edge->src == self->state || (PyUnicode_CheckExact(edge->src) && PyUnicode_CheckExact(self->state) &&
+                                      PyUnicode_Compare(edge->src, self->state) == 0))) {
+        body = edge->shortened;
+        body_len = PyBytes_GET_SIZE(body);
+    }
+    /* tail: head + body[1:-1] + tail + "}\n"; else head + body[1:] + "\n" */
+    Py_ssize_t middle = tail_len ? body_len - 2 : body_len - 1;
+    memcpy(out, PyBytes_AS_STRING(body) + 1, (size_t)middle);
+    out += middle;
+    if (tail_len) {
+        memcpy(out, PyBytes_AS_STRING(tail), (size_t)tail_len);
+        out += tail_len;
+        *out++ = '}';
+    }
+    *out++ = '\n';
+    self->room -= out - start;
+    self->seq += 1;
+    if (changed) {
+        self->step_t = now;
+        Py_INCREF(step_id);
+        Py_SETREF(self->step, step_id); /* an int freed, at most: no Python code */
+    }
+    if (edge != NULL) {
+        Py_INCREF(edge->dst);
+        Py_SETREF(self->state, edge->dst); /* the table's str, kept by the cache too */
+    }
+    PyObject *released = PyObject_CallNoArgs(self->release);
+    if (released == NULL)
+        return NULL;
+    Py_DECREF(released);
+    Py_RETURN_TRUE;
+}
+
+/* -- the fields, for the Python code that shares them */
+
+static PyObject *
+get_long(LaneState *self, void *offset)
+{
+    return PyLong_FromLongLong(*(long long *)((char *)self + (Py_ssize_t)offset));
+}
+
+static int
+set_long(LaneState *self, PyObject *value, void *offset)
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete a LaneState field");
+        return -1;
+    }
+    long long v = PyLong_AsLongLong(value);
+    if (v == -1 && PyErr_Occurred())
+        return -1;
+    *(long long *)((char *)self + (Py_ssize_t)offset) = v;
+    return 0;
+}
+
+static PyObject *
+get_object(LaneState *self, void *offset)
+{
+    return Py_NewRef(*(PyObject **)((char *)self + (Py_ssize_t)offset));
+}
+
+static int
+set_object(LaneState *self, PyObject *value, void *offset)
+{
+    if (value == NULL) {
+        PyErr_SetString(PyExc_AttributeError, "cannot delete a LaneState field");
+        return -1;
+    }
+    Py_INCREF(value);
+    Py_XSETREF(*(PyObject **)((char *)self + (Py_ssize_t)offset), value);
+    return 0;
+}
+
+static PyObject *
+get_open(LaneState *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(self->open);
+}
+
+static int
+set_open(LaneState *self, PyObject *value, void *Py_UNUSED(closure))
+{
+    int truth = value == NULL ? -1 : PyObject_IsTrue(value);
+    if (truth < 0) {
+        if (value == NULL)
+            PyErr_SetString(PyExc_AttributeError, "cannot delete a LaneState field");
+        return -1;
+    }
+    self->open = truth;
+    return 0;
+}
+
+static PyObject *
+get_attached(LaneState *self, void *Py_UNUSED(closure))
+{
+    return PyBool_FromLong(self->attached);
+}
+
+#define FIELD(name, kind, doc) \
+    {#name, (getter)get_##kind, (setter)set_##kind, doc, (void *)offsetof(LaneState, name)}
+
+static PyGetSetDef lane_fields[] = {
+    FIELD(seq, long, "the seq the log's next record gets"),
+    FIELD(step, object, "the step of the segment's last record (compact._NEW_STEP: none yet)"),
+    FIELD(step_t, long, "the time of that step's first record (ns)"),
+    FIELD(state, object, "the segment's last transition's dst, or None"),
+    FIELD(room, long, "bytes mapped and not written yet"),
+    {"open", (getter)get_open, (setter)set_open, "whether `write` may write (the log's lane)", NULL},
+    {"attached", (getter)get_attached, NULL, "whether a map is attached", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMethodDef lane_methods[] = {
+    {"write", (PyCFunction)(void (*)(void))lane_write, METH_FASTCALL,
+     "write(step_id, body, tail=b''): one transition, as AuditLog.step_transition writes it; False where"
+     " that method must"},
+    {"attach", (PyCFunction)lane_attach, METH_O, "attach(mapping): the map to write into"},
+    {"detach", (PyCFunction)lane_detach, METH_NOARGS, "let the map go (before it is resized or closed)"},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject LaneStateType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "runner_fsm.audit._step_lane.LaneState",
+    .tp_basicsize = sizeof(LaneState),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "A log's step lane: its seq, its renderer's step and state, its file's room and map.",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)lane_init,
+    .tp_dealloc = (destructor)lane_dealloc,
+    .tp_methods = lane_methods,
+    .tp_getset = lane_fields,
+};
+
+/* configure(edges, new_step): compact._EDGES and compact._NEW_STEP, once, before any LaneState. */
+static PyObject *
+configure(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2 || !PyDict_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "configure(edges: dict, new_step)");
+        return NULL;
+    }
+    Py_XSETREF(edges, Py_NewRef(args[0]));
+    Py_XSETREF(new_step, Py_NewRef(args[1]));
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef module_methods[] = {
+    {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
+     "configure(edges, new_step): compact._EDGES and compact._NEW_STEP."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_step_lane", "The step lane's state, and its write in C.", -1, module_methods,
+    NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC
+PyInit__step_lane(void)
+{
+    if (PyType_Ready(&LaneStateType) < 0)
+        return NULL;
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL)
+        return NULL;
+    if (PyModule_AddStringConstant(m, "SOURCE_DIGEST", STEP_LANE_SOURCE_DIGEST) < 0 ||
+        PyModule_AddObjectRef(m, "LaneState", (PyObject *)&LaneStateType) < 0) {
+        Py_DECREF(m);
+        return NULL;
+    }
+    return m;
+}
