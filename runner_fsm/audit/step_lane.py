@@ -29,12 +29,13 @@ runs and why. `RUNNER_FSM_NATIVE=0` turns it off (read when this module is impor
 
 from __future__ import annotations
 
-import hashlib
 import importlib
 import os
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from runner_fsm import compiled_parts
 
 SOURCE = Path(__file__).with_name("_step_lane.c")
 BUILD_ERROR = SOURCE.with_suffix(".build-error")  # left by setup.py where the build failed
@@ -63,17 +64,11 @@ _new_step: Any = None  # compact._NEW_STEP, once `configure` has run
 
 def source_digest() -> str:
     """The stamp of a module built from `SOURCE` (setup.py and the Makefile compute it too)."""
-    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
+    return compiled_parts.source_digest(SOURCE)
 
 
 def _not_built(error: ImportError) -> str:
-    try:
-        failed = BUILD_ERROR.read_text().strip()
-    except OSError:
-        return (f"{MODULE} is not built ({error}; in a checkout `make` builds it; pip install builds it"
-                " where a C compiler and Python's headers are)")
-    return (f"{MODULE} was not built when this package was installed: {failed}."
-            " Installing it where a C compiler and Python's headers are builds it")
+    return compiled_parts.not_built(MODULE, BUILD_ERROR, "a C compiler with Python's headers", str(error))
 
 
 def load() -> tuple[ModuleType | None, str | None]:
