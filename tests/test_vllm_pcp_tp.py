@@ -41,6 +41,17 @@ def _tokens(result) -> dict:
     return merged
 
 
+def _failures(result) -> dict:
+    """Each failed DP rank's log from its last traceback on (else its end): eight processes
+    share two cores here, and a log's tail alone may be a warning printed after the error."""
+    out = {}
+    for rank, (code, log) in enumerate(zip(result.codes, result.logs)):
+        if code != 0:
+            start = log.rfind("Traceback (most recent call last)")
+            out[rank] = log[start:start + 6000] if start >= 0 else log[-6000:]
+    return out
+
+
 def _run_all(root: Path, cases: dict) -> dict:
     """Each case (dp, job, bind, cwd) in its own thread, all at once."""
     out = {}
@@ -55,7 +66,7 @@ def _run_all(root: Path, cases: dict) -> dict:
     for t in threads:
         t.join()
     for label, result in out.items():
-        assert all(code == 0 for code in result.codes), (label, result.codes, result.logs[0][-3000:])
+        assert all(code == 0 for code in result.codes), (label, result.codes, _failures(result))
         assert "Using V2 Model Runner" in result.logs[0], label
     return out
 
