@@ -7,6 +7,7 @@ The bytes it writes are the method's: tests/test_step_lane.py writes the same sc
 
 from __future__ import annotations
 
+import re
 import sys
 import threading
 import time
@@ -54,6 +55,9 @@ def test_it_declines_what_it_does_not_write_and_changes_nothing(log):
     wrapped step id written)."""
     for step_id in (1 << 64, -(1 << 70), True, 2.0, "3"):
         _declines(log, step_id, FINISH, TAIL)
+    step_t, log.lane.step_t = log.lane.step_t, -1  # no time of the clock: the method's big ints
+    _declines(log, 0, FINISH, TAIL)
+    log.lane.step_t = step_t
     _declines(log, 0, bytearray(FINISH), TAIL)
     _declines(log, 0, FINISH, memoryview(TAIL))
     assert log.lane.write(0, FINISH, TAIL)  # the control: the same call, with plain arguments
@@ -93,7 +97,7 @@ def test_it_declines_a_line_that_may_not_fit_and_the_method_grows_the_file(log):
     big = b',"pad":"' + b"x" * 2000 + b'"'
     while log.lane.room > 4000:
         assert log.lane.write(0, FINISH, big)
-    # 30 bytes left for the header: `{"t":N,` fits them, the bound (72) does not
+    # 30 bytes left for the header: `{"t":N,` fits them, the bound (80) does not
     tail = b',"pad":"' + b"y" * (log.lane.room - len(FINISH) - 2 - 30 - 9) + b'"'
     _declines(log, 0, FINISH, tail)
     log.step_transition(0, FINISH, tail + big)  # the method grows the file, the map is attached again
@@ -208,3 +212,30 @@ def test_the_loader_says_why_without_a_module(loader, monkeypatch):
     assert "was not built when this package was installed: building" in step_lane.load()[1]
     monkeypatch.setenv("RUNNER_FSM_NATIVE", "0")
     assert step_lane.load() == (None, "turned off by RUNNER_FSM_NATIVE=0")
+
+
+def test_the_widest_header_is_written_whole(tmp_path):
+    """The widest header the lane writes (72 bytes: a step id of 20 characters, a seq of 19, a
+    time 2^62 ns back): the lane's line is the method's. Mutation seen to fail this: a header
+    bound of 60 (the lane declines it)."""
+    lines = {}
+    for writer in ("lane", "method"):
+        with AuditLog(tmp_path / writer, "run-w", 0, 0, 0, shape=job_shape_fields(1, 1, 0, 0)) as log:
+            log.lane.seq, log.lane.step_t = (1 << 63) - 10, 1 << 62
+            for step in (-(1 << 63), (1 << 63) - 1, None):
+                if writer == "method":
+                    log.step_transition(step, START)
+                else:
+                    assert log.lane.write(step, START)
+        text = (tmp_path / writer / "rank-0.jsonl").read_bytes()
+        lines[writer] = text.splitlines()[1:]
+    assert [re.sub(rb'"t":-?\d+,', b"", line) for line in lines["lane"]] == \
+        [re.sub(rb'"t":-?\d+,', b"", line) for line in lines["method"]]
+    first = lines["lane"][0]
+    assert re.match(rb'\{"s":-9223372036854775808,"q":9223372036854775798,"t":-46\d{14},', first), first
+
+
+def test_a_state_made_without_init_declines():
+    lane = step_lane.LaneState.__new__(step_lane.LaneState)
+    assert lane.step is None and lane.state is None
+    assert lane.write(0, START) is False

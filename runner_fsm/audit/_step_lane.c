@@ -27,7 +27,7 @@
 #endif
 
 #define EDGE_CACHE 16 /* transition bodies a vLLM worker writes: a handful */
-#define HEAD_MAX 72   /* {"s":<20>,"q":<20>,"t":<20>, */
+#define HEAD_MAX 80   /* {"s":<20>,"q":<20>,"t":<17>, is 73 at the most (step_t >= 0, below) */
 
 static PyObject *edges;    /* compact._EDGES: body -> (src, dst, short body or None) */
 static PyObject *new_step; /* compact._NEW_STEP */
@@ -194,7 +194,12 @@ lane_write(LaneState *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *step_id = args[0], *body = args[1], *tail = nargs > 2 ? args[2] : NULL;
     long long value, last;
-    if (!self->open || !self->attached || self->acquire == NULL || !PyBytes_CheckExact(body) ||
+#ifndef __linux__
+    /* CLOCK_MONOTONIC is time.monotonic_ns's clock on Linux only: elsewhere the method writes */
+    Py_RETURN_FALSE;
+#endif
+    if (!self->open || !self->attached || self->acquire == NULL || self->step == NULL || self->state == NULL ||
+        self->step_t < 0 /* a time of the clock: now - step_t cannot overflow */ || !PyBytes_CheckExact(body) ||
         (tail != NULL && !PyBytes_CheckExact(tail)) || !step_value(step_id, &value))
         Py_RETURN_FALSE;
     Py_ssize_t body_len = PyBytes_GET_SIZE(body), tail_len = tail != NULL ? PyBytes_GET_SIZE(tail) : 0;
@@ -215,11 +220,18 @@ lane_write(LaneState *self, PyObject *const *args, Py_ssize_t nargs)
     Py_DECREF(taken);
     if (!acquired) /* another thread writes: the Python method waits for it */
         Py_RETURN_FALSE;
-    /* The lock is held: from here to its release nothing is allocated and no Python code runs.
-     * Taking it may have run some (a collection): look again at what that could change. */
+    /* The lock is held: from here to its release nothing is allocated or freed, and no Python
+     * code runs. Taking it may have run some (a collection): look again at what that could
+     * change. The body is the short one where the edge chains on from the last `dst`. */
+    if (edge != NULL && edge->shortened != NULL &&
+        (edge->src == self->state || (PyUnicode_CheckExact(edge->src) && PyUnicode_CheckExact(self->state) &&
+                                      PyUnicode_Compare(edge->src, self->state) == 0))) {
+        body = edge->shortened;
+        body_len = PyBytes_GET_SIZE(body);
+    }
     PyObject *step = self->step;
     int changed;
-    if (!self->open || !self->attached || self->room < HEAD_MAX + body_len + tail_len + 2)
+    if (!self->open || !self->attached || body_len < 2 || self->room < HEAD_MAX + body_len + tail_len + 2)
         changed = -1;
     else if (step == new_step)
         changed = 1;
@@ -241,23 +253,26 @@ lane_write(LaneState *self, PyObject *const *args, Py_ssize_t nargs)
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic_ns's clock */
     long long now = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
-    char *start = (char *)self->view.buf + (self->view.len - self->room), *out = start;
-    int head;
+    char head[HEAD_MAX + 1];
+    int head_len;
     if (!changed)
-        head = snprintf(out, HEAD_MAX + 1, "{\"t\":%lld,", floor_us(now - self->step_t));
+        head_len = snprintf(head, sizeof head, "{\"t\":%lld,", floor_us(now - self->step_t));
     else if (step_id == Py_None)
-        head = snprintf(out, HEAD_MAX + 1, "{\"s\":null,\"q\":%lld,\"t\":%lld,", self->seq,
-                        floor_us(now - self->step_t));
+        head_len = snprintf(head, sizeof head, "{\"s\":null,\"q\":%lld,\"t\":%lld,", self->seq,
+                            floor_us(now - self->step_t));
     else
-        head = snprintf(out, HEAD_MAX + 1, "{\"s\":%lld,\"q\":%lld,\"t\":%lld,", value, self->seq,
-                        floor_us(now - self->step_t));
-    out += head;
-    if (edge != NULL && edge->shortened != NULL &&
-        (edge->src == self->state || (PyUnicode_CheckExact(edge->src) && PyUnicode_CheckExact(self->state) &&
-                                      PyUnicode_Compare(edge->src, self->state) == 0))) {
-        body = edge->shortened;
-        body_len = PyBytes_GET_SIZE(body);
+        head_len = snprintf(head, sizeof head, "{\"s\":%lld,\"q\":%lld,\"t\":%lld,", value, self->seq,
+                            floor_us(now - self->step_t));
+    if (head_len < 0 || head_len >= (int)sizeof head) { /* cannot be (73 at the most); never written cut */
+        PyObject *released = PyObject_CallNoArgs(self->release);
+        if (released == NULL)
+            return NULL;
+        Py_DECREF(released);
+        Py_RETURN_FALSE;
     }
+    char *start = (char *)self->view.buf + (self->view.len - self->room), *out = start;
+    memcpy(out, head, (size_t)head_len);
+    out += head_len;
     /* tail: head + body[1:-1] + tail + "}\n"; else head + body[1:] + "\n" */
     Py_ssize_t middle = tail_len ? body_len - 2 : body_len - 1;
     memcpy(out, PyBytes_AS_STRING(body) + 1, (size_t)middle);
@@ -270,16 +285,19 @@ lane_write(LaneState *self, PyObject *const *args, Py_ssize_t nargs)
     *out++ = '\n';
     self->room -= out - start;
     self->seq += 1;
+    PyObject *old_step = NULL, *old_state = NULL; /* let go after the lock: freeing may run code */
     if (changed) {
         self->step_t = now;
-        Py_INCREF(step_id);
-        Py_SETREF(self->step, step_id); /* an int freed, at most: no Python code */
+        old_step = self->step;
+        self->step = Py_NewRef(step_id);
     }
     if (edge != NULL) {
-        Py_INCREF(edge->dst);
-        Py_SETREF(self->state, edge->dst); /* the table's str, kept by the cache too */
+        old_state = self->state;
+        self->state = Py_NewRef(edge->dst);
     }
     PyObject *released = PyObject_CallNoArgs(self->release);
+    Py_XDECREF(old_step);
+    Py_XDECREF(old_state);
     if (released == NULL)
         return NULL;
     Py_DECREF(released);
@@ -311,7 +329,8 @@ set_long(LaneState *self, PyObject *value, void *offset)
 static PyObject *
 get_object(LaneState *self, void *offset)
 {
-    return Py_NewRef(*(PyObject **)((char *)self + (Py_ssize_t)offset));
+    PyObject *value = *(PyObject **)((char *)self + (Py_ssize_t)offset);
+    return Py_NewRef(value != NULL ? value : Py_None); /* NULL: made by __new__ without __init__ */
 }
 
 static int
