@@ -63,6 +63,26 @@ def test_it_declines_what_it_does_not_write_and_changes_nothing(log):
     assert log.lane.write(0, FINISH, TAIL)  # the control: the same call, with plain arguments
 
 
+def test_it_declines_fields_beyond_the_map_and_the_seq_and_refuses_what_c_cannot_hold(log):
+    """Fields Python sets, hostile: a `room` beyond the map (2^62, or one byte past it), a
+    negative one, the last seq an int64 holds: declined, nothing written; 2^64 is refused by the
+    setters before C holds it. Mutation seen to fail this: `fits` without `room <= view.len`
+    (the write lands outside the map: the test process dies)."""
+    room, seq = log.lane.room, log.lane.seq
+    for hostile in (1 << 62, log._file._size + 1, -1):
+        log.lane.room = hostile
+        assert log.lane.write(0, FINISH, TAIL) is False
+    log.lane.room = room
+    log.lane.seq = (1 << 63) - 1
+    assert log.lane.write(0, FINISH, TAIL) is False
+    log.lane.seq = seq
+    for name in ("room", "seq", "step_t"):
+        with pytest.raises(OverflowError):
+            setattr(log.lane, name, 1 << 64)
+    assert (log.lane.room, log.lane.seq) == (room, seq)
+    assert log.lane.write(0, FINISH, TAIL)  # the control: the fields put back, it writes
+
+
 def test_it_declines_while_another_writer_holds_the_lock(log):
     """Mutation seen to fail this: the write not taking the log's lock (it writes)."""
     with log._lock:

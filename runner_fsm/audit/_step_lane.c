@@ -18,6 +18,7 @@
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <limits.h>
 #include <stddef.h>
 #include <string.h>
 #include <time.h>
@@ -185,6 +186,28 @@ step_value(PyObject *step_id, long long *value)
     return !overflow; /* an exact int raises nothing else */
 }
 
+/* Whether a line of a body and a tail this long may go into the map now: the lane open, a map
+ * attached, room for the line with its header's bound, `room` within the map and `seq` below
+ * its last value (fields Python sets: a wrong one is declined, never written through). Asked
+ * before the lock and again under it. */
+static int
+fits(LaneState *self, Py_ssize_t body_len, Py_ssize_t tail_len)
+{
+    return self->open && self->attached && body_len >= 2 && self->room <= self->view.len &&
+           self->room >= HEAD_MAX + body_len + tail_len + 2 && self->seq < LLONG_MAX;
+}
+
+/* Under the lock: let it go and decline (the Python method writes). */
+static PyObject *
+decline_locked(LaneState *self)
+{
+    PyObject *released = PyObject_CallNoArgs(self->release);
+    if (released == NULL)
+        return NULL;
+    Py_DECREF(released);
+    Py_RETURN_FALSE;
+}
+
 static PyObject *
 lane_write(LaneState *self, PyObject *const *args, Py_ssize_t nargs)
 {
@@ -198,12 +221,12 @@ lane_write(LaneState *self, PyObject *const *args, Py_ssize_t nargs)
     /* CLOCK_MONOTONIC is time.monotonic_ns's clock on Linux only: elsewhere the method writes */
     Py_RETURN_FALSE;
 #endif
-    if (!self->open || !self->attached || self->acquire == NULL || self->step == NULL || self->state == NULL ||
+    if (self->acquire == NULL || self->step == NULL || self->state == NULL ||
         self->step_t < 0 /* a time of the clock: now - step_t cannot overflow */ || !PyBytes_CheckExact(body) ||
         (tail != NULL && !PyBytes_CheckExact(tail)) || !step_value(step_id, &value))
         Py_RETURN_FALSE;
     Py_ssize_t body_len = PyBytes_GET_SIZE(body), tail_len = tail != NULL ? PyBytes_GET_SIZE(tail) : 0;
-    if (body_len < 2 || self->room < HEAD_MAX + body_len + tail_len + 2)
+    if (!fits(self, body_len, tail_len))
         Py_RETURN_FALSE;
     if (self->deferred != NULL) {
         Py_ssize_t waiting = PyObject_Length(self->deferred);
@@ -231,7 +254,7 @@ lane_write(LaneState *self, PyObject *const *args, Py_ssize_t nargs)
     }
     PyObject *step = self->step;
     int changed;
-    if (!self->open || !self->attached || body_len < 2 || self->room < HEAD_MAX + body_len + tail_len + 2)
+    if (!fits(self, body_len, tail_len))
         changed = -1;
     else if (step == new_step)
         changed = 1;
@@ -243,13 +266,8 @@ lane_write(LaneState *self, PyObject *const *args, Py_ssize_t nargs)
         changed = last != value;
     else
         changed = -1; /* a step of the Python method's that is no int of 64 bits */
-    if (changed < 0) {
-        PyObject *released = PyObject_CallNoArgs(self->release);
-        if (released == NULL)
-            return NULL;
-        Py_DECREF(released);
-        Py_RETURN_FALSE;
-    }
+    if (changed < 0)
+        return decline_locked(self);
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts); /* time.monotonic_ns's clock */
     long long now = (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
@@ -263,13 +281,8 @@ lane_write(LaneState *self, PyObject *const *args, Py_ssize_t nargs)
     else
         head_len = snprintf(head, sizeof head, "{\"s\":%lld,\"q\":%lld,\"t\":%lld,", value, self->seq,
                             floor_us(now - self->step_t));
-    if (head_len < 0 || head_len >= (int)sizeof head) { /* cannot be (73 at the most); never written cut */
-        PyObject *released = PyObject_CallNoArgs(self->release);
-        if (released == NULL)
-            return NULL;
-        Py_DECREF(released);
-        Py_RETURN_FALSE;
-    }
+    if (head_len < 0 || head_len >= (int)sizeof head) /* cannot be (73 at the most); never written cut */
+        return decline_locked(self);
     char *start = (char *)self->view.buf + (self->view.len - self->room), *out = start;
     memcpy(out, head, (size_t)head_len);
     out += head_len;
