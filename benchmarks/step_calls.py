@@ -41,12 +41,20 @@ _CONTEXT = SimpleNamespace(cudagraph_runtime_mode=_MODE, dp_metadata=None,
 
 class _VLLMWorker:
     """What FSMWorker's super() calls reach: vLLM's worker, as far as a decode step goes (its
-    forward runs the model's pre-hook, here FSMWorker's, inside vLLM's forward context)."""
+    forward runs the model's pre-hook, the one FSMWorker registers, inside vLLM's forward context)."""
+
+    context = _CONTEXT  # the forward context its forwards run in (tests set others)
 
     def execute_model(self, scheduler_output):
-        forwards._VLLM_CONTEXT._forward_context = _CONTEXT
+        self.forward()
+
+    def execute_dummy_batch(self):
+        self.forward()
+
+    def forward(self):
+        forwards._VLLM_CONTEXT._forward_context = self.context
         try:
-            self._before_forward(None, (), {})
+            self.hook(None, (), {})
         finally:
             forwards._VLLM_CONTEXT._forward_context = None
 
@@ -58,9 +66,10 @@ class _Worker(worker_module.FSMWorkerMixin, _VLLMWorker):
     pass
 
 
-def stand_in_worker(run_dir: str):
+def stand_in_worker(run_dir: str, captured: bool = True):
     """FSMWorker over the stand-in, set up as `init_device` and `load_model` leave it for one
-    replica at `audit=transitions` (the attributes its step path reads), past graph capture."""
+    replica at `audit=transitions` (the attributes its step path reads), past graph capture
+    (`captured=False`: in it)."""
     forwards._VLLM_CONTEXT = SimpleNamespace(_forward_context=None)
     worker = object.__new__(_Worker)
     audit = AuditLog(run_dir, "calls", 0, 0, 0, shape=job_shape_fields(1, 1, 0, 0))
@@ -71,8 +80,11 @@ def stand_in_worker(run_dir: str):
     worker.dp_support = worker.replica_check = None
     worker.drafting, worker.draft_steps = False, 0
     worker.runner_adapter = SimpleNamespace(pcp=None)
+    worker.place = SimpleNamespace(sizes=SimpleNamespace(pcp=1))
+    worker.hook = worker.forward_hook()  # what load_model registers on the model
     worker.recorder.start_capture()
-    worker.recorder.end_capture()
+    if captured:
+        worker.recorder.end_capture()
     return worker
 
 

@@ -40,7 +40,7 @@ GATE_EVENT, GATE_FIELD = "gate", "draft"
 # end, right after vLLM's sampler evicted the CPU caches, where `hash` (the interpreter's own
 # code, warm from vLLM's dict lookups) costs about a microsecond and a first call into struct,
 # zlib or orjson 7-18 us. Request ids are strings, salted: what holds them goes through crc32.
-_MASK = 0xFFFFFFFF
+DIGEST_MASK = 0xFFFFFFFF
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,7 +73,7 @@ def decisions_digest(real: bool, batch: int, dispatch: int, padded: int, graph: 
 def digest_of(decided: tuple) -> int:
     """The digest of (real, batch, dispatch, padded, graph, draft, tokens), as one tuple: its
     hash (`real` a bool or 0/1: True and 1 hash alike), 32 bits."""
-    return hash(decided) & _MASK
+    return hash(decided) & DIGEST_MASK
 
 
 def batch_identity(req_ids: Sequence[str], num_scheduled: Sequence[int]) -> int:
@@ -91,7 +91,7 @@ def tokens_digest(sampled: Mapping[str, Sequence[int]] | Sequence[Sequence[int]]
     if not sampled:
         return 0
     if type(sampled) is list:
-        return hash(tuple(map(tuple, sampled))) & _MASK
+        return hash(tuple(map(tuple, sampled))) & DIGEST_MASK
     return zlib.crc32(orjson.dumps(sampled, option=orjson.OPT_SERIALIZE_NUMPY))
 
 
@@ -101,12 +101,12 @@ class DecisionChanges:
     gives the same by name. An unchanged step, most of a decode run, costs one comparison."""
 
     def __init__(self) -> None:
-        self._last: tuple[int, ...] | None = None
+        self.last: tuple[int, ...] | None = None  # the values of the last call (a caller may compare first)
 
     def changed(self, values: tuple[int, ...]) -> list[int | None] | None:
         """`values` where they changed since the last call, None where not, the trailing Nones
         left out (all of them the first time; None when nothing changed)."""
-        last, self._last = self._last, values
+        last, self.last = self.last, values
         if last is None:
             return list(values)
         if values == last:

@@ -81,6 +81,7 @@ class FSMWorkerMixin:
         self.probe = InputProbe()
         self.step_kinds = StepKinds()  # which steps prefill
         self._dummy = False
+        self._lean_hook = False  # the recorder's forward hook, not `_before_forward` (load_model)
 
     # -- start-up, in vLLM's order ------------------------------------------------------
 
@@ -160,7 +161,7 @@ class FSMWorkerMixin:
         schema.check_runner(adapter)
         rec = self.recorder
         adapter.attach(step_of=lambda: rec.step_id if rec.in_step else -1)
-        hook_forward(adapter.model(), self._before_forward)
+        hook_forward(adapter.model(), self.forward_hook())
         if self.dp_support is not None:
             self.dp_support.attach(adapter)
         if self.replica_check is not None:
@@ -173,6 +174,7 @@ class FSMWorkerMixin:
     def compile_or_warm_up_model(self):
         schema.check_runner(self.runner_adapter, kv_cache=True)  # the KV cache exists now
         self.runner_adapter.attach_kv()
+        self.check_lean_hook()
         if self.supplies_pp_buffers:
             self.runner_adapter.supply_pp_buffers()
         self.recorder.start_capture()
@@ -247,6 +249,20 @@ class FSMWorkerMixin:
         if drafts is not None:
             self.recorder.note(drafts=drafts.draft_token_ids)
         return drafts
+
+    def forward_hook(self):
+        """The forward pre-hook `load_model` registers: the recorder's own where no forward is
+        fingerprinted (`audit=transitions`) and no PCP evidence is read (a single PCP rank),
+        else `_before_forward`."""
+        self._lean_hook = not self.recorder.fingerprints and self.place.sizes.pcp == 1
+        return self.recorder.forward_hook if self._lean_hook else self._before_forward
+
+    def check_lean_hook(self) -> None:
+        """Once the KV cache exists: a runner that built PCP evidence under the recorder's hook
+        (which reads none) stops the worker, rather than its evidence going unread."""
+        if self._lean_hook and self.runner_adapter.pcp is not None:
+            raise RuntimeError(f"FSMWorker: the {self.runner_adapter.name} runner built PCP evidence with"
+                               " prefill_context_parallel_size 1; the recorder's forward hook reads none")
 
     def _before_forward(self, _module: Any, _args: tuple, args: dict) -> None:
         """The forward pre-hook (torch's signature: module, positional args, keyword args):

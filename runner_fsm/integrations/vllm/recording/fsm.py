@@ -34,13 +34,13 @@ class StepMachine:
     def __init__(self, audit: AuditLog | None):
         self.audit = audit
         self._core = TransitionCore()  # the table: asked once per edge (`_first_move`)
-        self._state = self._core.state  # the replica's state (the core's is set when it is asked)
-        self._moves: dict[tuple[State, Trigger], tuple[State, bytes]] = {}  # (src, trigger) -> (dst, ok record)
-        self._lane_write = audit.lane.write if audit is not None else None  # None: not compiled
+        self.now = self._core.state  # the replica's state (the core's is set when it is asked)
+        self.moves: dict[tuple[State, Trigger], tuple[State, bytes]] = {}  # (src, trigger) -> (dst, ok record)
+        self.lane_write = audit.lane.write if audit is not None else None  # None: not compiled
 
     @property
     def state(self) -> str:
-        return self._state.value
+        return self.now.value
 
     def fire(self, trigger: Trigger, step_id: int | None, batch: AuditBatch | None = None,
              decided: bytes = b"", *, now: bool = True) -> None:
@@ -49,17 +49,17 @@ class StepMachine:
         A trigger the table forbids is logged `refused` (into `batch` where there is one) and
         raised. `decided`: the step's decisions a `finish` carries, rendered
         (`compact.decisions_tail`)."""
-        move = self._moves.get((self._state, trigger))
+        move = self.moves.get((self.now, trigger))
         if move is None:  # the edge's first time (a handful of edges), or a refusal
             move = self._first_move(trigger, step_id, batch)
         dst, body = move
-        self._state = dst
+        self.now = dst
         audit = self.audit
         if audit is None:
             return
         if now:
             # the compiled step lane where it is built (False: it leaves this one to the method)
-            if batch is None and self._lane_write is not None and self._lane_write(step_id, body, decided):
+            if batch is None and self.lane_write is not None and self.lane_write(step_id, body, decided):
                 return
             audit.step_transition(step_id, body, decided, batch)
         elif decided:
@@ -70,15 +70,15 @@ class StepMachine:
     def _first_move(self, trigger: Trigger, step_id: int | None, batch: AuditBatch | None) -> tuple[State, bytes]:
         """The edge of `trigger` from the current state, looked up in the core and kept with its
         record's body rendered; a refused trigger is logged and raised (nothing moved)."""
-        self._core.take(self._state)  # the core answers from the replica's state
+        self._core.take(self.now)  # the core answers from the replica's state
         src, dst = self._core.edge(trigger)
         if dst is None:
             out = self.audit if batch is None else batch
             if out is not None:
                 out.rendered("transition", step_id, _body(trigger, src, src, "refused"))
             raise StepRefused(f"{trigger.value!r} is not allowed in state {src.value!r}")
-        move = self._moves[(src, trigger)] = (dst, _body(trigger, src, dst, "ok"))
+        move = self.moves[(src, trigger)] = (dst, _body(trigger, src, dst, "ok"))
         return move
 
     def is_(self, state: State) -> bool:
-        return self._state is state
+        return self.now is state

@@ -20,10 +20,11 @@ from typing import Any
 
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.compact import decisions_tail
-from runner_fsm.audit.decisions import DecisionChanges, StepDecisions, batch_identity, digest_of, tokens_digest
+from runner_fsm.audit.decisions import DIGEST_MASK, DecisionChanges, StepDecisions, batch_identity, tokens_digest
 from runner_fsm.audit.log import AuditBatch
 from runner_fsm.integrations.vllm.recording.fsm import StepMachine
-from runner_fsm.integrations.vllm.recording.journal import Journal, Later
+from runner_fsm.integrations.vllm.recording.forwards import forward_context
+from runner_fsm.integrations.vllm.recording.journal import BATCH as JOURNAL_BATCH, Journal, Later
 from runner_fsm.integrations.vllm.recording.probe import resolve
 from runner_fsm.states import State, Trigger
 
@@ -83,8 +84,17 @@ class ReplicaRecorder:
         {request id: tokens} of a real step."""
         previous, journal = self._entry, self.journal
         if previous is not None and journal is not None:  # the previous step's journal entry: complete now
-            journal.write(previous)
-        self.machine.fire(STEP_TRIGGERS[kind], self.step_id)  # raises StepRefused: nothing changed
+            pending = journal.pending  # `Journal.write`, inline: one call less a step
+            pending.append(previous)
+            if len(pending) >= JOURNAL_BATCH:
+                journal.render()
+        machine, step = self.machine, self.step_id
+        trigger = STEP_TRIGGERS[kind]
+        move = machine.moves.get((machine.now, trigger))
+        if move is not None and machine.lane_write is not None and machine.lane_write(step, move[1], b""):
+            machine.now = move[0]
+        else:
+            machine.fire(trigger, step)  # raises StepRefused: nothing changed
         self.kind, self._gated, self._decided_now, self._last_forward = kind, None, None, _NO_FORWARD
         if scheduled:
             last, order, batch = self._last_batch
@@ -110,6 +120,23 @@ class ReplicaRecorder:
         if entry is not None:
             entry.setdefault("forwards", []).append([("dummy" if dummy else "real"), mode, desc, dp_counts])
 
+
+    def forward_hook(self, _module: Any, _args: tuple, _kwargs: dict) -> None:
+        """The forward pre-hook where forwards leave no `buffers` record (audit `transitions`)
+        and the runner reads no PCP evidence: `on_forward` for what vLLM's forward context says,
+        called by torch itself. The worker's hook would read the worker's and the adapter's
+        fields first, cache lines too, each forward (docs/vllm.md, the fifth pass). A dummy
+        forward is an idle step's; outside steps (warm-up, capture) only a graph capture counts."""
+        mode, desc, dp_counts = forward_context()
+        kind = self.kind
+        if kind is None and mode != "FULL":
+            return
+        dummy = kind == "idle"
+        self._last_forward = (mode, desc)
+        if mode == "FULL":  # a graph record (eager at `transitions`: none)
+            self._forwards.append((None, (), dummy, mode, desc, False))
+        if (entry := self._entry) is not None:
+            entry.setdefault("forwards", []).append([("dummy" if dummy else "real"), mode, desc, dp_counts])
 
     def note(self, **fields: Any) -> None:
         """Add what vLLM decided to this step's journal entry (sampled tokens, drafts, ...)."""
@@ -155,13 +182,25 @@ class ReplicaRecorder:
         # `real` as 0/1: the values `changed` compares are the digest's first six, as they are
         values = (0 if self.kind == "idle" else 1, identity, scheduled, size, size if mode == "FULL" else 0,
                   draft_steps if drafted else 0)
-        decided = self._decided_now = (*values, tokens_digest(sampled) if sampled else 0)
-        tail = decisions_tail(digest_of(decided), self._changes.changed(values))
+        # `tokens_digest` and `digest_of` inline for vLLM's list of token lists, and a step whose
+        # decisions did not change (most of a decode run) renders its tail with one format:
+        # each call saved here costs 1-2 us cold (docs/vllm.md, the fifth pass)
+        tokens = (hash(tuple(map(tuple, sampled))) & DIGEST_MASK if type(sampled) is list else tokens_digest(sampled)) \
+            if sampled else 0
+        decided = self._decided_now = (*values, tokens)
+        digest = hash(decided) & DIGEST_MASK  # `digest_of`
+        changes = self._changes
+        tail = b',"dg":%d' % digest if values == changes.last else decisions_tail(digest, changes.changed(values))
         step = self.step_id
         if self._forwards or drafted:
             self._end_with_records(step, drafted, tail)
         else:  # most steps: `finish` alone, no batch
-            self.machine.fire(_FINISH, step, None, tail)
+            machine = self.machine
+            move = machine.moves.get((machine.now, _FINISH))
+            if move is not None and machine.lane_write is not None and machine.lane_write(step, move[1], tail):
+                machine.now = move[0]
+            else:
+                machine.fire(_FINISH, step, None, tail)
         self.kind = None
         self.step_id = step + 1
         if self.after_end is not None:
