@@ -105,3 +105,28 @@ def test_a_runner_with_pcp_evidence_under_the_lean_hook_is_refused(tmp_path, mon
         with pytest.raises(RuntimeError, match="v1 runner built PCP evidence with prefill_context_parallel_size 1"):
             worker.check_lean_hook()
     worker.recorder.shutdown()
+
+
+@pytest.mark.parametrize("adapter_cls", ["V1Runner", "MRV2Runner"])
+@pytest.mark.parametrize("inputs", [True, False])
+def test_the_runners_input_preparations_are_wrapped_only_where_read(adapter_cls, inputs):
+    """`attach(inputs=False)` (the recorder's hook, no DP support, no peers' check) leaves the
+    runner's input preparations as vLLM made them: two Python calls less a step inside vLLM's."""
+    from runner_fsm.integrations.vllm.runners.mrv2 import MRV2Runner
+    from runner_fsm.integrations.vllm.runners.v1 import V1Runner
+
+    cls = {"V1Runner": V1Runner, "MRV2Runner": MRV2Runner}[adapter_cls]
+    names = ("_prepare_inputs", "_dummy_run") if cls is V1Runner else ("prepare_attn", "prepare_dummy_attn")
+
+    class Runner:
+        pass
+
+    runner = Runner()
+    originals = {name: (lambda *a, **k: ("out", "slots")) for name in names}
+    for name, fn in originals.items():
+        setattr(runner, name, fn)
+    adapter = cls(runner)
+    adapter.attach(step_of=lambda: 0, inputs=inputs)
+    assert all((getattr(runner, name) is fn) is not inputs for name, fn in originals.items())
+    if cls is MRV2Runner:  # its step counter is kept either way (its DP roles read it)
+        assert adapter._step_of() == 0

@@ -160,8 +160,12 @@ class FSMWorkerMixin:
             self.rope_installed = cpu_rope.install_stride_safe_rope(adapter.model(), self.rope_verdict)
         schema.check_runner(adapter)
         rec = self.recorder
-        adapter.attach(step_of=lambda: rec.step_id if rec.in_step else -1)
-        hook_forward(adapter.model(), self.forward_hook())
+        hook = self.forward_hook()
+        # The runner's input preparations are observed where something reads them: the probe
+        # (staleness stamps), the PCP evidence, the DP support and the peers' check (MRV2's roles)
+        inputs = not self._lean_hook or self.dp_support is not None or self.replica_check is not None
+        adapter.attach(step_of=lambda: rec.step_id if rec.in_step else -1, inputs=inputs)
+        hook_forward(adapter.model(), hook)
         if self.dp_support is not None:
             self.dp_support.attach(adapter)
         if self.replica_check is not None:

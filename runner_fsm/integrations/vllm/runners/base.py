@@ -109,9 +109,10 @@ class RunnerAdapter:
 
         check_dp_hooks(self.name)
 
-    def attach(self, step_of: Callable[[], int] | None = None) -> None:
+    def attach(self, step_of: Callable[[], int] | None = None, inputs: bool = True) -> None:
         """Once the model is loaded: whatever the adapter must observe per step; `step_of()`
-        names the worker's current step (-1 outside steps)."""
+        names the worker's current step (-1 outside steps). `inputs=False`: nothing reads the
+        runner's input preparations (no fingerprints, PCP evidence, DP or peers): not observed."""
 
     def attach_kv(self) -> None:
         """Once the KV cache exists (what vLLM builds with it, e.g. MRV2's PCP manager)."""

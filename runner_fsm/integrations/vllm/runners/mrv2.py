@@ -55,10 +55,12 @@ class MRV2Runner(RunnerAdapter):
         self._pcp_fault: Callable[[str], bool] | None = None
         self._fast_pcp_layout = False  # install it on the PCP manager once that exists (`attach_kv`)
 
-    def attach(self, step_of: Callable[[], int] | None = None) -> None:
+    def attach(self, step_of: Callable[[], int] | None = None, inputs: bool = True) -> None:
         """Observe each forward's inputs; `step_of()` names the worker's current step."""
         if step_of is not None:
             self._step_of = step_of
+        if not inputs:
+            return
         wrap_method(self.runner, "prepare_attn", lambda p, a, k: self._keep_prepared(p, a, k, dummy=False))
         wrap_method(self.runner, "prepare_dummy_attn", lambda p, a, k: self._keep_prepared(p, a, k, dummy=True))
 

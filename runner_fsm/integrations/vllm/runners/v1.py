@@ -42,8 +42,11 @@ class V1Runner(RunnerAdapter):
                 "slot_mapping": _tensor(table.slot_mapping), "query_start_loc": _tensor(runner.query_start_loc),
                 "seq_lens": _tensor(runner.seq_lens), "block_table": _tensor(table.block_table)}
 
-    def attach(self, step_of: Callable[[], int] | None = None) -> None:
-        """V1 writes a real batch's inputs in `_prepare_inputs`, a dummy's in `_dummy_run`."""
+    def attach(self, step_of: Callable[[], int] | None = None, inputs: bool = True) -> None:
+        """V1 writes a real batch's inputs in `_prepare_inputs`, a dummy's in `_dummy_run`
+        (counted for the probe's staleness stamps, read only by the full audit)."""
+        if not inputs:
+            return
         for name in ("_prepare_inputs", "_dummy_run"):
             wrap_method(self.runner, name, self._writing)
 
