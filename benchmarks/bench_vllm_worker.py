@@ -316,8 +316,9 @@ def main() -> None:
     # worker's, subtracts medians of different processes, which differ by up to half here.
     wrapper = {w: statistics.median(r["wrapper_us_median"] for r in runs[w]) for w in ("fsm", "fsm-transitions")}
     # Where the wrapper's time goes: per call, the median of the runs' paired medians.
-    split = {name: statistics.median(r["wrapper_us_by_call_median"].get(name, 0.0) for r in runs["fsm"])
-             for name in ("execute_model", "forward hook", "sample_tokens")}
+    split = {worker: {name: statistics.median(r["wrapper_us_by_call_median"].get(name, 0.0) for r in runs[worker])
+                      for name in ("execute_model", "forward hook", "sample_tokens")}
+             for worker in ("fsm", "fsm-transitions")}
     tokens = runs["fsm"][0]["output_tokens"]
     ratio = wall["default"] / wall["fsm"]
     summary = {
@@ -333,7 +334,8 @@ def main() -> None:
         "wrapper_own_us_per_step_median_audit_transitions": wrapper["fsm-transitions"],
         "layer_difference_us_per_step_median": own["fsm"] - own["default"],
         "layer_difference_us_per_step_median_audit_transitions": own["fsm-transitions"] - own["default"],
-        "wrapper_own_us_by_call_median": split,
+        "wrapper_own_us_by_call_median": split["fsm"],
+        "wrapper_own_us_by_call_median_audit_transitions": split["fsm-transitions"],
         "throughput_ratio_audit_transitions": wall["default"] / wall["fsm-transitions"],
         "outputs_equal": same, "work_dir": str(work),
     }
@@ -353,14 +355,16 @@ def main() -> None:
                    + ("equal" if same else "DIFFER"))),
         _own_time_row("audit=transitions", "fsm-transitions", runs, wrapper, own, on, status,
                       "the cheaper audit level: transitions and journal, no per-forward buffers records;"
-                      f" layer difference between processes {own['fsm-transitions'] - own['default']:.1f} us"),
+                      f" layer difference between processes {own['fsm-transitions'] - own['default']:.1f} us;"
+                      " by call (medians): "
+                      + ", ".join(f"{name} {us:.1f} us" for name, us in split["fsm-transitions"].items())),
         _own_time_row("full audit", "fsm", runs, wrapper, own, on, status,
                       "the full audit (decision digests on, `consensus` off, the defaults). Paired: in FSMWorker's"
                       " process, each step's FSMWorker calls minus vLLM's worker calls inside them (super()), plus"
                       " its forward pre-hook; median over steps, then over processes. Layer difference between"
                       " processes (FSMWorker's layer minus the default worker's, both worker call minus"
                       f" model-runner call): {own['fsm'] - own['default']:.1f} us; by call (medians): "
-                      + ", ".join(f"{name} {us:.1f} us" for name, us in split.items())),
+                      + ", ".join(f"{name} {us:.1f} us" for name, us in split["fsm"].items())),
     ]
     for row in rows:
         print("SUITE_ROW " + json.dumps(row), flush=True)

@@ -419,6 +419,167 @@ static PyTypeObject LaneStateType = {
     .tp_getset = lane_fields,
 };
 
+/* -- a step's decisions digested: `decisions.decide` is the reference.
+ *
+ * `hash(tuple(map(tuple, sampled)))` and `hash((*values, tokens))` built 18 tuples a step and
+ * went through the interpreter's generic paths, cold right after vLLM's sampler (~9 us a step
+ * with the tail's format, measured in vLLM: docs/vllm.md, the fifth pass). Here the tuple hash
+ * is combined as the interpreter combines it (Objects/tupleobject.c, xxHash's, the same since
+ * CPython 3.8) from each item's own hash, without building the tuples. `decisions` checks it
+ * against the Python one before using it: it is asserted there, not assumed here. */
+#if SIZEOF_SIZE_T > 4
+#define XXPRIME_1 ((Py_uhash_t)11400714785074694791ULL)
+#define XXPRIME_2 ((Py_uhash_t)14029467366897019727ULL)
+#define XXPRIME_5 ((Py_uhash_t)2870177450012600261ULL)
+#define XXROTATE(x) (((x) << 31) | ((x) >> 33))
+#else
+#define XXPRIME_1 ((Py_uhash_t)2654435761UL)
+#define XXPRIME_2 ((Py_uhash_t)2246822519UL)
+#define XXPRIME_5 ((Py_uhash_t)374761393UL)
+#define XXROTATE(x) (((x) << 13) | ((x) >> 19))
+#endif
+#define DIGEST_MASK 0xFFFFFFFFULL
+
+typedef struct {
+    Py_uhash_t acc;
+    Py_ssize_t len;
+} TupleHash;
+
+static void
+tuple_hash_add(TupleHash *h, Py_uhash_t lane)
+{
+    h->acc += lane * XXPRIME_2;
+    h->acc = XXROTATE(h->acc);
+    h->acc *= XXPRIME_1;
+    h->len += 1;
+}
+
+static Py_hash_t
+tuple_hash_end(TupleHash *h)
+{
+    Py_uhash_t acc = h->acc + ((Py_uhash_t)h->len ^ (XXPRIME_5 ^ 3527539UL));
+    return acc == (Py_uhash_t)-1 ? 1546275796 : (Py_hash_t)acc;
+}
+
+/* hash(tuple(seq)): a list's or a tuple's items as they are, anything else through tuple() */
+static Py_hash_t
+hash_as_tuple(PyObject *seq)
+{
+    if (!PyList_CheckExact(seq) && !PyTuple_CheckExact(seq)) {
+        PyObject *made = PySequence_Tuple(seq);
+        if (made == NULL)
+            return -1;
+        Py_hash_t hash = PyObject_Hash(made);
+        Py_DECREF(made);
+        return hash;
+    }
+    TupleHash h = {XXPRIME_5, 0};
+    /* a list's size read each time round: an item's __hash__ may change it (tuple() would
+     * have copied it first; an item's hash that changes its list is not a digest's concern) */
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *item = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
+        Py_hash_t lane = PyObject_Hash(item);
+        Py_DECREF(item);
+        if (lane == -1)
+            return -1;
+        tuple_hash_add(&h, (Py_uhash_t)lane);
+    }
+    return tuple_hash_end(&h);
+}
+
+/* `decisions.tokens_digest(sampled) if sampled else 0` for None or vLLM's list of token lists */
+static int
+tokens_of(PyObject *sampled, unsigned long long *tokens)
+{
+    *tokens = 0;
+    if (sampled == Py_None)
+        return 0;
+    if (!PyList_CheckExact(sampled)) { /* another form (a dict of the embedded engine's): the reference's */
+        int truth = PyObject_IsTrue(sampled);
+        if (truth <= 0)
+            return truth;
+        PyObject *module = PyImport_ImportModule("runner_fsm.audit.decisions");
+        if (module == NULL)
+            return -1;
+        PyObject *digest = PyObject_CallMethod(module, "tokens_digest", "O", sampled);
+        Py_DECREF(module);
+        if (digest == NULL)
+            return -1;
+        *tokens = PyLong_AsUnsignedLongLongMask(digest);
+        Py_DECREF(digest);
+        return PyErr_Occurred() ? -1 : 0;
+    }
+    if (PyList_GET_SIZE(sampled) == 0)
+        return 0;
+    TupleHash h = {XXPRIME_5, 0};
+    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(sampled); i++) {
+        PyObject *item = Py_NewRef(PyList_GET_ITEM(sampled, i));
+        Py_hash_t lane = hash_as_tuple(item);
+        Py_DECREF(item);
+        if (lane == -1)
+            return -1;
+        tuple_hash_add(&h, (Py_uhash_t)lane);
+    }
+    *tokens = (unsigned long long)tuple_hash_end(&h) & DIGEST_MASK;
+    return 0;
+}
+
+/* decide(values, sampled, last) -> (tokens, digest, tail or None): `decisions.decide` */
+static PyObject *
+decide(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 3 || !PyTuple_CheckExact(args[0])) {
+        PyErr_SetString(PyExc_TypeError, "decide(values: tuple, sampled, last)");
+        return NULL;
+    }
+    PyObject *values = args[0], *last = args[2];
+    unsigned long long tokens;
+    if (tokens_of(args[1], &tokens) < 0)
+        return NULL;
+    TupleHash h = {XXPRIME_5, 0};
+    Py_ssize_t count = PyTuple_GET_SIZE(values);
+    for (Py_ssize_t i = 0; i < count; i++) {
+        Py_hash_t lane = PyObject_Hash(PyTuple_GET_ITEM(values, i));
+        if (lane == -1)
+            return NULL;
+        tuple_hash_add(&h, (Py_uhash_t)lane);
+    }
+    tuple_hash_add(&h, (Py_uhash_t)tokens); /* an int below 2**61 - 1 hashes as itself */
+    unsigned long long digest = (unsigned long long)tuple_hash_end(&h) & DIGEST_MASK;
+    int unchanged = last == values;
+    if (!unchanged && PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == count) {
+        unchanged = 1;
+        for (Py_ssize_t i = 0; i < count && unchanged; i++) {
+            unchanged = PyObject_RichCompareBool(PyTuple_GET_ITEM(values, i), PyTuple_GET_ITEM(last, i), Py_EQ);
+            if (unchanged < 0)
+                return NULL;
+        }
+    }
+    PyObject *tail;
+    if (unchanged) {
+        char text[32];
+        int len = snprintf(text, sizeof text, ",\"dg\":%llu", digest);
+        tail = PyBytes_FromStringAndSize(text, len);
+    } else {
+        tail = Py_NewRef(Py_None);
+    }
+    if (tail == NULL)
+        return NULL;
+    PyObject *out = PyTuple_New(3), *tokens_obj = PyLong_FromUnsignedLongLong(tokens),
+             *digest_obj = PyLong_FromUnsignedLongLong(digest);
+    if (out == NULL || tokens_obj == NULL || digest_obj == NULL) {
+        Py_XDECREF(out);
+        Py_XDECREF(tokens_obj);
+        Py_XDECREF(digest_obj);
+        Py_DECREF(tail);
+        return NULL;
+    }
+    PyTuple_SET_ITEM(out, 0, tokens_obj);
+    PyTuple_SET_ITEM(out, 1, digest_obj);
+    PyTuple_SET_ITEM(out, 2, tail);
+    return out;
+}
+
 /* configure(edges, new_step): compact._EDGES and compact._NEW_STEP, once, before any LaneState. */
 static PyObject *
 configure(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
@@ -435,6 +596,8 @@ configure(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 static PyMethodDef module_methods[] = {
     {"configure", (PyCFunction)(void (*)(void))configure, METH_FASTCALL,
      "configure(edges, new_step): compact._EDGES and compact._NEW_STEP."},
+    {"decide", (PyCFunction)(void (*)(void))decide, METH_FASTCALL,
+     "decide(values, sampled, last) -> (tokens, digest, tail or None): decisions.decide, compiled."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -91,6 +91,9 @@ def load() -> tuple[ModuleType | None, str | None]:
 
 _compiled, _why_not = load()
 LaneState: Any = _compiled.LaneState if _compiled is not None else PyLaneState
+# `decisions.decide` compiled (a step's digests and `finish` tail), None where not built;
+# `decisions` checks it against its own before using it
+decide: Any = _compiled.decide if _compiled is not None else None
 
 
 def configure(edges: dict, new_step: Any) -> None:
