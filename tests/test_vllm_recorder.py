@@ -387,3 +387,24 @@ def test_each_step_ends_with_its_decisions(tmp_path):
     assert finishes[3][DECISIONS_FIELD] == {"real": 0, "batch": 0, "dispatch": 0, "padded": 1, "graph": 0}
     assert finishes[3][DIGEST_FIELD] == StepDecisions(False, 0, 0, 1, 0, 2).digest()
     assert [entry.get("sampled") for entry in read_journal(run_dir)] == [*map(list, sampled), None]
+
+
+def test_the_batch_identity_follows_the_requests_their_order_and_their_tokens(tmp_path):
+    """A run of steps over one batch keeps its identity (computed once); the same requests in
+    another order, another token count or another request is another batch. Mutations seen to
+    fail this: the order left out of the comparison; the tokens left out."""
+    from runner_fsm.audit.decisions import batch_identity
+
+    rec = ReplicaRecorder(AuditLog(str(tmp_path / "run"), "t", 0, 0, 0), None)
+    rec.start_capture()
+    rec.end_capture()
+    batches = [{"a": 1, "b": 1}, {"a": 1, "b": 1}, {"b": 1, "a": 1}, {"b": 2, "a": 1}, {"b": 2, "a": 1, "c": 1},
+               {"b": 2, "a": 1}]
+    seen = []
+    for scheduled in batches:
+        rec.begin_step("decode", None, dict(scheduled))  # vLLM's scheduler makes a new dict each step
+        rec.end_step()
+        seen.append((rec.decided.batch, rec.decided.dispatch))
+    rec.shutdown()
+    assert seen == [(batch_identity(list(s), list(s.values())), sum(s.values())) for s in batches]
+    assert len(set(seen)) == 4

@@ -40,6 +40,7 @@ class ReplicaRecorder:
     def __init__(self, audit: AuditLog, journal: Journal | None, *, fingerprints: bool = True):
         self.audit = audit
         self.journal = journal
+        self._pending = journal.pending if journal is not None else None  # its entries not rendered yet
         self.machine = StepMachine(audit)
         self.fingerprints = fingerprints  # False: audit level "transitions" (no buffers records)
         self.step_id = CAPTURE_STEP  # the step being run, or the next one between steps
@@ -50,10 +51,11 @@ class ReplicaRecorder:
         self._entry: dict | None = None  # this step's journal entry
         self._end = audit.batch()  # the records of a step's end (one batch, reused every step)
         self._changes = DecisionChanges()  # the decisions the last `finish` carried, as a tuple
+        self._last_values: tuple | None = None  # the same tuple, read here each step (one object less)
         self._batch = (0, 0)  # this step's batch: (its identity, the tokens scheduled)
-        # The last real batch ({request: tokens}, a copy), its requests in order, and its `_batch`:
-        # a run of steps over the same batch (decode) keeps one identity, computed once.
-        self._last_batch: tuple = ({}, [], (0, 0))
+        # The last real batch's requests and tokens, in its order, and its `_batch`: a run of
+        # steps over the same batch (decode) keeps one identity, computed once.
+        self._last_batch: tuple = ([], [], (0, 0))
         self._gated: int | None = None  # drafter steps this step's gate let run (None: no gate asked)
         self._decided_now: tuple | None = None  # the last ended step's decisions (`decided`), as values
         self.after_end = None  # called once a step's records are written (`replica_check.after_step`)
@@ -82,12 +84,11 @@ class ReplicaRecorder:
         """Enter a step of `kind`; returns its id. `decision`: fields of its journal entry, or
         `entry`: the entry itself, its step and kind first (`journal.step_entry`); `scheduled`:
         {request id: tokens} of a real step."""
-        previous, journal = self._entry, self.journal
-        if previous is not None and journal is not None:  # the previous step's journal entry: complete now
-            pending = journal.pending  # `Journal.write`, inline: one call less a step
-            pending.append(previous)
+        previous, pending = self._entry, self._pending
+        if previous is not None and pending is not None:  # the previous step's journal entry: complete now
+            pending.append(previous)  # `Journal.write`, inline: a call and an object less a step
             if len(pending) >= JOURNAL_BATCH:
-                journal.render()
+                self.journal.render()
         machine, step = self.machine, self.step_id
         trigger = STEP_TRIGGERS[kind]
         move = machine.moves.get((machine.now, trigger))
@@ -97,11 +98,11 @@ class ReplicaRecorder:
             machine.fire(trigger, step)  # raises StepRefused: nothing changed
         self.kind, self._gated, self._decided_now, self._last_forward = kind, None, None, _NO_FORWARD
         if scheduled:
-            last, order, batch = self._last_batch
-            keys = [*scheduled]  # in the batch's order: the identity depends on it
-            if scheduled != last or keys != order:
-                batch = (batch_identity(keys, scheduled.values()), sum(scheduled.values()))
-                self._last_batch = (dict(scheduled), keys, batch)
+            order, counts, batch = self._last_batch
+            keys, tokens = [*scheduled], [*scheduled.values()]  # in the batch's order: the identity depends on it
+            if keys != order or tokens != counts:  # two lists, not the last dict's table: fewer cold lines
+                batch = (batch_identity(keys, tokens), sum(tokens))
+                self._last_batch = (keys, tokens, batch)
             self._batch = batch
         else:
             self._batch = (0, 0)
@@ -184,11 +185,11 @@ class ReplicaRecorder:
                   draft_steps if drafted else 0)
         # The digests and, where no decision changed (most of a decode run), the tail, in one
         # compiled call: ~9 us a step in Python here (docs/vllm.md, the fifth pass)
-        changes = self._changes
-        tokens, digest, tail = DECIDE(values, sampled, changes.last)
+        tokens, digest, tail = DECIDE(values, sampled, self._last_values)
         self._decided_now = (*values, tokens)
         if tail is None:  # a decision changed (or the first step): the changes rendered too
-            tail = decisions_tail(digest, changes.changed(values))
+            tail = decisions_tail(digest, self._changes.changed(values))
+            self._last_values = values
         step = self.step_id
         if self._forwards or drafted:
             self._end_with_records(step, drafted, tail)
