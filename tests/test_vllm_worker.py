@@ -83,3 +83,37 @@ def test_fsm_worker_equals_default_worker(vllm_models, arch, tmp_path):
     assert sum(e["tokens"] for e in journal) == sum(sum(e["sched"]) for e in journal)
     # every sampled token of the run is in the journal, step by step
     assert sum(len(t) for e in journal for t in e["sampled"]) == sum(map(len, outputs.values()))
+
+
+# The input preparation each runner's adapter wraps where something reads it (`attach`)
+PREPARES = {"v1": "_prepare_inputs", "mrv2": "prepare_attn"}
+
+
+def _lean_state(worker) -> tuple[bool, bool]:
+    """(the recorder's own forward hook registered, the runner's input preparation wrapped)"""
+    return worker._lean_hook, PREPARES[EXPECTED_RUNNER] in vars(worker.model_runner)
+
+
+def test_the_transitions_audit_logs_the_full_audits_decisions(vllm_models, tmp_path):
+    """At `audit=transitions` the recorder's own forward hook runs and the runner's input
+    preparations are left as vLLM made them: the same tokens as the full audit, every step's
+    decision digest and journal entry (less the inputs' hashes) the same, no `buffers` record,
+    and the log replays sound."""
+    from runner_fsm.integrations.vllm.recording.journal import read_journal
+
+    model, runs = vllm_models["llama"], {}
+    for level in ("full", "transitions"):
+        run_dir = tmp_path / level
+        with h.open_llm(**h.llm_kwargs(model, run_dir=str(run_dir), runner_fsm={"audit": level})) as llm:
+            state = h.worker_call(llm, _lean_state)[0]
+            outputs, _ = h.generate(llm, GREEDY)
+        finishes = [(r["step_id"], r["decision_digest"]) for r in records(run_dir)
+                    if r.get("trigger") == "finish" and r["step_id"] >= 0]
+        journal = [{k: v for k, v in e.items() if k != "inputs"} for e in read_journal(str(run_dir))]
+        runs[level] = (state, outputs, finishes, journal, run_dir)
+    assert runs["full"][0] == (False, True) and runs["transitions"][0] == (True, False)
+    assert runs["transitions"][1:4] == runs["full"][1:4]
+    assert len(runs["full"][2]) >= 8
+    lean_dir = runs["transitions"][4]
+    assert not any(r["event"] == "buffers" for r in records(lean_dir))
+    assert_replays_sound(lean_dir)

@@ -20,6 +20,9 @@ it (`StepMachine.fire` then calls it). The Python class below holds the same fie
 writes (`write` is None): the method then writes every transition, the same bytes
 (tests/test_step_lane_native.py).
 
+The same module digests a step's decisions (`decide`: `decisions.decide` compiled, used once it
+agreed with it; `decisions.DECIDE` is whichever runs).
+
 The compiled one is a CPython extension, built like the compiled PCP layout
 (`runner_fsm.pcp.native`): by the package's build where a C compiler and Python's headers are
 (setup.py: pip install, wheels), in place by `make` in a checkout, stamped with the start of
