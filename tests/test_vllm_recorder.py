@@ -152,7 +152,7 @@ def test_a_step_before_capture_is_refused_and_logged(tmp_path):
 
 
 def test_a_refusal_after_edges_were_taken_is_refused_from_the_replicas_state(tmp_path):
-    """The machine keeps each edge it took (`StepMachine._moves`): a trigger refused in a state
+    """The machine keeps each edge it took (`StepMachine.moves`): a trigger refused in a state
     whose other edges are known is still refused, logged from that state, and moves nothing;
     the steps after it go on. Mutation seen to fail this: `_first_move` asking the core without
     setting its state first (the core still in `init`: every edge looks refused or wrong)."""
@@ -408,3 +408,22 @@ def test_the_batch_identity_follows_the_requests_their_order_and_their_tokens(tm
     rec.shutdown()
     assert seen == [(batch_identity(list(s), list(s.values())), sum(s.values())) for s in batches]
     assert len(set(seen)) == 4
+
+
+def test_a_record_the_lane_declines_is_written_by_the_method_without_asking_the_lane_again(tmp_path):
+    """The recorder asks the lane first; where it declines (a record of a signal handler waiting,
+    a full segment), `StepMachine.fire` writes it with the method, not asking the lane a second
+    time. Mutation seen to fail this: `lane=` left out of the recorder's two `fire` calls."""
+    run_dir = str(tmp_path / "run")
+    rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0), None)
+    rec.start_capture()
+    rec.end_capture()
+    asked = []
+    rec.machine.lane_write = lambda *args: asked.append(args[0]) and False
+    for _ in range(3):
+        rec.begin_step("decode", None, {"a": 1})
+        rec.end_step()
+    rec.shutdown()
+    assert asked == [0, 0, 1, 1, 2, 2, 3]  # each record once (and the shutdown)
+    steps = [(r["step_id"], r["trigger"]) for r in records(run_dir) if r["event"] == "transition"]
+    assert steps[2:8] == [(0, "decode"), (0, "finish"), (1, "decode"), (1, "finish"), (2, "decode"), (2, "finish")]

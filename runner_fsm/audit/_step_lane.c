@@ -524,7 +524,9 @@ tokens_of(PyObject *sampled, unsigned long long *tokens)
     return 0;
 }
 
-/* decide(values, sampled, last) -> (tokens, digest, tail or None): `decisions.decide` */
+/* decide(values, sampled, last) -> (tokens, digest, tail or None): `decisions.decide` for what
+ * the recorder hands it (`values` an exact tuple, `last` one or None); a `last` of another type
+ * is taken as changed, which only costs the tail's render by name */
 static PyObject *
 decide(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
 {
@@ -544,7 +546,11 @@ decide(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
             return NULL;
         tuple_hash_add(&h, (Py_uhash_t)lane);
     }
-    tuple_hash_add(&h, (Py_uhash_t)tokens); /* an int below 2**61 - 1 hashes as itself */
+#if SIZEOF_SIZE_T > 4
+    tuple_hash_add(&h, (Py_uhash_t)tokens); /* an int below 2**61 - 1 (the modulus) hashes as itself */
+#else
+    tuple_hash_add(&h, (Py_uhash_t)(tokens % 2147483647ULL)); /* a non-negative int: itself mod 2**31 - 1 */
+#endif
     unsigned long long digest = (unsigned long long)tuple_hash_end(&h) & DIGEST_MASK;
     int unchanged = last == values;
     if (!unchanged && PyTuple_CheckExact(last) && PyTuple_GET_SIZE(last) == count) {

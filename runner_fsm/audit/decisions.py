@@ -111,12 +111,16 @@ def decide(values: tuple, sampled: Sequence[Sequence[int]] | Mapping | None, las
 
 
 # What the compiled `decide` is asked before it is used: its tuple hash must be the
-# interpreter's, on negative, big and numpy-free ints, tuples, lists and empty ones.
+# interpreter's, on negative and big ints, tuples, lists and empty ones, and on sampled tokens
+# whose digest is at or above 2**31 - 1 (32-bit hashes reduce it), which some of the eight
+# decode steps at the end give on any build (each about one in two).
 PROBES = (((1, 729292405, 16, 16, 0, 0), [[7], [8, 9]], None),
           ((0, 0, 0, 1, 0, 0), None, (0, 0, 0, 1, 0, 0)),
           ((1, 2**31, 3, 4, 4, 2), [[2**40, -1, -2], (5,), []], (1, 2**31, 3, 4, 4, 1)),
           ((1, 5, 1, 1, 0, 0), [], (1, 5, 1, 1, 0, 0)),
-          ((1, 5, 1, 1, 0, 0), [[2**61 - 1, 2**64 + 3]], (1, 5, 1)))
+          ((1, 5, 1, 1, 0, 0), [[2**61 - 1, 2**64 + 3]], (1, 5, 1)),
+          *(((1, 5, 16, 16, 0, 0), [[1000 + step + row] for row in range(16)], (1, 5, 16, 16, 0, 0))
+            for step in range(8)))
 
 
 def checked(compiled) -> tuple[Any, str | None]:

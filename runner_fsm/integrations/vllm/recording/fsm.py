@@ -43,12 +43,13 @@ class StepMachine:
         return self.now.value
 
     def fire(self, trigger: Trigger, step_id: int | None, batch: AuditBatch | None = None,
-             decided: bytes = b"", *, now: bool = True) -> None:
+             decided: bytes = b"", *, now: bool = True, lane: bool = True) -> None:
         """Move on `trigger` and write its record at once (`AuditLog.step_transition`), after
         what `batch` holds; `now=False`: the record joins `batch` instead, written when it is.
         A trigger the table forbids is logged `refused` (into `batch` where there is one) and
         raised. `decided`: the step's decisions a `finish` carries, rendered
-        (`compact.decisions_tail`)."""
+        (`compact.decisions_tail`). `lane=False`: the lane declined this record already (the
+        recorder asks it first), the method writes it."""
         move = self.moves.get((self.now, trigger))
         if move is None:  # the edge's first time (a handful of edges), or a refusal
             move = self._first_move(trigger, step_id, batch)
@@ -59,7 +60,7 @@ class StepMachine:
             return
         if now:
             # the compiled step lane where it is built (False: it leaves this one to the method)
-            if batch is None and self.lane_write is not None and self.lane_write(step_id, body, decided):
+            if batch is None and lane and self.lane_write is not None and self.lane_write(step_id, body, decided):
                 return
             audit.step_transition(step_id, body, decided, batch)
         elif decided:

@@ -95,7 +95,7 @@ class ReplicaRecorder:
         if move is not None and machine.lane_write is not None and machine.lane_write(step, move[1], b""):
             machine.now = move[0]
         else:
-            machine.fire(trigger, step)  # raises StepRefused: nothing changed
+            machine.fire(trigger, step, lane=move is None)  # raises StepRefused: nothing changed
         self.kind, self._gated, self._decided_now, self._last_forward = kind, None, None, _NO_FORWARD
         if scheduled:
             order, counts, batch = self._last_batch
@@ -199,7 +199,7 @@ class ReplicaRecorder:
             if move is not None and machine.lane_write is not None and machine.lane_write(step, move[1], tail):
                 machine.now = move[0]
             else:
-                machine.fire(_FINISH, step, None, tail)
+                machine.fire(_FINISH, step, None, tail, lane=move is None)
         self.kind = None
         self.step_id = step + 1
         if self.after_end is not None:
