@@ -461,6 +461,23 @@ tuple_hash_end(TupleHash *h)
     return acc == (Py_uhash_t)-1 ? 1546275796 : (Py_hash_t)acc;
 }
 
+/* Each item of `seq` (an exact list or tuple) into `h`, by `item_hash`; -1 on an error. A
+ * list's size is read each time round: an item's __hash__ may change it (tuple() would have
+ * copied it first; an item's hash that changes its list is not a digest's concern). */
+static int
+add_items(TupleHash *h, PyObject *seq, Py_hash_t (*item_hash)(PyObject *))
+{
+    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
+        PyObject *item = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
+        Py_hash_t lane = item_hash(item);
+        Py_DECREF(item);
+        if (lane == -1)
+            return -1;
+        tuple_hash_add(h, (Py_uhash_t)lane);
+    }
+    return 0;
+}
+
 /* hash(tuple(seq)): a list's or a tuple's items as they are, anything else through tuple() */
 static Py_hash_t
 hash_as_tuple(PyObject *seq)
@@ -474,17 +491,7 @@ hash_as_tuple(PyObject *seq)
         return hash;
     }
     TupleHash h = {XXPRIME_5, 0};
-    /* a list's size read each time round: an item's __hash__ may change it (tuple() would
-     * have copied it first; an item's hash that changes its list is not a digest's concern) */
-    for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(seq); i++) {
-        PyObject *item = Py_NewRef(PySequence_Fast_GET_ITEM(seq, i));
-        Py_hash_t lane = PyObject_Hash(item);
-        Py_DECREF(item);
-        if (lane == -1)
-            return -1;
-        tuple_hash_add(&h, (Py_uhash_t)lane);
-    }
-    return tuple_hash_end(&h);
+    return add_items(&h, seq, PyObject_Hash) < 0 ? -1 : tuple_hash_end(&h);
 }
 
 /* `decisions.tokens_digest(sampled) if sampled else 0` for None or vLLM's list of token lists */
@@ -512,14 +519,8 @@ tokens_of(PyObject *sampled, unsigned long long *tokens)
     if (PyList_GET_SIZE(sampled) == 0)
         return 0;
     TupleHash h = {XXPRIME_5, 0};
-    for (Py_ssize_t i = 0; i < PyList_GET_SIZE(sampled); i++) {
-        PyObject *item = Py_NewRef(PyList_GET_ITEM(sampled, i));
-        Py_hash_t lane = hash_as_tuple(item);
-        Py_DECREF(item);
-        if (lane == -1)
-            return -1;
-        tuple_hash_add(&h, (Py_uhash_t)lane);
-    }
+    if (add_items(&h, sampled, hash_as_tuple) < 0)
+        return -1;
     *tokens = (unsigned long long)tuple_hash_end(&h) & DIGEST_MASK;
     return 0;
 }
@@ -540,12 +541,8 @@ decide(PyObject *Py_UNUSED(module), PyObject *const *args, Py_ssize_t nargs)
         return NULL;
     TupleHash h = {XXPRIME_5, 0};
     Py_ssize_t count = PyTuple_GET_SIZE(values);
-    for (Py_ssize_t i = 0; i < count; i++) {
-        Py_hash_t lane = PyObject_Hash(PyTuple_GET_ITEM(values, i));
-        if (lane == -1)
-            return NULL;
-        tuple_hash_add(&h, (Py_uhash_t)lane);
-    }
+    if (add_items(&h, values, PyObject_Hash) < 0)
+        return NULL;
 #if SIZEOF_SIZE_T > 4
     tuple_hash_add(&h, (Py_uhash_t)tokens); /* an int below 2**61 - 1 (the modulus) hashes as itself */
 #else

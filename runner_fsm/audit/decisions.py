@@ -145,20 +145,26 @@ class DecisionChanges:
     gives the same by name. An unchanged step, most of a decode run, costs one comparison."""
 
     def __init__(self) -> None:
-        self.last: tuple[int, ...] | None = None  # the values of the last call (a caller may compare first)
+        self._last: tuple[int, ...] | None = None
 
     def changed(self, values: tuple[int, ...]) -> list[int | None] | None:
-        """`values` where they changed since the last call, None where not, the trailing Nones
-        left out (all of them the first time; None when nothing changed)."""
-        last, self.last = self.last, values
-        if last is None:
-            return list(values)
-        if values == last:
-            return None
-        changed = [value if value != before else None for value, before in zip(values, last)]
-        while changed[-1] is None:
-            changed.pop()
-        return changed
+        """`values` where they changed since the last call (`changed_since`)."""
+        last, self._last = self._last, values
+        return changed_since(last, values)
+
+
+def changed_since(last: tuple[int, ...] | None, values: tuple[int, ...]) -> list[int | None] | None:
+    """`values` where they differ from `last`, None where not, the trailing Nones left out (all
+    of them where there is no `last`; None when nothing changed): for a writer that keeps the
+    last values itself (the vLLM recorder) or through `DecisionChanges`."""
+    if last is None:
+        return list(values)
+    if values == last:
+        return None
+    changed = [value if value != before else None for value, before in zip(values, last)]
+    while changed[-1] is None:
+        changed.pop()
+    return changed
 
 
 class DecisionLog:

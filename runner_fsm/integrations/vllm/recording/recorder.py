@@ -20,7 +20,7 @@ from typing import Any
 
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.compact import decisions_tail
-from runner_fsm.audit.decisions import DECIDE, DecisionChanges, StepDecisions, batch_identity
+from runner_fsm.audit.decisions import DECIDE, StepDecisions, batch_identity, changed_since
 from runner_fsm.audit.log import AuditBatch
 from runner_fsm.integrations.vllm.recording.fsm import StepMachine
 from runner_fsm.integrations.vllm.recording.forwards import forward_context
@@ -50,8 +50,7 @@ class ReplicaRecorder:
         self._last_forward: tuple = _NO_FORWARD  # this step's last target forward: (graph mode, batch descriptor)
         self._entry: dict | None = None  # this step's journal entry
         self._end = audit.batch()  # the records of a step's end (one batch, reused every step)
-        self._changes = DecisionChanges()  # the decisions the last `finish` carried, as a tuple
-        self._last_values: tuple | None = None  # the same tuple, read here each step (one object less)
+        self._last_values: tuple | None = None  # the decisions the last `finish` carried, as a tuple
         self._batch = (0, 0)  # this step's batch: (its identity, the tokens scheduled)
         # The last real batch's requests and tokens, in its order, and its `_batch`: a run of
         # steps over the same batch (decode) keeps one identity, computed once.
@@ -162,7 +161,7 @@ class ReplicaRecorder:
         target forward's graph mode and padded size, as vLLM's forward context gave them; the
         sampled tokens where they are known by now (not an async output's: MRV2 resolves them
         after the step). The digest and the decisions changed since the last `finish`, as
-        `decisions.DecisionChanges` gives them (all of them the first time). Worked out here, not
+        `decisions.changed_since` gives them (all of them the first time). Worked out here, not
         in a method of their own: this runs right after vLLM's sampler evicted the CPU caches,
         where each call costs about a microsecond."""
         entry = self._entry
@@ -188,7 +187,7 @@ class ReplicaRecorder:
         tokens, digest, tail = DECIDE(values, sampled, self._last_values)
         self._decided_now = (*values, tokens)
         if tail is None:  # a decision changed (or the first step): the changes rendered too
-            tail = decisions_tail(digest, self._changes.changed(values))
+            tail = decisions_tail(digest, changed_since(self._last_values, values))
             self._last_values = values
         step = self.step_id
         if self._forwards or drafted:
