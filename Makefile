@@ -33,6 +33,14 @@ $(LANE): runner_fsm/audit/_step_lane.c
 		-DSTEP_LANE_SOURCE_DIGEST=\"$$( (sha256sum $< 2>/dev/null || shasum -a 256 $<) | cut -c1-16)\" -o $@ $<
 NATIVE += $(LANE)
 
+# The recorder's step path, compiled (runner_fsm/integrations/vllm/recording/steps.py): built and
+# stamped like the lane; without it the Python reference runs; tests/test_step_core.py fails then.
+CORE   := runner_fsm/integrations/vllm/recording/_step_core$(PYEXT)
+$(CORE): runner_fsm/integrations/vllm/recording/_step_core.c
+	$(CC) -O3 -shared -fPIC -Wall -Wextra -Werror -I$(PYINC) \
+		-DSTEP_CORE_SOURCE_DIGEST=\"$$( (sha256sum $< 2>/dev/null || shasum -a 256 $<) | cut -c1-16)\" -o $@ $<
+NATIVE += $(CORE)
+
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0

@@ -1,13 +1,14 @@
-"""The build of runner-fsm's two compiled parts (the metadata is in pyproject.toml).
+"""The build of runner-fsm's three compiled parts (the metadata is in pyproject.toml).
 
 - `runner_fsm/pcp/_mrv2_layout.c` is a plain C shared library that `runner_fsm/pcp/native.py`
   loads with ctypes: no Python headers, no module init.
-- `runner_fsm/audit/_step_lane.c` is a CPython extension (`runner_fsm/audit/step_lane.py`): it
-  needs Python's headers.
+- `runner_fsm/audit/_step_lane.c` (`runner_fsm/audit/step_lane.py`) and
+  `runner_fsm/integrations/vllm/recording/_step_core.c` (`.../recording/steps.py`) are CPython
+  extensions: they need Python's headers.
 
 setuptools builds both as optional Extensions, so that `pip install .`, an sdist and a wheel
 built where a C compiler is carry them inside the package, and a machine without one still
-installs: plans are written by numpy, the step lane by Python, and each loader's `status()`
+installs: plans are written by numpy, the step lane and the recorder's step path by Python, and each loader's `status()`
 says why, from the build's error kept beside the package (`<name>.build-error`). A wheel holds
 its compiled parts for one platform (and the extension for one Python).
 """
@@ -22,9 +23,11 @@ from setuptools.errors import BaseError, CCompilerError
 
 LAYOUT = "runner_fsm/pcp/_mrv2_layout.c"
 LANE = "runner_fsm/audit/_step_lane.c"
+CORE = "runner_fsm/integrations/vllm/recording/_step_core.c"
 # Without it, what runs instead (said in the build's warning)
 INSTEAD = {LAYOUT: "runner_fsm plans PCP layouts in numpy instead",
-           LANE: "runner_fsm writes the step lane in Python instead"}
+           LANE: "runner_fsm writes the step lane in Python instead",
+           CORE: "runner_fsm runs the vLLM recorder's step path in Python instead"}
 
 
 def digest(source: str) -> str:
@@ -74,6 +77,10 @@ setup(
         Extension(
             "runner_fsm.audit._step_lane", [LANE], optional=True,
             define_macros=[("STEP_LANE_SOURCE_DIGEST", f'"{digest(LANE)}"')],
+        ),
+        Extension(
+            "runner_fsm.integrations.vllm.recording._step_core", [CORE], optional=True,
+            define_macros=[("STEP_CORE_SOURCE_DIGEST", f'"{digest(CORE)}"')],
         ),
     ],
     cmdclass={"build_ext": OptionalLibrary},

@@ -26,7 +26,7 @@ import runner_fsm
 from runner_fsm.audit import AuditLog, step_lane
 from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.integrations.vllm import worker as worker_module
-from runner_fsm.integrations.vllm.recording import forwards
+from runner_fsm.integrations.vllm.recording import forwards, steps as step_path
 from runner_fsm.integrations.vllm.recording.journal import Journal
 from runner_fsm.integrations.vllm.recording.probe import InputProbe
 from runner_fsm.integrations.vllm.recording.recorder import ReplicaRecorder
@@ -136,7 +136,7 @@ def _count(worker, steps: int) -> dict:
     records = worker.recorder.audit.next_seq - seq
     worker.recorder.shutdown()
     return {"calls": sum(calls.values()) / steps, "bytecodes": sum(ops.values()) / steps,
-            "records": records / steps, "lane": step_lane.status(),
+            "records": records / steps, "lane": step_lane.status(), "core": step_path.status(),
             "functions": {name: (calls[name] / steps, ops[name] / steps) for name in sorted(calls, key=lambda n: -ops[n])}}
 
 
@@ -145,8 +145,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     result = count(parser.parse_args().steps)
     lane = "compiled" if result["lane"]["compiled"] else f"not compiled: {result['lane']['reason']}"
+    core = "compiled" if result["core"]["compiled"] else f"not compiled: {result['core']['reason']}"
     print(f"per decode step: {result['calls']:.0f} Python calls, {result['bytecodes']:.0f} bytecodes,"
-          f" {result['records']:.0f} records (Python {sys.version.split()[0]}; step lane {lane})")
+          f" {result['records']:.0f} records (Python {sys.version.split()[0]}; step lane {lane}; recorder's step path {core})")
     for name, (calls, ops) in result["functions"].items():
         print(f"  {name:45s} {calls:4.1f} calls {ops:6.1f} bytecodes")
 

@@ -32,7 +32,6 @@ runs and why. `RUNNER_FSM_NATIVE=0` turns it off (read when this module is impor
 
 from __future__ import annotations
 
-import importlib
 import os
 from pathlib import Path
 from types import ModuleType
@@ -70,26 +69,11 @@ def source_digest() -> str:
     return compiled_parts.source_digest(SOURCE)
 
 
-def _not_built(error: ImportError) -> str:
-    return compiled_parts.not_built(MODULE, BUILD_ERROR, "a C compiler with Python's headers", str(error))
-
-
 def load() -> tuple[ModuleType | None, str | None]:
     """The compiled module, or None and why not."""
     if os.environ.get("RUNNER_FSM_NATIVE", "1") == "0":
         return None, "turned off by RUNNER_FSM_NATIVE=0"
-    try:
-        module = importlib.import_module(MODULE)
-    except ImportError as error:
-        return None, _not_built(error)
-    try:
-        shipped = source_digest()
-    except OSError as error:
-        return None, f"its source {SOURCE.name} cannot be read: {error}"
-    if module.SOURCE_DIGEST != shipped:
-        return None, (f"{MODULE} was built from other source (sha256 {module.SOURCE_DIGEST}...) than the"
-                      f" {SOURCE.name} beside it ({shipped}...): rebuild it")
-    return module, None
+    return compiled_parts.load_extension(MODULE, SOURCE, BUILD_ERROR)
 
 
 _compiled, _why_not = load()

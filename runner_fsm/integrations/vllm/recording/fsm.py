@@ -19,6 +19,7 @@ from runner_fsm.audit import AuditLog
 from runner_fsm.audit.log import AuditBatch
 from runner_fsm.audit.compact import transition_body
 from runner_fsm.integrations.vllm.errors import StepRefused
+from runner_fsm.integrations.vllm.recording.steps import MachineCore
 from runner_fsm.machine import TransitionCore
 from runner_fsm.states import State, Trigger
 
@@ -28,8 +29,10 @@ def _body(trigger: Trigger, src: State, dst: State, outcome: str) -> bytes:
     return transition_body(trigger.value, src.value, dst.value, outcome)
 
 
-class StepMachine:
-    """One replica's state; `fire(trigger, step_id)` moves it and logs the transition."""
+class StepMachine(MachineCore):
+    """One replica's state; `fire(trigger, step_id)` moves it and logs the transition. Its
+    `now`, `moves` and `lane_write` are `MachineCore`'s fields, which the recorder's compiled
+    step path reads in place (`steps`)."""
 
     def __init__(self, audit: AuditLog | None):
         self.audit = audit
