@@ -11,9 +11,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
 from step_calls import count  # noqa: E402
 
-# 2026-12-05: 5 with the recorder's step path compiled (8 with the digests inline and the recorder's
+# 2026-12-05: 4 with the recorder's step path compiled (8 with the digests inline and the recorder's
 # hook, 16 with the compiled step lane, 22 before it)
-BUDGET = 5
+BUDGET = 4
 
 
 def test_a_decode_step_stays_within_its_call_budget():
@@ -22,7 +22,7 @@ def test_a_decode_step_stays_within_its_call_budget():
     most `BUDGET` Python calls. Mutations seen to fail this: `StepMachine.fire` not asking the
     lane (`AuditLog.step_transition` called); the worker's general forward hook registered at
     `transitions` (7 calls); the compiled `end_step` rendering the tail of an unchanged step in
-    Python (`changed_tail`, 6 calls); the compiled step path not built (its reference's 8)."""
+    Python (`changed_tail`, 5 calls); the compiled step path not built (its reference's 8)."""
     result = count(steps=10)
     functions = result["functions"]
     assert result["lane"] == {"compiled": True}, result["lane"]  # make builds them: a missing one fails
