@@ -211,45 +211,46 @@ static int
 move_on(StepCore *self, PyObject *trigger, PyObject *step, PyObject *tail)
 {
     FIELD_OR_FAIL(machine_obj, machine, return -1)
-    MachineCore *machine = (MachineCore *)machine_obj;
+    MachineCore *machine = (MachineCore *)Py_NewRef(machine_obj); /* held: the calls below may run Python code */
     PyObject *dst, *body;
-    int found = find_move(self, machine, trigger, &dst, &body);
+    int found = find_move(self, machine, trigger, &dst, &body), result = -1;
     if (found < 0)
-        return -1;
+        goto done;
     PyObject *lane_write = machine->lane_write;
     if (found && lane_write != NULL && lane_write != Py_None) {
-        Py_INCREF(dst); /* the lane's write may run a collection: hold what the move is */
+        Py_INCREF(lane_write);
+        Py_INCREF(dst);
+        Py_INCREF(body);
         PyObject *args[3] = {step, body, tail == NULL ? s_empty_bytes : tail};
         PyObject *written = PyObject_Vectorcall(lane_write, args, 3, NULL);
-        if (written == NULL) {
-            Py_DECREF(dst);
-            return -1;
-        }
-        int truth = PyObject_IsTrue(written);
-        Py_DECREF(written);
-        if (truth < 0) {
-            Py_DECREF(dst);
-            return -1;
-        }
-        if (truth) {
-            Py_SETREF(machine->now, dst);
-            return 0;
+        int truth = written == NULL ? -1 : PyObject_IsTrue(written);
+        Py_XDECREF(written);
+        Py_DECREF(lane_write);
+        Py_DECREF(body);
+        if (truth > 0) {
+            Py_XSETREF(machine->now, dst);
+            result = 0;
+            goto done;
         }
         Py_DECREF(dst);
+        if (truth < 0)
+            goto done;
     }
     PyObject *kwargs = Py_BuildValue("{OO}", s_lane, found ? Py_False : Py_True);
-    if (kwargs == NULL)
-        return -1;
-    PyObject *fire = PyObject_GetAttr(machine_obj, s_fire), *args;
-    args = tail == NULL ? PyTuple_Pack(2, trigger, step) : PyTuple_Pack(4, trigger, step, Py_None, tail);
-    PyObject *fired = fire != NULL && args != NULL ? PyObject_Call(fire, args, kwargs) : NULL;
+    PyObject *fire = kwargs != NULL ? PyObject_GetAttr(machine_obj, s_fire) : NULL, *args = NULL;
+    if (fire != NULL)
+        args = tail == NULL ? PyTuple_Pack(2, trigger, step) : PyTuple_Pack(4, trigger, step, Py_None, tail);
+    PyObject *fired = args != NULL ? PyObject_Call(fire, args, kwargs) : NULL;
     Py_XDECREF(fire);
     Py_XDECREF(args);
-    Py_DECREF(kwargs);
-    if (fired == NULL)
-        return -1;
-    Py_DECREF(fired);
-    return 0;
+    Py_XDECREF(kwargs);
+    if (fired != NULL) {
+        Py_DECREF(fired);
+        result = 0;
+    }
+done:
+    Py_DECREF(machine);
+    return result;
 }
 
 /* Positional and keyword arguments into `out` (by `names`), defaults left as they are. */
@@ -513,6 +514,10 @@ forward_hook(StepCore *self, PyObject *const *Py_UNUSED(args), Py_ssize_t nargs)
     }
     PyObject *entry = self->entry;
     if (entry != NULL && entry != Py_None) {
+        if (!PyDict_CheckExact(entry)) {
+            PyErr_SetString(PyExc_TypeError, "the recorder's journal entry is not a dict");
+            goto done;
+        }
         PyObject *list = PyDict_GetItemWithError(entry, s_forwards); /* borrowed */
         if (list == NULL) {
             if (PyErr_Occurred())
@@ -580,7 +585,7 @@ end_step(StepCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwna
     static const char *const names[] = {"drafted", "draft_steps", "sampled"};
     PyObject *given[3] = {Py_False, NULL, Py_None};
     PyObject *zero = PyLong_FromLong(0), *values = NULL, *decided = NULL, *tail = NULL, *step = NULL,
-             *sampled_ref = NULL, *drafted_ref = NULL, *steps_ref = NULL;
+             *sampled_ref = NULL, *drafted_ref = NULL, *steps_ref = NULL, *last = NULL;
     if (zero == NULL)
         return NULL;
     given[1] = zero;
@@ -616,7 +621,7 @@ end_step(StepCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwna
     int drafted = PyObject_IsTrue(drafted_ref);
     if (drafted < 0 || (values = step_values(self, drafted, steps_ref)) == NULL)
         goto fail;
-    PyObject *last = self->last_values != NULL ? self->last_values : Py_None;
+    last = Py_NewRef(self->last_values != NULL ? self->last_values : Py_None);
     PyObject *decide_args[3] = {values, sampled_ref, last};
     decided = PyObject_Vectorcall(decide_fn, decide_args, 3, NULL);
     if (decided == NULL)
@@ -663,6 +668,7 @@ end_step(StepCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwna
     Py_DECREF(sampled_ref);
     Py_DECREF(drafted_ref);
     Py_DECREF(steps_ref);
+    Py_DECREF(last);
     Py_DECREF(zero);
     PyObject *after = self->after_end;
     if (after != NULL && after != Py_None) {
@@ -682,6 +688,7 @@ fail:
     Py_XDECREF(sampled_ref);
     Py_XDECREF(drafted_ref);
     Py_XDECREF(steps_ref);
+    Py_XDECREF(last);
     Py_DECREF(zero);
     return NULL;
 }
