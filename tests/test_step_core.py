@@ -209,6 +209,7 @@ def _load_from(tmp_path, monkeypatch, text: bytes | None = None):
 
 
 def test_the_loader_says_why_the_compiled_path_is_not_used(tmp_path, monkeypatch):
+    monkeypatch.delenv("RUNNER_FSM_NATIVE", raising=False)
     module, why_not = _load_from(tmp_path, monkeypatch)
     assert module is not None and why_not is None
     module, why_not = _load_from(tmp_path, monkeypatch, steps.SOURCE.read_bytes() + b"/* changed */\n")
@@ -218,3 +219,5 @@ def test_the_loader_says_why_the_compiled_path_is_not_used(tmp_path, monkeypatch
     assert module is None and "is not built" in why_not
     (tmp_path / "_step_core.build-error").write_text("building it failed: no compiler")
     assert "no compiler" in steps.load()[1]
+    monkeypatch.setenv("RUNNER_FSM_NATIVE", "0")
+    assert steps.load() == (None, "turned off by RUNNER_FSM_NATIVE=0")

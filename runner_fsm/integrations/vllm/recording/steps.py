@@ -163,6 +163,8 @@ class PyStepCore:
 
 def load() -> tuple[ModuleType | None, str | None]:
     """The compiled module, configured, or None and why not."""
+    if os.environ.get("RUNNER_FSM_NATIVE", "1") == "0":
+        return None, "turned off by RUNNER_FSM_NATIVE=0"
     module, why_not = compiled_parts.load_extension(MODULE, SOURCE, BUILD_ERROR)
     if module is not None:
         module.configure(STEP_TRIGGERS, _FINISH, Later, DECIDE, changed_tail, new_batch, forward_context,
@@ -170,8 +172,7 @@ def load() -> tuple[ModuleType | None, str | None]:
     return module, why_not
 
 
-_compiled, _why_not = load() if os.environ.get("RUNNER_FSM_NATIVE", "1") != "0" else \
-    (None, "turned off by RUNNER_FSM_NATIVE=0")
+_compiled, _why_not = load()
 StepCore: Any = _compiled.StepCore if _compiled is not None else PyStepCore
 MachineCore: Any = _compiled.MachineCore if _compiled is not None else PyMachineCore
 
