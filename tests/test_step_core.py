@@ -7,6 +7,10 @@ loader's reasons where it is not used."""
 from __future__ import annotations
 
 import gc
+import os
+import re
+import subprocess
+import sys
 import weakref
 from pathlib import Path
 from types import SimpleNamespace
@@ -221,3 +225,178 @@ def test_the_loader_says_why_the_compiled_path_is_not_used(tmp_path, monkeypatch
     assert "no compiler" in steps.load()[1]
     monkeypatch.setenv("RUNNER_FSM_NATIVE", "0")
     assert steps.load() == (None, "turned off by RUNNER_FSM_NATIVE=0")
+
+
+# -- Python code that runs inside the step path: a request id's, a descriptor's, a state's or a
+# journal's own methods may set the recorder's fields while the compiled path is using them.
+# Each case runs on both paths: the same outcome and fields, and no crash (each one crashed the
+# compiled path once, reading a field it no longer held).
+
+def _fresh(cls: type, run_dir: Path) -> ReplicaRecorder:
+    rec = cls(AuditLog(run_dir, "core", 0, 0, 0, shape=job_shape_fields(1, 1, 0, 0)), Journal(str(run_dir), 0),
+              fingerprints=False)
+    rec.start_capture()
+    rec.end_capture()
+    return rec
+
+
+def _key_resetting(rec, field: str, value):
+    class Key:  # equal to any key it meets, setting the recorder's field as it compares
+        def __hash__(self):
+            return hash("forwards")
+
+        def __eq__(self, other):
+            setattr(rec, field, value)
+            return True
+    return Key()
+
+
+def _batch_compared(rec):
+    rec._last_batch = ([_key_resetting(rec, "_last_batch", ([], [], (0, 0)))], [1], (object(), 1))
+    return rec.begin_step("prefill", None, {_key_resetting(rec, "_last_batch", None): 1})
+
+
+def _descriptor_read(rec):
+    rec.begin_step("decode")
+
+    class Descriptor:
+        def __bool__(self):
+            rec._last_forward, rec._batch = ("NONE", None), (0, 0)
+            return True
+
+        def __getitem__(self, i):
+            return 4
+    rec._last_forward, rec._batch = ("FULL", Descriptor()), (object(), 1)
+    return rec.end_step()
+
+
+def _gate_compared(rec):
+    rec.begin_step("decode")
+
+    class Gate(int):
+        def __gt__(self, other):
+            rec._gated = None
+            return "yes"  # `gated > 0` as it is: handed to `_end_with_records`
+    rec._gated = Gate(2)
+    return rec.end_step()
+
+
+def _journal_appended(rec):
+    class Pending(list):
+        def append(self, entry):
+            super().append(entry)
+            rec._pending, rec._entry = None, None  # this journal freed, as the path still reads it
+    rec._pending, rec._entry = Pending(), {"step": 0}
+    return rec.begin_step("prefill")
+
+
+def _entry_looked_up(rec):
+    rec.begin_step("decode")
+    rec._entry = {_key_resetting(rec, "_entry", None): 1, "step": 0}
+    forwards._VLLM_CONTEXT = SimpleNamespace(_forward_context=_context("FULL", 8))
+    return rec.forward_hook(None, (), {})
+
+
+def _state_compared(rec):
+    from runner_fsm.states import State, Trigger
+    machine = rec.machine
+    start = machine.now
+
+    class Now:  # equal to the move's state, replacing itself as it compares
+        def __hash__(self):
+            return hash(start)
+
+        def __eq__(self, other):
+            machine.now = start
+            return True
+    machine.moves = {**machine.moves, (Now(), Trigger.PREFILL): (State.PREFILL, b"{}")}
+    machine.now = Now()
+    return rec.begin_step("prefill")
+
+
+def _odd_containers(rec):
+    import collections
+    rec._last_batch = [[], [], (0, 0)]  # unpacked, whatever holds the three
+    rec.begin_step("idle", None, {"a": 1})
+    rec._forwards = collections.deque()
+    forwards._VLLM_CONTEXT = SimpleNamespace(_forward_context=_context("FULL", 8))
+    rec.forward_hook(None, (), {})
+    rec._last_forward = ("FULL", {0: 8})  # `desc[0]`: an item of a mapping too
+    return rec.end_step(), list(rec._forwards)
+
+
+def _str_subclass_kind(rec):
+    class Kind(str):
+        pass
+    rec.begin_step(Kind("idle"), entry=__import__("collections").OrderedDict(step=0))
+    forwards._VLLM_CONTEXT = SimpleNamespace(_forward_context=_context("FULL", 8))
+    rec.forward_hook(None, (), {})
+    return rec._forwards, dict(rec._entry)
+
+
+def _bad_arguments(rec):
+    out = []
+    for call in (lambda: rec.begin_step(("a", "b")), lambda: rec.begin_step("decode", [("x", 1)])):
+        try:
+            call()
+        except (KeyError, TypeError) as error:
+            out.append((type(error), error.args))
+    return out
+
+
+def _step_id_moved_by_records(rec):
+    rec.begin_step("decode")
+    rec._end_with_records = lambda step, drafted, tail: setattr(rec, "step_id", 100)
+    rec.end_step(drafted=True, draft_steps=1)
+    return rec.step_id  # `step + 1`, as the Python path sets it
+
+
+INSIDE = [_batch_compared, _descriptor_read, _gate_compared, _journal_appended, _entry_looked_up, _state_compared,
+          _odd_containers, _str_subclass_kind, _bad_arguments, _step_id_moved_by_records]
+
+
+def _observe(cls: type, run_dir: Path, case) -> tuple:
+    rec = _fresh(cls, run_dir)
+    drafted = []
+    if case is _gate_compared:
+        rec._end_with_records = lambda step, d, tail: drafted.append(d)
+    try:
+        out = ("returned", repr(case(rec)))
+    except Exception as error:
+        out = ("raised", type(error), str(error))
+    finally:
+        forwards._VLLM_CONTEXT = SimpleNamespace(_forward_context=None)
+    [object() for _ in range(10_000)]  # reuse what a dangling read would have freed
+    gc.collect()
+    fields = [repr(getattr(rec, field, "unset")) for field in FIELDS + ("_entry", "_pending")]
+    return out, fields, rec.machine.state, drafted
+
+
+@pytest.mark.parametrize("case", INSIDE, ids=[case.__name__.strip("_") for case in INSIDE])
+def test_python_code_inside_the_step_path_sees_what_the_python_one_sees(tmp_path, monkeypatch, case):
+    monkeypatch.setattr(forwards, "_VLLM_CONTEXT", SimpleNamespace(_forward_context=None))
+    compiled = _observe(ReplicaRecorder, tmp_path / "compiled", case)
+    python = _observe(_python_recorder(), tmp_path / "python", case)
+    clean = re.compile(r" at 0x[0-9a-f]+|Py")  # addresses and the reference class's name
+    assert clean.sub("", repr(compiled)) == clean.sub("", repr(python))
+    if case is _gate_compared:
+        assert compiled[3] == ["yes"]
+    if case is _step_id_moved_by_records:
+        assert compiled[0] == ("returned", "1")
+    if case is _bad_arguments:
+        assert compiled[0] == ("returned", repr([(KeyError, (("a", "b"),)),
+                                                 (TypeError, ("'list' object is not a mapping",))]))
+
+
+def test_an_unconfigured_step_path_raises(tmp_path):
+    """The compiled module imported on its own (not through `steps.load`) refuses to step."""
+    code = ("import importlib, sys\n"
+            "m = importlib.import_module('runner_fsm.integrations.vllm.recording._step_core')\n"
+            "core = m.StepCore()\n"
+            "for call in (lambda: core.begin_step('decode'), lambda: core.forward_hook(1, 2, 3), core.end_step):\n"
+            "    try:\n        call()\n    except RuntimeError as e:\n        print('refused:', e)\n")
+    env = {**os.environ, "RUNNER_FSM_NATIVE": "0"}  # steps.load does not configure it
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120,
+                          cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("refused: the compiled step path is not configured") == 3

@@ -35,7 +35,8 @@ static Py_ssize_t journal_batch; /* journal.BATCH */
 static PyObject *s_vllm_context, *s_forward_context, *s_batch_descriptor, *s_dp_metadata, *s_runtime_mode, *s_name_,
     *s_num_tokens, *s_num_reqs, *s_uniform, *s_across_dp, *s_tolist, *s_none_mode;
 static PyObject *s_idle, *s_full, *s_real, *s_dummy, *s_step, *s_kind, *s_forwards, *s_sampled, *s_fire,
-    *s_lane, *s_render, *s_end_with_records, *s_values, *s_empty_bytes, *s_empty_tuple;
+    *s_lane, *s_render, *s_end_with_records, *s_values, *s_append, *s_setdefault, *s_get, *s_keys, *s_empty_bytes,
+    *s_empty_tuple;
 
 /* -- MachineCore: StepMachine's fields */
 
@@ -166,35 +167,41 @@ field(PyObject *value, const char *name)
     if (var == NULL) \
         fail;
 
-/* 1 and the move of `trigger` from the machine's state; 0 where the machine has none yet
- * (StepMachine.fire finds it, or refuses); -1 on an error. */
+/* 1 and the move of `trigger` from the machine's state (`dst` and `body`: new references); 0
+ * where the machine has none yet (StepMachine.fire finds it, or refuses); -1 on an error. */
 static int
 find_move(StepCore *self, MachineCore *machine, PyObject *trigger, PyObject **dst, PyObject **body)
 {
-    PyObject *now = machine->now;
-    if (now == NULL)
+    if (machine->now == NULL)
         return 0;
     for (int i = 0; i < self->move_count; i++) {
         Move *move = &self->move_cache[i];
-        if (move->src == now && move->trigger == trigger) {
-            *dst = move->dst;
-            *body = move->body;
+        if (move->src == machine->now && move->trigger == trigger) {
+            *dst = Py_NewRef(move->dst);
+            *body = Py_NewRef(move->body);
             return 1;
         }
     }
     if (machine->moves == NULL || !PyDict_CheckExact(machine->moves))
         return 0;
+    /* held: a state's __hash__ or __eq__ may run Python code that sets the machine's fields */
+    PyObject *now = Py_NewRef(machine->now), *moves = Py_NewRef(machine->moves), *found = NULL;
     PyObject *key = PyTuple_Pack(2, now, trigger);
+    int result = -1;
     if (key == NULL)
-        return -1;
-    PyObject *found = PyDict_GetItemWithError(machine->moves, key); /* borrowed */
+        goto done;
+    found = Py_XNewRef(PyDict_GetItemWithError(moves, key));
     Py_DECREF(key);
-    if (found == NULL)
-        return PyErr_Occurred() ? -1 : 0;
+    if (found == NULL) {
+        result = PyErr_Occurred() ? -1 : 0;
+        goto done;
+    }
+    result = 0;
     if (!PyTuple_CheckExact(found) || PyTuple_GET_SIZE(found) != 2)
-        return 0;
-    *dst = PyTuple_GET_ITEM(found, 0);
-    *body = PyTuple_GET_ITEM(found, 1);
+        goto done;
+    result = 1;
+    *dst = Py_NewRef(PyTuple_GET_ITEM(found, 0));
+    *body = Py_NewRef(PyTuple_GET_ITEM(found, 1));
     if (self->move_count < MOVE_CACHE) { /* a move, once made, never changes (StepMachine._first_move) */
         Move *move = &self->move_cache[self->move_count++];
         move->src = Py_NewRef(now);
@@ -202,7 +209,11 @@ find_move(StepCore *self, MachineCore *machine, PyObject *trigger, PyObject **ds
         move->dst = Py_NewRef(*dst);
         move->body = Py_NewRef(*body);
     }
-    return 1;
+done:
+    Py_XDECREF(found);
+    Py_DECREF(moves);
+    Py_DECREF(now);
+    return result;
 }
 
 /* `trigger` at `step`: the compiled lane writes it where it can, else `machine.fire`
@@ -212,27 +223,23 @@ move_on(StepCore *self, PyObject *trigger, PyObject *step, PyObject *tail)
 {
     FIELD_OR_FAIL(machine_obj, machine, return -1)
     MachineCore *machine = (MachineCore *)Py_NewRef(machine_obj); /* held: the calls below may run Python code */
-    PyObject *dst, *body;
+    PyObject *dst = NULL, *body = NULL;
     int found = find_move(self, machine, trigger, &dst, &body), result = -1;
     if (found < 0)
         goto done;
     PyObject *lane_write = machine->lane_write;
     if (found && lane_write != NULL && lane_write != Py_None) {
         Py_INCREF(lane_write);
-        Py_INCREF(dst);
-        Py_INCREF(body);
         PyObject *args[3] = {step, body, tail == NULL ? s_empty_bytes : tail};
         PyObject *written = PyObject_Vectorcall(lane_write, args, 3, NULL);
         int truth = written == NULL ? -1 : PyObject_IsTrue(written);
         Py_XDECREF(written);
         Py_DECREF(lane_write);
-        Py_DECREF(body);
         if (truth > 0) {
-            Py_XSETREF(machine->now, dst);
+            Py_XSETREF(machine->now, Py_NewRef(dst));
             result = 0;
             goto done;
         }
-        Py_DECREF(dst);
         if (truth < 0)
             goto done;
     }
@@ -249,6 +256,8 @@ move_on(StepCore *self, PyObject *trigger, PyObject *step, PyObject *tail)
         result = 0;
     }
 done:
+    Py_XDECREF(dst);
+    Py_XDECREF(body);
     Py_DECREF(machine);
     return result;
 }
@@ -279,20 +288,52 @@ parse(const char *what, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnam
     return 0;
 }
 
+/* `value == text` as Python reads it: 1, 0, or -1 on an error (a str subclass's or any other
+ * object's __eq__ is its own) */
 static int
 is_str(PyObject *value, PyObject *interned)
 {
-    return value == interned ||
-           (PyUnicode_CheckExact(value) && PyUnicode_Compare(value, interned) == 0);
+    if (value == interned)
+        return 1;
+    if (PyUnicode_CheckExact(value))
+        return PyUnicode_Compare(value, interned) == 0;
+    return PyObject_RichCompareBool(value, interned, Py_EQ);
 }
+
+/* `container.append(item)`: a list's in place, anything else's method */
+static int
+append(PyObject *container, PyObject *item)
+{
+    if (PyList_CheckExact(container))
+        return PyList_Append(container, item);
+    PyObject *done = PyObject_CallMethodOneArg(container, s_append, item);
+    Py_XDECREF(done);
+    return done == NULL ? -1 : 0;
+}
+
+#define CONFIGURED(fail) \
+    if (step_triggers == NULL) { \
+        PyErr_SetString(PyExc_RuntimeError, "the compiled step path is not configured (steps.load)"); \
+        fail; \
+    }
 
 /* The batch of a real step from `scheduled` ({request id: tokens}), computed again only where
  * its requests or tokens changed. */
 static int
 take_batch(StepCore *self, PyObject *scheduled)
 {
-    PyObject *keys, *tokens;
-    if (PyDict_CheckExact(scheduled)) {
+    /* `order, counts, batch = self._last_batch`: held, as a request id's __eq__ may run Python
+     * code that sets the field */
+    FIELD_OR_FAIL(last_field, last_batch, return -1)
+    PyObject *last = PySequence_Tuple(last_field), *keys = NULL, *tokens = NULL, *batch = NULL;
+    if (last == NULL)
+        return -1;
+    if (PyTuple_GET_SIZE(last) != 3) {
+        PyErr_Format(PyExc_ValueError, "the recorder's _last_batch has %zd values, not (requests, tokens, batch)",
+                     PyTuple_GET_SIZE(last));
+        goto fail;
+    }
+    if (PyDict_CheckExact(scheduled)) { /* in the batch's order: the identity depends on it */
         keys = PyDict_Keys(scheduled);
         tokens = PyDict_Values(scheduled);
     } else {
@@ -303,43 +344,37 @@ take_batch(StepCore *self, PyObject *scheduled)
     }
     if (keys == NULL || tokens == NULL)
         goto fail;
-    FIELD_OR_FAIL(last, last_batch, goto fail)
-    if (!PyTuple_CheckExact(last) || PyTuple_GET_SIZE(last) != 3) {
-        PyErr_SetString(PyExc_TypeError, "the recorder's last_batch is not (requests, tokens, batch)");
-        goto fail;
-    }
-    PyObject *batch = PyTuple_GET_ITEM(last, 2);
     int same = PyObject_RichCompareBool(keys, PyTuple_GET_ITEM(last, 0), Py_EQ);
     if (same > 0)
         same = PyObject_RichCompareBool(tokens, PyTuple_GET_ITEM(last, 1), Py_EQ);
     if (same < 0)
         goto fail;
     if (same) {
-        Py_INCREF(batch);
-        Py_DECREF(keys);
-        Py_DECREF(tokens);
+        batch = Py_NewRef(PyTuple_GET_ITEM(last, 2));
     } else {
         batch = PyObject_CallFunctionObjArgs(new_batch, keys, tokens, NULL);
         PyObject *kept = batch != NULL ? PyTuple_Pack(3, keys, tokens, batch) : NULL;
-        Py_DECREF(keys);
-        Py_DECREF(tokens);
-        if (kept == NULL) {
-            Py_XDECREF(batch);
-            return -1;
-        }
-        Py_SETREF(self->last_batch, kept);
+        if (kept == NULL)
+            goto fail;
+        Py_XSETREF(self->last_batch, kept);
     }
     Py_XSETREF(self->batch, batch);
+    Py_DECREF(keys);
+    Py_DECREF(tokens);
+    Py_DECREF(last);
     return 0;
 fail:
+    Py_XDECREF(batch);
     Py_XDECREF(keys);
     Py_XDECREF(tokens);
+    Py_DECREF(last);
     return -1;
 }
 
 static PyObject *
 begin_step(StepCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
+    CONFIGURED(return NULL)
     static const char *const names[] = {"kind", "decision", "scheduled", "entry"};
     PyObject *given[4] = {NULL, Py_None, Py_None, Py_None};
     if (parse("begin_step", args, nargs, kwnames, names, 3, 4, given) < 0)
@@ -349,20 +384,16 @@ begin_step(StepCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw
         PyErr_SetString(PyExc_TypeError, "begin_step() needs the step's kind");
         return NULL;
     }
-    /* the previous step's journal entry: complete now (`Journal.write`) */
-    PyObject *previous = self->entry, *pending = self->pending;
-    if (previous != NULL && previous != Py_None && pending != NULL && pending != Py_None) {
-        if (PyList_CheckExact(pending)) {
-            if (PyList_Append(pending, previous) < 0)
-                return NULL;
-        } else {
-            PyObject *appended = PyObject_CallMethod(pending, "append", "O", previous);
-            if (appended == NULL)
-                return NULL;
-            Py_DECREF(appended);
-        }
-        Py_XSETREF(self->entry, Py_NewRef(Py_None)); /* handed over: a refused move must not hand it over twice */
-        Py_ssize_t waiting = PyObject_Length(pending);
+    /* the previous step's journal entry: complete now (`Journal.write`); both held, as a
+     * journal that is not a list runs Python code */
+    if (self->entry != NULL && self->entry != Py_None && self->pending != NULL && self->pending != Py_None) {
+        PyObject *previous = Py_NewRef(self->entry), *pending = Py_NewRef(self->pending);
+        int appended = append(pending, previous);
+        Py_DECREF(previous);
+        if (appended == 0) /* handed over: a refused move must not hand it over twice */
+            Py_XSETREF(self->entry, Py_NewRef(Py_None));
+        Py_ssize_t waiting = appended < 0 ? -1 : PyObject_Length(pending);
+        Py_DECREF(pending);
         if (waiting < 0)
             return NULL;
         if (waiting >= journal_batch) {
@@ -373,17 +404,21 @@ begin_step(StepCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw
             Py_DECREF(rendered);
         }
     }
-    PyObject *trigger = PyDict_GetItemWithError(step_triggers, kind); /* borrowed */
+    PyObject *trigger = Py_XNewRef(PyDict_GetItemWithError(step_triggers, kind)), *step = NULL;
     if (trigger == NULL) {
-        if (!PyErr_Occurred())
-            PyErr_SetObject(PyExc_KeyError, kind);
+        if (!PyErr_Occurred()) { /* as a dict says it: the key, even a tuple, as one argument */
+            PyObject *key = PyTuple_Pack(1, kind);
+            if (key != NULL) {
+                PyErr_SetObject(PyExc_KeyError, key);
+                Py_DECREF(key);
+            }
+        }
         return NULL;
     }
-    PyObject *step = PyLong_FromLongLong(self->step_id);
-    if (step == NULL)
-        return NULL;
-    if (move_on(self, trigger, step, NULL) < 0)
+    step = PyLong_FromLongLong(self->step_id);
+    if (step == NULL || move_on(self, trigger, step, NULL) < 0)
         goto fail; /* a refusal raises StepRefused: nothing changed */
+    Py_CLEAR(trigger);
     Py_XSETREF(self->kind, Py_NewRef(kind));
     Py_XSETREF(self->gated, Py_NewRef(Py_None));
     Py_XSETREF(self->decided_now, Py_NewRef(Py_None));
@@ -401,8 +436,14 @@ begin_step(StepCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw
         entry = PyDict_New();
         if (entry == NULL || PyDict_SetItem(entry, s_step, step) < 0 || PyDict_SetItem(entry, s_kind, kind) < 0)
             goto fail_entry;
-        int merge = PyObject_IsTrue(decision);
-        if (merge < 0 || (merge && PyDict_Update(entry, decision) < 0))
+        int merge = PyObject_IsTrue(decision); /* `**(decision or {})` */
+        if (merge < 0)
+            goto fail_entry;
+        if (merge && !PyDict_Check(decision) && !PyObject_HasAttr(decision, s_keys)) {
+            PyErr_Format(PyExc_TypeError, "'%.200s' object is not a mapping", Py_TYPE(decision)->tp_name);
+            goto fail_entry;
+        }
+        if (merge && PyDict_Update(entry, decision) < 0)
             goto fail_entry;
     } else {
         Py_INCREF(entry);
@@ -412,7 +453,8 @@ begin_step(StepCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kw
 fail_entry:
     Py_XDECREF(entry);
 fail:
-    Py_DECREF(step);
+    Py_XDECREF(trigger);
+    Py_XDECREF(step);
     return NULL;
 }
 
@@ -477,6 +519,7 @@ done:
 static PyObject *
 forward_hook(StepCore *self, PyObject *const *Py_UNUSED(args), Py_ssize_t nargs)
 {
+    CONFIGURED(return NULL)
     if (nargs != 3) {
         PyErr_SetString(PyExc_TypeError, "forward_hook(module, args, kwargs)");
         return NULL;
@@ -489,90 +532,120 @@ forward_hook(StepCore *self, PyObject *const *Py_UNUSED(args), Py_ssize_t nargs)
         PyErr_SetString(PyExc_TypeError, "forward_context() is not (mode, descriptor, DP counts)");
         return NULL;
     }
+    /* each field held while it is used: a comparison, an append or a dict lookup may run
+     * Python code that sets them */
     PyObject *mode = PyTuple_GET_ITEM(context, 0), *desc = PyTuple_GET_ITEM(context, 1),
-             *dp_counts = PyTuple_GET_ITEM(context, 2), *kind = self->kind, *result = NULL;
-    int full = is_str(mode, s_full);
-    if (kind == NULL || kind == Py_None) {
-        if (!full) {
-            Py_DECREF(context);
-            Py_RETURN_NONE;
-        }
+             *dp_counts = PyTuple_GET_ITEM(context, 2), *kind = Py_XNewRef(self->kind), *entry = NULL, *list = NULL,
+             *result = NULL;
+    int full = is_str(mode, s_full), dummy = 0;
+    if (full < 0)
+        goto done;
+    if ((kind == NULL || kind == Py_None) && !full) { /* outside steps, only a graph capture counts */
+        result = Py_NewRef(Py_None);
+        goto done;
     }
-    int dummy = kind != NULL && is_str(kind, s_idle);
+    if (kind != NULL && (dummy = is_str(kind, s_idle)) < 0)
+        goto done;
     PyObject *last = PyTuple_Pack(2, mode, desc);
     if (last == NULL)
         goto done;
     Py_XSETREF(self->last_forward, last);
-    if (full) {
-        FIELD_OR_FAIL(forwards, forwards, goto done)
+    if (full) { /* a graph record (eager at `transitions`: none) */
+        FIELD_OR_FAIL(forwards_field, forwards, goto done)
+        PyObject *forwards = Py_NewRef(forwards_field);
         PyObject *record = Py_BuildValue("(OOOOOO)", Py_None, s_empty_tuple, dummy ? Py_True : Py_False, mode,
                                          desc, Py_False);
-        int appended = record != NULL ? PyList_Append(forwards, record) : -1;
+        int appended = record != NULL ? append(forwards, record) : -1;
         Py_XDECREF(record);
+        Py_DECREF(forwards);
         if (appended < 0)
             goto done;
     }
-    PyObject *entry = self->entry;
-    if (entry != NULL && entry != Py_None) {
-        if (!PyDict_CheckExact(entry)) {
-            PyErr_SetString(PyExc_TypeError, "the recorder's journal entry is not a dict");
-            goto done;
-        }
-        PyObject *list = PyDict_GetItemWithError(entry, s_forwards); /* borrowed */
-        if (list == NULL) {
-            if (PyErr_Occurred())
-                goto done;
-            list = PyList_New(0);
-            if (list == NULL || PyDict_SetItem(entry, s_forwards, list) < 0) {
-                Py_XDECREF(list);
-                goto done;
+    entry = Py_XNewRef(self->entry);
+    if (entry != NULL && entry != Py_None) { /* `entry.setdefault("forwards", []).append(row)` */
+        if (PyDict_CheckExact(entry)) {
+            list = Py_XNewRef(PyDict_GetItemWithError(entry, s_forwards));
+            if (list == NULL) {
+                if (PyErr_Occurred() || (list = PyList_New(0)) == NULL || PyDict_SetItem(entry, s_forwards, list) < 0)
+                    goto done;
             }
-            Py_DECREF(list); /* the entry holds it */
+        } else {
+            PyObject *fresh = PyList_New(0);
+            list = fresh != NULL ? PyObject_CallMethodObjArgs(entry, s_setdefault, s_forwards, fresh, NULL) : NULL;
+            Py_XDECREF(fresh);
+            if (list == NULL)
+                goto done;
         }
-        PyObject *item = PyList_New(4);
-        if (item == NULL)
+        PyObject *row = PyList_New(4);
+        if (row == NULL)
             goto done;
-        PyList_SET_ITEM(item, 0, Py_NewRef(dummy ? s_dummy : s_real));
-        PyList_SET_ITEM(item, 1, Py_NewRef(mode));
-        PyList_SET_ITEM(item, 2, Py_NewRef(desc));
-        PyList_SET_ITEM(item, 3, Py_NewRef(dp_counts));
-        int appended = PyList_Append(list, item);
-        Py_DECREF(item);
+        PyList_SET_ITEM(row, 0, Py_NewRef(dummy ? s_dummy : s_real));
+        PyList_SET_ITEM(row, 1, Py_NewRef(mode));
+        PyList_SET_ITEM(row, 2, Py_NewRef(desc));
+        PyList_SET_ITEM(row, 3, Py_NewRef(dp_counts));
+        int appended = append(list, row);
+        Py_DECREF(row);
         if (appended < 0)
             goto done;
     }
     result = Py_NewRef(Py_None);
 done:
+    Py_XDECREF(list);
+    Py_XDECREF(entry);
+    Py_XDECREF(kind);
     Py_DECREF(context);
     return result;
 }
 
 /* The step's decisions (`values`, as the Python reference builds them); NULL on an error. */
 static PyObject *
-step_values(StepCore *self, int drafted, PyObject *draft_steps)
+step_values(StepCore *self, PyObject *drafted, PyObject *draft_steps)
 {
-    FIELD_OR_FAIL(last, last_forward, return NULL)
-    FIELD_OR_FAIL(batch, batch, return NULL)
-    if (!PyTuple_CheckExact(last) || PyTuple_GET_SIZE(last) != 2 || !PyTuple_CheckExact(batch) ||
-        PyTuple_GET_SIZE(batch) != 2) {
-        PyErr_SetString(PyExc_TypeError, "the recorder's last forward or batch is not a pair");
+    /* `mode, desc = self._last_forward`, then `identity, scheduled = self._batch`, in this
+     * order and held: a descriptor's __bool__ or __getitem__ may run Python code that sets them */
+    FIELD_OR_FAIL(last_field, last_forward, return NULL)
+    PyObject *last = PySequence_Tuple(last_field), *batch = NULL, *kind = NULL, *size = NULL, *graph = NULL,
+             *draft = NULL, *real = NULL, *values = NULL;
+    if (last == NULL)
         return NULL;
+    if (PyTuple_GET_SIZE(last) != 2) {
+        PyErr_SetString(PyExc_ValueError, "the recorder's _last_forward is not (graph mode, descriptor)");
+        goto done;
     }
-    PyObject *mode = PyTuple_GET_ITEM(last, 0), *desc = PyTuple_GET_ITEM(last, 1), *size;
-    int sized = PyObject_IsTrue(desc);
+    PyObject *mode = PyTuple_GET_ITEM(last, 0), *desc = PyTuple_GET_ITEM(last, 1);
+    int sized = PyObject_IsTrue(desc), idle = 0, full = 0, drafts = 0;
     if (sized < 0)
-        return NULL;
-    size = sized ? PySequence_GetItem(desc, 0) : PyLong_FromLong(0);
+        goto done;
+    if (sized) { /* `desc[0]`: an item, whatever the descriptor is */
+        PyObject *zero = PyLong_FromLong(0);
+        size = zero != NULL ? PyObject_GetItem(desc, zero) : NULL;
+        Py_XDECREF(zero);
+    } else {
+        size = PyLong_FromLong(0);
+    }
     if (size == NULL)
-        return NULL;
-    PyObject *graph = is_str(mode, s_full) ? Py_NewRef(size) : PyLong_FromLong(0);
-    PyObject *draft = drafted ? Py_NewRef(draft_steps) : PyLong_FromLong(0);
-    PyObject *real = PyLong_FromLong(self->kind != NULL && is_str(self->kind, s_idle) ? 0 : 1);
-    PyObject *values = graph != NULL && draft != NULL && real != NULL
-                           ? PyTuple_Pack(6, real, PyTuple_GET_ITEM(batch, 0), PyTuple_GET_ITEM(batch, 1), size,
-                                          graph, draft)
-                           : NULL;
-    Py_DECREF(size);
+        goto done;
+    FIELD_OR_FAIL(batch_field, batch, goto done)
+    if ((batch = PySequence_Tuple(batch_field)) == NULL)
+        goto done;
+    if (PyTuple_GET_SIZE(batch) != 2) {
+        PyErr_SetString(PyExc_ValueError, "the recorder's _batch is not (identity, tokens scheduled)");
+        goto done;
+    }
+    kind = Py_XNewRef(self->kind);
+    if ( (idle = kind != NULL && kind != Py_None ? is_str(kind, s_idle) : 0) < 0 ||
+        (full = is_str(mode, s_full)) < 0 || (drafts = PyObject_IsTrue(drafted)) < 0)
+        goto done;
+    graph = full ? Py_NewRef(size) : PyLong_FromLong(0);
+    draft = drafts ? Py_NewRef(draft_steps) : PyLong_FromLong(0);
+    real = PyLong_FromLong(idle ? 0 : 1);
+    if (graph != NULL && draft != NULL && real != NULL)
+        values = PyTuple_Pack(6, real, PyTuple_GET_ITEM(batch, 0), PyTuple_GET_ITEM(batch, 1), size, graph, draft);
+done:
+    Py_XDECREF(last);
+    Py_XDECREF(batch);
+    Py_XDECREF(kind);
+    Py_XDECREF(size);
     Py_XDECREF(graph);
     Py_XDECREF(draft);
     Py_XDECREF(real);
@@ -582,16 +655,18 @@ step_values(StepCore *self, int drafted, PyObject *draft_steps)
 static PyObject *
 end_step(StepCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwnames)
 {
+    CONFIGURED(return NULL)
     static const char *const names[] = {"drafted", "draft_steps", "sampled"};
     PyObject *given[3] = {Py_False, NULL, Py_None};
-    PyObject *zero = PyLong_FromLong(0), *values = NULL, *decided = NULL, *tail = NULL, *step = NULL,
-             *sampled_ref = NULL, *drafted_ref = NULL, *steps_ref = NULL, *last = NULL;
+    PyObject *zero = PyLong_FromLong(0), *entry = NULL, *gated = NULL, *values = NULL, *decided = NULL, *tail = NULL,
+             *step = NULL, *sampled_ref = NULL, *drafted_ref = NULL, *steps_ref = NULL, *last = NULL;
     if (zero == NULL)
         return NULL;
     given[1] = zero;
     if (parse("end_step", args, nargs, kwnames, names, 3, 3, given) < 0)
         goto fail;
-    PyObject *sampled = given[2], *entry = self->entry;
+    PyObject *sampled = given[2];
+    entry = Py_XNewRef(self->entry); /* held: setting or getting an item may run Python code */
     int has_entry = entry != NULL && entry != Py_None;
     if (sampled != Py_None) {
         if (has_entry && PyObject_SetItem(entry, s_sampled, sampled) < 0)
@@ -599,7 +674,7 @@ end_step(StepCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwna
         sampled_ref = Py_NewRef(sampled);
     } else if (has_entry) { /* `note(sampled=...)`; not known yet where `note_later` gave them */
         sampled_ref = PyDict_CheckExact(entry) ? Py_XNewRef(PyDict_GetItemWithError(entry, s_sampled))
-                                               : PyObject_CallMethod(entry, "get", "O", s_sampled);
+                                               : PyObject_CallMethodOneArg(entry, s_get, s_sampled);
         if (sampled_ref == NULL && PyErr_Occurred())
             goto fail;
         if (sampled_ref == NULL || Py_IS_TYPE(sampled_ref, (PyTypeObject *)later_type))
@@ -609,25 +684,26 @@ end_step(StepCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwna
     }
     drafted_ref = Py_NewRef(given[0]);
     steps_ref = Py_NewRef(given[1]);
-    PyObject *gated = self->gated;
+    gated = Py_XNewRef(self->gated);
     if (gated != NULL && gated != Py_None) { /* the drafter's gate decided this step (`gate`) */
-        int more = PyObject_RichCompareBool(gated, zero, Py_GT);
-        if (more < 0)
+        Py_XSETREF(self->gated, Py_NewRef(Py_None)); /* first: the comparison may raise, or run Python code */
+        PyObject *more = PyObject_RichCompare(gated, zero, Py_GT); /* `gated > 0`, as it is */
+        if (more == NULL)
             goto fail;
+        Py_SETREF(drafted_ref, more);
         Py_SETREF(steps_ref, Py_NewRef(gated));
-        Py_SETREF(drafted_ref, Py_NewRef(more ? Py_True : Py_False));
-        Py_XSETREF(self->gated, Py_NewRef(Py_None));
     }
-    int drafted = PyObject_IsTrue(drafted_ref);
-    if (drafted < 0 || (values = step_values(self, drafted, steps_ref)) == NULL)
+    if ((values = step_values(self, drafted_ref, steps_ref)) == NULL)
         goto fail;
     last = Py_NewRef(self->last_values != NULL ? self->last_values : Py_None);
     PyObject *decide_args[3] = {values, sampled_ref, last};
-    decided = PyObject_Vectorcall(decide_fn, decide_args, 3, NULL);
+    PyObject *returned = PyObject_Vectorcall(decide_fn, decide_args, 3, NULL);
+    decided = returned != NULL ? PySequence_Tuple(returned) : NULL;
+    Py_XDECREF(returned);
     if (decided == NULL)
         goto fail;
-    if (!PyTuple_CheckExact(decided) || PyTuple_GET_SIZE(decided) != 3) {
-        PyErr_SetString(PyExc_TypeError, "decide() is not (tokens, digest, tail)");
+    if (PyTuple_GET_SIZE(decided) != 3) {
+        PyErr_SetString(PyExc_ValueError, "decide() is not (tokens, digest, tail)");
         goto fail;
     }
     PyObject *now = PyTuple_New(7);
@@ -639,18 +715,24 @@ end_step(StepCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwna
     Py_XSETREF(self->decided_now, now);
     tail = Py_NewRef(PyTuple_GET_ITEM(decided, 2));
     if (tail == Py_None) { /* a decision changed (or the first step): the changes rendered too */
+        Py_SETREF(last, Py_NewRef(self->last_values != NULL ? self->last_values : Py_None));
         Py_SETREF(tail, PyObject_CallFunctionObjArgs(changed_tail, PyTuple_GET_ITEM(decided, 1), last, values, NULL));
         if (tail == NULL)
             goto fail;
         Py_XSETREF(self->last_values, Py_NewRef(values));
     }
-    if ((step = PyLong_FromLongLong(self->step_id)) == NULL)
+    long long step_id = self->step_id;
+    if ((step = PyLong_FromLongLong(step_id)) == NULL)
         goto fail;
-    FIELD_OR_FAIL(forwards, forwards, goto fail)
+    FIELD_OR_FAIL(forwards_field, forwards, goto fail)
+    PyObject *forwards = Py_NewRef(forwards_field);
     int records = PyObject_IsTrue(forwards);
+    Py_DECREF(forwards);
+    if (records == 0 && (records = PyObject_IsTrue(drafted_ref)) < 0) /* `self._forwards or drafted` */
+        goto fail;
     if (records < 0)
         goto fail;
-    if (records || drafted) {
+    if (records) {
         PyObject *ended = PyObject_CallMethodObjArgs((PyObject *)self, s_end_with_records, step, drafted_ref, tail,
                                                      NULL);
         if (ended == NULL)
@@ -660,7 +742,11 @@ end_step(StepCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwna
         goto fail;
     }
     Py_XSETREF(self->kind, Py_NewRef(Py_None));
-    self->step_id += 1;
+    if (step_id == LLONG_MAX) {
+        PyErr_SetString(PyExc_OverflowError, "the recorder's step_id is at its largest");
+        goto fail;
+    }
+    self->step_id = step_id + 1; /* `step + 1`: whatever `_end_with_records` set it to */
     Py_DECREF(step);
     Py_DECREF(tail);
     Py_DECREF(decided);
@@ -669,15 +755,18 @@ end_step(StepCore *self, PyObject *const *args, Py_ssize_t nargs, PyObject *kwna
     Py_DECREF(drafted_ref);
     Py_DECREF(steps_ref);
     Py_DECREF(last);
+    Py_XDECREF(gated);
+    Py_XDECREF(entry);
     Py_DECREF(zero);
-    PyObject *after = self->after_end;
+    PyObject *after = Py_XNewRef(self->after_end);
     if (after != NULL && after != Py_None) {
-        Py_INCREF(after);
         PyObject *done = PyObject_CallNoArgs(after);
         Py_DECREF(after);
         if (done == NULL)
             return NULL;
         Py_DECREF(done);
+    } else {
+        Py_XDECREF(after);
     }
     Py_RETURN_NONE;
 fail:
@@ -689,6 +778,8 @@ fail:
     Py_XDECREF(drafted_ref);
     Py_XDECREF(steps_ref);
     Py_XDECREF(last);
+    Py_XDECREF(gated);
+    Py_XDECREF(entry);
     Py_DECREF(zero);
     return NULL;
 }
@@ -803,6 +894,7 @@ intern_all(void)
                    {&s_step, "step"},     {&s_kind, "kind"},         {&s_forwards, "forwards"},
                    {&s_sampled, "sampled"}, {&s_fire, "fire"},       {&s_lane, "lane"},     {&s_render, "render"},
                    {&s_end_with_records, "_end_with_records"},       {&s_values, "values"},
+                   {&s_append, "append"}, {&s_setdefault, "setdefault"}, {&s_get, "get"}, {&s_keys, "keys"},
                    {&s_vllm_context, "_VLLM_CONTEXT"}, {&s_forward_context, "_forward_context"},
                    {&s_batch_descriptor, "batch_descriptor"}, {&s_dp_metadata, "dp_metadata"},
                    {&s_runtime_mode, "cudagraph_runtime_mode"}, {&s_name_, "_name_"}, {&s_num_tokens, "num_tokens"},
