@@ -374,6 +374,10 @@ def _observe(cls: type, run_dir: Path, case) -> tuple:
 
 @pytest.mark.parametrize("case", INSIDE, ids=[case.__name__.strip("_") for case in INSIDE])
 def test_python_code_inside_the_step_path_sees_what_the_python_one_sees(tmp_path, monkeypatch, case):
+    """Seen to fail on the build before the review (68ca42a's `_step_core.c`): the fields read
+    borrowed (batch, descriptor, gate, state: crashes), `self->step_id += 1` (step id moved by
+    records), `PyUnicode_CheckExact` alone in `is_str` (str subclass kind), `PyList_Append` on
+    any container (odd containers), `PyErr_SetObject(KeyError, kind)` (bad arguments)."""
     monkeypatch.setattr(forwards, "_VLLM_CONTEXT", SimpleNamespace(_forward_context=None))
     compiled = _observe(ReplicaRecorder, tmp_path / "compiled", case)
     python = _observe(_python_recorder(), tmp_path / "python", case)
@@ -389,7 +393,8 @@ def test_python_code_inside_the_step_path_sees_what_the_python_one_sees(tmp_path
 
 
 def test_an_unconfigured_step_path_raises(tmp_path):
-    """The compiled module imported on its own (not through `steps.load`) refuses to step."""
+    """The compiled module imported on its own (not through `steps.load`) refuses to step.
+    Seen to fail without the `CONFIGURED` check (the build before the review: no refusal)."""
     code = ("import importlib, sys\n"
             "m = importlib.import_module('runner_fsm.integrations.vllm.recording._step_core')\n"
             "core = m.StepCore()\n"
