@@ -21,26 +21,6 @@ $(NATIVE): runner_fsm/pcp/_mrv2_layout.c
 	$(CC) -O3 -shared -fPIC -Wall -Wextra -Werror \
 		-DMRV2_SOURCE_DIGEST=\"$$( (sha256sum $< 2>/dev/null || shasum -a 256 $<) | cut -c1-16)\" -o $@ $<
 
-# The step lane, compiled (runner_fsm/audit/step_lane.py): a CPython extension that writes a vLLM
-# step's start and finish in one call. Built for $(PYTHON), whose venvs (.venv, .venv-vllm) share
-# its ABI and headers; stamped like the layout. Without it the Python method writes the same
-# lines; tests/test_step_lane_native.py fails when it is missing.
-PYEXT  := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_config_var('EXT_SUFFIX'))")
-PYINC  := $(shell $(PYTHON) -c "import sysconfig; print(sysconfig.get_paths()['include'])")
-LANE   := runner_fsm/audit/_step_lane$(PYEXT)
-$(LANE): runner_fsm/audit/_step_lane.c
-	$(CC) -O3 -shared -fPIC -Wall -Wextra -Werror -I$(PYINC) \
-		-DSTEP_LANE_SOURCE_DIGEST=\"$$( (sha256sum $< 2>/dev/null || shasum -a 256 $<) | cut -c1-16)\" -o $@ $<
-NATIVE += $(LANE)
-
-# The recorder's step path, compiled (runner_fsm/integrations/vllm/recording/steps.py): built and
-# stamped like the lane; without it the Python reference runs; tests/test_step_core.py fails then.
-CORE   := runner_fsm/integrations/vllm/recording/_step_core$(PYEXT)
-$(CORE): runner_fsm/integrations/vllm/recording/_step_core.c
-	$(CC) -O3 -shared -fPIC -Wall -Wextra -Werror -I$(PYINC) \
-		-DSTEP_CORE_SOURCE_DIGEST=\"$$( (sha256sum $< 2>/dev/null || shasum -a 256 $<) | cut -c1-16)\" -o $@ $<
-NATIVE += $(CORE)
-
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q torch==2.13.0

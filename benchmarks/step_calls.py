@@ -9,7 +9,10 @@ over FSMWorker's own methods around a stand-in of vLLM's worker (no vLLM needed)
 `audit=transitions` (the transitions, the decision digest, the journal): 16 requests decoding,
 eager, one replica. tests/test_step_calls.py holds the count to a budget.
 
-    .venv/bin/python benchmarks/step_calls.py [--steps 20]
+The count is a mean over a whole number of the journal's batches (`journal.BATCH` steps, 32):
+the journal renders its entries once a batch, and a window that leaves that step out flatters.
+
+    .venv/bin/python benchmarks/step_calls.py [--steps 64]
 """
 
 from __future__ import annotations
@@ -23,11 +26,11 @@ from types import SimpleNamespace
 
 import runner_fsm
 
-from runner_fsm.audit import AuditLog, step_lane
+from runner_fsm.audit import AuditLog
 from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.integrations.vllm import worker as worker_module
-from runner_fsm.integrations.vllm.recording import forwards, steps as step_path
-from runner_fsm.integrations.vllm.recording.journal import Journal
+from runner_fsm.integrations.vllm.recording import forwards
+from runner_fsm.integrations.vllm.recording.journal import BATCH as JOURNAL_BATCH, Journal
 from runner_fsm.integrations.vllm.recording.probe import InputProbe
 from runner_fsm.integrations.vllm.recording.recorder import ReplicaRecorder
 from runner_fsm.integrations.vllm.recording.step_kinds import StepKinds
@@ -97,9 +100,12 @@ def scheduler_output(step: int):
                                                                  num_computed_tokens=[64 + step] * REQUESTS))
 
 
-def count(steps: int = 20) -> dict:
+def count(steps: int = 2 * JOURNAL_BATCH) -> dict:
     """{"calls": Python calls per step, "bytecodes": per step, "functions": {name: (calls, bytecodes)}}
-    over `steps` decode steps after a warm-up, FSMWorker's code only (runner_fsm's modules)."""
+    over `steps` decode steps after a warm-up, FSMWorker's code only (runner_fsm's modules), means.
+    `steps` is a multiple of the journal's batch, so its renders count as often as they run."""
+    if steps <= 0 or steps % JOURNAL_BATCH:
+        raise ValueError(f"steps must be a positive multiple of the journal's batch ({JOURNAL_BATCH}), got {steps}")
     saved = forwards._VLLM_CONTEXT  # vLLM's forward context module, where it was imported: put back after
     try:
         with tempfile.TemporaryDirectory() as run_dir:
@@ -136,18 +142,17 @@ def _count(worker, steps: int) -> dict:
     records = worker.recorder.audit.next_seq - seq
     worker.recorder.shutdown()
     return {"calls": sum(calls.values()) / steps, "bytecodes": sum(ops.values()) / steps,
-            "records": records / steps, "lane": step_lane.status(), "core": step_path.status(),
+            "records": records / steps,
             "functions": {name: (calls[name] / steps, ops[name] / steps) for name in sorted(calls, key=lambda n: -ops[n])}}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=2 * JOURNAL_BATCH,
+                        help=f"steps counted, a multiple of the journal's batch ({JOURNAL_BATCH})")
     result = count(parser.parse_args().steps)
-    lane = "compiled" if result["lane"]["compiled"] else f"not compiled: {result['lane']['reason']}"
-    core = "compiled" if result["core"]["compiled"] else f"not compiled: {result['core']['reason']}"
-    print(f"per decode step: {result['calls']:.0f} Python calls, {result['bytecodes']:.0f} bytecodes,"
-          f" {result['records']:.0f} records (Python {sys.version.split()[0]}; step lane {lane}; recorder's step path {core})")
+    print(f"per decode step, mean: {result['calls']:.2f} Python calls, {result['bytecodes']:.0f} bytecodes,"
+          f" {result['records']:.2f} records (Python {sys.version.split()[0]})")
     for name, (calls, ops) in result["functions"].items():
         print(f"  {name:45s} {calls:4.1f} calls {ops:6.1f} bytecodes")
 

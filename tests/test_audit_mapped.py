@@ -149,14 +149,12 @@ def test_a_blank_line_inside_the_log_is_a_gap_not_its_end(tmp_path):
     assert ("gap", 0) in kinds and ("unfinished", 2) in kinds
 
 
-@pytest.mark.parametrize("state", ("compiled", "python"))
-def test_writes_across_growths_leave_the_bytes_written(tmp_path, state):
-    """`write` puts each line at the end of what was written (`_size - lane.room`: the compiled
-    step lane moves that end too), growing the file where a line does not fit: the bytes written,
-    in the open file's data end and once closed; closed, `room` is 0 and a write raises. With
-    the compiled `LaneState` (which holds the map: let go for each resize) and the Python one.
-    Mutation seen to fail this: `write` not taking `room` down (the next line lands on the last)."""
-    lane = step_lane.LaneState() if state == "compiled" else step_lane.PyLaneState()
+def test_writes_across_growths_leave_the_bytes_written(tmp_path):
+    """`write` puts each line at the end of what was written (`_size - lane.room`), growing the
+    file where a line does not fit: the bytes written, in the open file's data end and once
+    closed; closed, `room` is 0 and a write raises. Mutation seen to fail this: `write` not
+    taking `room` down (the next line lands on the last)."""
+    lane = step_lane.LaneState()
     lines = [b'{"i":%d,"pad":"%s"}\n' % (i, b"x" * (i % 300)) for i in range(2500)]  # ~0.4 MB: two growths
     file = MappedFile(tmp_path / "f.jsonl", lane=lane)
     for line in lines:

@@ -1,10 +1,8 @@
-"""The step lane (the vLLM worker's step start and step end) writes the lines the general path
-writes (`rendered` / `rendered_transition` into a batch, `AuditBatch.write`): the same bytes,
-seq and order, in both log formats, with a batch before it or not, across a step change, a step
-id of None, an edge off the table's chain, the file's growth and a capped log's segment switch.
-Two lanes: `AuditLog.step_transition` ("method"), and the compiled `LaneState.write` asked
-first as `StepMachine.fire` asks it ("compiled"; the method where it declines). Each runs with
-the compiled `LaneState` holding the fields and with the Python one (`state` fixture)."""
+"""A step's transition written by its short path (`AuditLog.step_transition`, the vLLM worker's
+step start and step end) is the line the general path writes (`rendered` /
+`rendered_transition` into a batch, `AuditBatch.write`): the same bytes, seq and order, in both
+log formats, with a batch before it or not, across a step change, a step id of None, an edge
+off the table's chain, the file's growth and a capped log's segment switch."""
 
 from __future__ import annotations
 
@@ -12,7 +10,7 @@ import re
 
 import pytest
 
-from runner_fsm.audit import AuditLog, read_records, step_lane
+from runner_fsm.audit import AuditLog, read_records
 from runner_fsm.audit.compact import decisions_tail, transition_body
 from runner_fsm.audit.segments import MIN_SEGMENT
 from runner_fsm.audit.shape import job_shape_fields
@@ -39,32 +37,16 @@ def _script(base: int = 0):
     return out
 
 
-WRITERS = ("general", "method", "compiled")
+WRITERS = ("general", "method")
 
 
-@pytest.fixture(params=("compiled-state", "python-state"))
-def state(request, monkeypatch):
-    """The class of the log's `LaneState`: the compiled one (make builds it; its absence fails
-    test_step_lane_native.py), or the Python one, which leaves every write to the method."""
-    if request.param == "python-state":
-        monkeypatch.setattr(step_lane, "LaneState", step_lane.PyLaneState)
-    else:
-        assert step_lane.status() == {"compiled": True}
-    return request.param
-
-
-def _write(log: AuditLog, writer: str, base: int = 0) -> int:
-    """The script's transitions by `writer`; returns how many the compiled lane wrote."""
-    batch, compiled = log.batch(), 0
+def _write(log: AuditLog, writer: str, base: int = 0) -> None:
+    """The script's transitions by `writer`."""
+    batch = log.batch()
     for step, body, tail, before in _script(base):
         for event, record in before:
             batch.rendered(event, step, record)
-        lane = log.lane
-        if writer == "compiled" and not before and lane.write is not None and (opened := lane.open) | True \
-                and lane.write(step, body, tail):
-            assert opened, "the compiled lane wrote while the log's lane was closed"
-            compiled += 1
-        elif writer != "general":
+        if writer == "method":
             log.step_transition(step, body, tail, batch)
             assert not batch._pending  # written with it
         else:
@@ -73,7 +55,6 @@ def _write(log: AuditLog, writer: str, base: int = 0) -> int:
             else:
                 batch.rendered("transition", step, body)
             batch.write()
-    return compiled
 
 
 def _lines(path) -> list[bytes]:
@@ -85,23 +66,18 @@ def _lines(path) -> list[bytes]:
 
 
 @pytest.mark.parametrize("compact", (False, True), ids=("full", "compact"))
-def test_the_lane_writes_the_general_paths_lines(tmp_path, compact, state):
-    """Mutations seen to fail this: `CompactRenderer.transition` not updating the lane's `step`
-    (the next record of the step gets a second `s`/`q` head); the compiled write not taking
-    the short body where the edge chains on."""
+def test_the_lane_writes_the_general_paths_lines(tmp_path, compact):
+    """Mutation seen to fail this: `CompactRenderer.transition` not updating the lane's `step`
+    (the next record of the step gets a second `s`/`q` head)."""
     shape = job_shape_fields(1, 1, 0, 0) if compact else None
-    compiled = {}
     for writer in WRITERS:
         with AuditLog(tmp_path / writer, "run-l", 0, 0, 0, shape=shape) as log:
-            compiled[writer] = _write(log, writer)
+            _write(log, writer)
     for writer in WRITERS[1:]:
         assert _lines(tmp_path / writer) == _lines(tmp_path / "general"), writer
         records = list(read_records(tmp_path / writer / "rank-0.jsonl"))
         assert [r["seq"] for r in records] == list(range(len(records)))
         assert records[-2]["outcome"] == "refused" and records[-1]["step_id"] is None
-    # the compiled lane writes every transition of a compact log with nothing before it
-    alone = sum(1 for _step, _body, _tail, before in _script() if not before)
-    assert compiled["compiled"] == (alone if compact and state == "compiled-state" else 0)
 
 
 def _records(run_dir) -> list[dict]:
@@ -113,12 +89,11 @@ def _records(run_dir) -> list[dict]:
             if r["event"] != "job"]
 
 
-def test_the_lane_switches_segments_as_the_general_path_does(tmp_path, state):
+def test_the_lane_switches_segments_as_the_general_path_does(tmp_path):
     """A capped log: a full segment waits for its step to end, then the next step starts the
     next segment. The lane hands those writes to the general path and takes them back after:
     whole steps in each segment, seq gapless, the same records. Mutations seen to fail this:
-    the method ignoring `lane.open`, and the compiled write ignoring it (writing on into the
-    full segment: no switch happens)."""
+    the method ignoring `lane.open` (writing on into the full segment: no switch happens)."""
     shape = job_shape_fields(1, 1, 0, 0)
     for writer in WRITERS:
         with AuditLog(tmp_path / writer, "run-s", 0, 0, 0, shape=shape, max_log_bytes=64 * MIN_SEGMENT,
@@ -137,12 +112,9 @@ def test_the_lane_switches_segments_as_the_general_path_does(tmp_path, state):
             assert [r["seq"] for r in records] == list(range(records[0]["seq"], records[0]["seq"] + len(records)))
 
 
-def test_the_lane_writes_the_general_paths_bytes_across_the_files_growth(tmp_path, state):
-    """Thousands of steps: the file grows by chunks under the lane, which copies lines into the
-    map while they fit and lets `MappedFile.write` grow it when one does not. Mutations seen to
-    fail this: the compiled write not taking `room` down (its lines overwrite each other), and
-    not declining a line that may not fit (`HEAD_MAX` dropped from its check: the run crashes
-    writing past the map)."""
+def test_the_lane_writes_the_general_paths_bytes_across_the_files_growth(tmp_path):
+    """Thousands of steps: the file grows by chunks under the short path, as under the general
+    one (`MappedFile.write` grows it where a line does not fit)."""
     shape = job_shape_fields(1, 1, 0, 0)
     for writer in WRITERS:
         with AuditLog(tmp_path / writer, "run-g", 0, 0, 0, shape=shape) as log:

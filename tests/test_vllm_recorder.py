@@ -410,20 +410,3 @@ def test_the_batch_identity_follows_the_requests_their_order_and_their_tokens(tm
     assert len(set(seen)) == 4
 
 
-def test_a_record_the_lane_declines_is_written_by_the_method_without_asking_the_lane_again(tmp_path):
-    """The recorder asks the lane first; where it declines (a record of a signal handler waiting,
-    a full segment), `StepMachine.fire` writes it with the method, not asking the lane a second
-    time. Mutation seen to fail this: `lane=` left out of the recorder's two `fire` calls."""
-    run_dir = str(tmp_path / "run")
-    rec = ReplicaRecorder(AuditLog(run_dir, "t", 0, 0, 0), None)
-    rec.start_capture()
-    rec.end_capture()
-    asked = []
-    rec.machine.lane_write = lambda *args: asked.append(args[0]) and False
-    for _ in range(3):
-        rec.begin_step("decode", None, {"a": 1})
-        rec.end_step()
-    rec.shutdown()
-    assert asked == [0, 0, 1, 1, 2, 2, 3]  # each record once (and the shutdown)
-    steps = [(r["step_id"], r["trigger"]) for r in records(run_dir) if r["event"] == "transition"]
-    assert steps[2:8] == [(0, "decode"), (0, "finish"), (1, "decode"), (1, "finish"), (2, "decode"), (2, "finish")]

@@ -83,7 +83,6 @@ DEST = {t.trigger.value: t.dest.value for t in TRANSITIONS}
 ONLY_SOURCE = {t.trigger.value: t.sources[0].value for t in TRANSITIONS if len(t.sources) == 1}
 # transition body -> (src, dst, its short body or None), filled by `transition_body`
 _EDGES: dict[bytes, tuple[str, str, bytes | None]] = {}
-step_lane.configure(_EDGES, _NEW_STEP)  # the compiled lane reads both
 
 
 def is_compact(job: Mapping[str, Any] | None) -> bool:
@@ -120,8 +119,8 @@ class CompactRenderer:
     """The lines of one segment's records after its `job` record, whose `t_ns` is `t0_ns`.
 
     Its step, the time of the step's first record and its last transition's `dst` live in
-    `lane` (`step_lane.LaneState`: `step`, `step_t`, `state`), which the log's compiled step
-    lane writes too; its own unless one is given."""
+    `lane` (`step_lane.LaneState`: `step`, `step_t`, `state`), shared with the log; its own
+    unless one is given."""
 
     def __init__(self, t0_ns: int, buffer_names=None, lane: Any = None):
         self.t0 = int(t0_ns)

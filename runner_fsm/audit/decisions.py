@@ -24,8 +24,6 @@ import zlib
 
 import orjson
 
-from runner_fsm.audit import step_lane
-
 FIELDS = ("real", "batch", "dispatch", "padded", "graph", "draft")  # in `decisions`, in this order
 # What every pipeline stage of a replica decides alike; the drafter and the sampler run on the
 # last stage only, and each stage's rows are its own.
@@ -103,40 +101,10 @@ def decide(values: tuple, sampled: Sequence[Sequence[int]] | Mapping | None, las
     """One step's (tokens digest, decision digest, `finish` tail): `values` its `FIELDS` values
     as ints, `sampled` what it sampled (`tokens_digest`), `last` the values of the step before.
     The tail is the rendered `dg` where no decision changed (most of a decode run); None where
-    one did, for `compact.decisions_tail` to render the changes too. The reference of the
-    compiled one (`DECIDE`)."""
+    one did, for `compact.decisions_tail` to render the changes too."""
     tokens = tokens_digest(sampled) if sampled else 0
     digest = digest_of((*values, tokens))
     return tokens, digest, (b',"dg":%d' % digest if values == last else None)
-
-
-# What the compiled `decide` is asked before it is used: its tuple hash must be the
-# interpreter's, on negative and big ints, tuples, lists and empty ones, and on sampled tokens
-# whose digest is at or above 2**31 - 1 (32-bit hashes reduce it), which some of the eight
-# decode steps at the end give on any build (each about one in two).
-PROBES = (((1, 729292405, 16, 16, 0, 0), [[7], [8, 9]], None),
-          ((0, 0, 0, 1, 0, 0), None, (0, 0, 0, 1, 0, 0)),
-          ((1, 2**31, 3, 4, 4, 2), [[2**40, -1, -2], (5,), []], (1, 2**31, 3, 4, 4, 1)),
-          ((1, 5, 1, 1, 0, 0), [], (1, 5, 1, 1, 0, 0)),
-          ((1, 5, 1, 1, 0, 0), [[2**61 - 1, 2**64 + 3]], (1, 5, 1)),
-          *(((1, 5, 16, 16, 0, 0), [[1000 + step + row] for row in range(16)], (1, 5, 16, 16, 0, 0))
-            for step in range(8)))
-
-
-def checked(compiled) -> tuple[Any, str | None]:
-    """(`compiled`, None) where it gives what `decide` gives on every probe, else (`decide`, why)."""
-    for probe in PROBES:
-        try:
-            got = compiled(*probe)
-        except Exception as error:  # noqa: BLE001 - any failure: the reference decides
-            return decide, f"the compiled decide failed on {probe!r}: {error!r}"
-        if got != decide(*probe):
-            return decide, f"the compiled decide gave {got!r} for {probe!r}, the reference {decide(*probe)!r}"
-    return compiled, None
-
-
-DECIDE, DECIDE_NOT_COMPILED = (decide, "the step lane is not compiled") if step_lane.decide is None \
-    else checked(step_lane.decide)
 
 
 class DecisionChanges:

@@ -2,7 +2,7 @@
 
 Each record is one line, in the page cache before the call returns, so that a process killed
 mid-step (or hung inside a collective) still leaves every record up to that point on disk.
-structlog's `BytesLogger` writes them (a vLLM step's transitions: its step lane, `step_lane`)
+structlog's `BytesLogger` writes them (a vLLM step's transitions: `AuditLog.step_transition`)
 into a memory-mapped file (`mapped`): a log that was not closed ends in blank lines, where
 readers stop.
 
@@ -48,7 +48,7 @@ SCHEMA_VERSION = 2
 # leaving its record to that write: bounded, since the holder may be the interrupted thread
 # itself caught between taking the lock and saying so.
 _HANDLER_WAIT_S = 0.2
-_get_ident, _monotonic_ns = threading.get_ident, time.monotonic_ns  # bound once: the step lane's
+_get_ident, _monotonic_ns = threading.get_ident, time.monotonic_ns  # bound once: `step_transition`'s
 
 
 class AuditLogClosedError(RunnerError):
@@ -108,10 +108,10 @@ class AuditLog(_Records):
         self._lock = threading.Lock()
         self._closed = False
         self._deferred: collections.deque = collections.deque()  # records made in a signal handler
-        # seq, the compact renderer's step and state, the file's room and map: the step lane's
-        # (`step_lane`), which writes a vLLM step's transitions itself while `lane.open`
+        # seq, the compact renderer's step and state, the file's room: one object a transition
+        # touches (`step_lane`); `lane.open` while a step's transition may take the short path
         # (compact, no segment switch due, not closed)
-        self.lane = step_lane.LaneState(self._lock, self._deferred)
+        self.lane = step_lane.LaneState()
         self._holder: int | None = None  # the thread writing, while one is
         self._plain = RecordRenderer(SCHEMA_VERSION, self._run_id, self._dp_rank, self._pcp_rank)
         self._segments = SegmentPolicy(Path(run_dir), global_rank, max_log_bytes, pinned_steps=pinned_steps,
@@ -274,8 +274,7 @@ class AuditLog(_Records):
         path (a batch, `_write_all`, the renderer's loop, structlog's logger) cost 25-30 us a step
         more. Same lines, seq and lock; a log written in full, or whose full segment waits for its
         step's end, goes that path. Not through structlog's BytesLogger: without its second lock,
-        copy and three calls. Where it is compiled, `lane.write` writes most of them instead
-        (`step_lane`; `StepMachine.fire`), the same bytes."""
+        copy and three calls."""
         pending = batch._pending if batch is not None else ()
         if not self.lane.open:
             if batch is not None:

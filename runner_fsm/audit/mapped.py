@@ -69,10 +69,9 @@ class MappedFile:
     object for structlog's `BytesLogger` (`write`, `flush`, `close`, `closed`). One process
     writes it: a forked child writing its inherited copy would write over the parent's lines.
 
-    Its bytes mapped and not written yet live in `lane.room` (`step_lane.LaneState`), with the
-    map attached there while the file is open: the log's compiled step lane copies a vLLM
-    step's transitions into the map itself, at `_size - room`, and takes `room` down (never
-    more than it holds); `write` grows the file where needed. Its own lane unless one is given."""
+    Its bytes mapped and not written yet live in `lane.room` (`step_lane.LaneState`, shared
+    with the log that writes it: one object a transition touches); `write` grows the file
+    where needed. Its own lane unless one is given."""
 
     def __init__(self, path: str | os.PathLike[str], *, chunk: int = CHUNK, full_at: int | None = None,
                  on_full=None, lane: Any = None):
@@ -125,14 +124,13 @@ class MappedFile:
             return
         lane = self.lane
         try:
-            lane.detach()
             self._mapping.close()
             if os.getpid() == self._pid:
                 os.ftruncate(self._fd, self._size - lane.room)  # the blank tail goes
         finally:
             os.close(self._fd)
             self._fd = -1
-            lane.room = 0  # the lane writes nothing more; `write` raises
+            lane.room = 0  # nothing more is written; `write` raises
 
     @property
     def size(self) -> int:
@@ -154,9 +152,7 @@ class MappedFile:
         if self._mapping is None:
             self._mapping = mmap.mmap(self._fd, size)
         else:
-            lane.detach()  # a map with a buffer exported cannot be resized
             self._mapping.resize(size)
         self._mapping[self._size:size] = _FILL * (size - self._size)
-        lane.attach(self._mapping)
         lane.room += size - self._size
         self._size = size

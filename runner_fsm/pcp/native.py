@@ -22,13 +22,13 @@ sha256) leaves plans to numpy, with the reason. Every size reaches C checked her
 from __future__ import annotations
 
 import ctypes
+import hashlib
 import os
 import threading
 from pathlib import Path
 
 import numpy as np
 
-from runner_fsm import compiled_parts
 from runner_fsm.errors import BatchError
 from runner_fsm.pcp.rows import PlanWorkspace
 
@@ -55,11 +55,19 @@ _state: tuple[ctypes.CDLL | None, str | None] | None = None  # (library, why not
 
 def source_digest() -> str:
     """The stamp of a library built from `SOURCE` (setup.py and the Makefile compute it too)."""
-    return compiled_parts.source_digest(SOURCE)
+    return hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:16]
 
 
 def _not_built() -> str:
-    return compiled_parts.not_built(LIBRARY.name, BUILD_ERROR, "a C compiler")
+    """Why the library is not there: the build's error where setup.py left one, else that it
+    was never built."""
+    try:
+        failed = BUILD_ERROR.read_text().strip()
+    except OSError:
+        return (f"{LIBRARY.name} is not built (in a checkout `make` builds it;"
+                " pip install builds it where a C compiler is)")
+    return (f"{LIBRARY.name} was not built when this package was installed: {failed}."
+            " Installing it where a C compiler is builds it")
 
 
 def _load() -> tuple[ctypes.CDLL | None, str | None]:

@@ -9,8 +9,8 @@ step id the worker gives.
 Two or three triggers fire per vLLM step, each right after vLLM's own work evicted the CPU
 caches, where every call and object touched costs about a microsecond: `fire` is one lookup
 of the edge (the core's, asked the first time each edge is taken and kept with its record's
-bytes) and one write: the log's compiled step lane (`audit.step_lane`), else
-`AuditLog.step_transition`, where the driver's `fire` went through six calls to the same record.
+bytes) and one write, `AuditLog.step_transition`, where the driver's `fire` went through six
+calls to the same record.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ from runner_fsm.audit import AuditLog
 from runner_fsm.audit.log import AuditBatch
 from runner_fsm.audit.compact import transition_body
 from runner_fsm.integrations.vllm.errors import StepRefused
-from runner_fsm.integrations.vllm.recording.steps import MachineCore
 from runner_fsm.machine import TransitionCore
 from runner_fsm.states import State, Trigger
 
@@ -29,30 +28,26 @@ def _body(trigger: Trigger, src: State, dst: State, outcome: str) -> bytes:
     return transition_body(trigger.value, src.value, dst.value, outcome)
 
 
-class StepMachine(MachineCore):
-    """One replica's state; `fire(trigger, step_id)` moves it and logs the transition. Its
-    `now`, `moves` and `lane_write` are `MachineCore`'s fields, which the recorder's compiled
-    step path reads in place (`steps`)."""
+class StepMachine:
+    """One replica's state; `fire(trigger, step_id)` moves it and logs the transition."""
 
     def __init__(self, audit: AuditLog | None):
         self.audit = audit
         self._core = TransitionCore()  # the table: asked once per edge (`_first_move`)
         self.now = self._core.state  # the replica's state (the core's is set when it is asked)
         self.moves: dict[tuple[State, Trigger], tuple[State, bytes]] = {}  # (src, trigger) -> (dst, ok record)
-        self.lane_write = audit.lane.write if audit is not None else None  # None: not compiled
 
     @property
     def state(self) -> str:
         return self.now.value
 
     def fire(self, trigger: Trigger, step_id: int | None, batch: AuditBatch | None = None,
-             decided: bytes = b"", *, now: bool = True, lane: bool = True) -> None:
+             decided: bytes = b"", *, now: bool = True) -> None:
         """Move on `trigger` and write its record at once (`AuditLog.step_transition`), after
         what `batch` holds; `now=False`: the record joins `batch` instead, written when it is.
         A trigger the table forbids is logged `refused` (into `batch` where there is one) and
         raised. `decided`: the step's decisions a `finish` carries, rendered
-        (`compact.decisions_tail`). `lane=False`: the lane declined this record already (the
-        recorder asks it first), the method writes it."""
+        (`compact.decisions_tail`)."""
         move = self.moves.get((self.now, trigger))
         if move is None:  # the edge's first time (a handful of edges), or a refusal
             move = self._first_move(trigger, step_id, batch)
@@ -62,9 +57,6 @@ class StepMachine(MachineCore):
         if audit is None:
             return
         if now:
-            # the compiled step lane where it is built (False: it leaves this one to the method)
-            if batch is None and lane and self.lane_write is not None and self.lane_write(step_id, body, decided):
-                return
             audit.step_transition(step_id, body, decided, batch)
         elif decided:
             batch.rendered_transition(step_id, body, decided)

@@ -19,23 +19,37 @@ from __future__ import annotations
 from typing import Any
 
 from runner_fsm.audit import AuditLog
-from runner_fsm.audit.decisions import StepDecisions
+from runner_fsm.audit.compact import decisions_tail
+from runner_fsm.audit.decisions import StepDecisions, batch_identity, changed_since, decide
 from runner_fsm.audit.log import AuditBatch
+from runner_fsm.integrations.vllm.recording.forwards import forward_context
 from runner_fsm.integrations.vllm.recording.fsm import StepMachine
-from runner_fsm.integrations.vllm.recording.journal import Journal, Later
+from runner_fsm.integrations.vllm.recording.journal import BATCH as JOURNAL_BATCH, Journal, Later
 from runner_fsm.integrations.vllm.recording.probe import resolve
-from runner_fsm.integrations.vllm.recording.steps import NO_FORWARD, StepCore
 from runner_fsm.states import State, Trigger
 
 CAPTURE_STEP = -1
-
+STEP_TRIGGERS = {"prefill": Trigger.PREFILL, "decode": Trigger.DECODE, "idle": Trigger.IDLE}
+NO_FORWARD = ("NONE", None)  # a step with no target forward: eager, no rows
 
 _DRAFT, _FINISH = Trigger.DRAFT, Trigger.FINISH  # module globals: an enum member is a class lookup
 
 
-class ReplicaRecorder(StepCore):
-    """A replica's recorder: its step path (`begin_step`, `forward_hook`, `end_step`) is
-    `steps.StepCore`'s, compiled where built, on the fields `__init__` sets."""
+def changed_tail(digest: int, last: tuple | None, values: tuple) -> bytes:
+    """A `finish` record's tail where a decision changed: the digest and the changes."""
+    return decisions_tail(digest, changed_since(last, values))
+
+
+def new_batch(keys: list, tokens: list) -> tuple[int, int]:
+    """A real step's batch: its identity and the tokens scheduled."""
+    return batch_identity(keys, tokens), sum(tokens)
+
+
+class ReplicaRecorder:
+    """A replica's recorder. Its step path (`begin_step`, `forward_hook`, `end_step`) runs once
+    per vLLM step (the hook once per forward), right after vLLM's own work evicted the CPU
+    caches, where each Python frame and cold object costs about a microsecond: so it reads its
+    own fields, few of them, and most steps write one transition at each end."""
 
     def __init__(self, audit: AuditLog, journal: Journal | None, *, fingerprints: bool = True):
         self.audit = audit
@@ -58,6 +72,96 @@ class ReplicaRecorder(StepCore):
         self._gated: int | None = None  # drafter steps this step's gate let run (None: no gate asked)
         self._decided_now: tuple | None = None  # the last ended step's decisions (`decided`), as values
         self.after_end = None  # called once a step's records are written (`replica_check.after_step`)
+
+    # -- the step path ----------------------------------------------------------------
+
+    def begin_step(self, kind: str, decision: dict | None = None, scheduled: dict | None = None, *,
+                   entry: dict | None = None) -> int:
+        """Enter a step of `kind`; returns its id. `decision`: fields of its journal entry, or
+        `entry`: the entry itself, its step and kind first (`journal.step_entry`); `scheduled`:
+        {request id: tokens} of a real step."""
+        previous, pending = self._entry, self._pending
+        if previous is not None and pending is not None:  # the previous step's journal entry: complete now
+            pending.append(previous)  # `Journal.write`, inline: a call and an object less a step
+            self._entry = None  # handed over: a refused move below must not hand it over twice
+            if len(pending) >= JOURNAL_BATCH:
+                self.journal.render()
+        step = self.step_id
+        self.machine.fire(STEP_TRIGGERS[kind], step)  # raises StepRefused: nothing changed
+        self.kind, self._gated, self._decided_now, self._last_forward = kind, None, None, NO_FORWARD
+        if scheduled:
+            order, counts, batch = self._last_batch
+            keys, tokens = [*scheduled], [*scheduled.values()]  # in the batch's order: the identity depends on it
+            if keys != order or tokens != counts:  # two lists, not the last dict's table: fewer cold lines
+                batch = new_batch(keys, tokens)
+                self._last_batch = (keys, tokens, batch)
+            self._batch = batch
+        else:
+            self._batch = (0, 0)
+        self._entry = entry if entry is not None else {"step": step, "kind": kind, **(decision or {})}
+        return step
+
+    def forward_hook(self, _module: Any, _args: tuple, _kwargs: dict) -> None:
+        """The forward pre-hook where forwards leave no `buffers` record (audit `transitions`)
+        and the runner reads no PCP evidence: `on_forward` for what vLLM's forward context says,
+        called by torch itself. A dummy forward is an idle step's; outside steps (warm-up,
+        capture) only a graph capture counts."""
+        mode, desc, dp_counts = forward_context()
+        kind = self.kind
+        if kind is None and mode != "FULL":
+            return
+        dummy = kind == "idle"
+        self._last_forward = (mode, desc)
+        if mode == "FULL":  # a graph record (eager at `transitions`: none)
+            self._forwards.append((None, (), dummy, mode, desc, False))
+        if (entry := self._entry) is not None:
+            entry.setdefault("forwards", []).append([("dummy" if dummy else "real"), mode, desc, dp_counts])
+
+    def end_step(self, drafted: bool = False, draft_steps: int = 0, sampled: list | None = None) -> None:
+        """The step's forwards are over. Its records (buffers and graph records, `draft` when
+        the drafter ran — proposals, or its dummy run on an idle replica — and `finish`, with the
+        step's decisions: `draft_steps` drafter steps) are written together, in one write.
+        `sampled`: the tokens the step sampled, one list per request (also noted in the journal),
+        where `note` did not give them already.
+
+        The step's decisions (`audit.decisions`), rendered for its `finish` record: its last
+        target forward's graph mode and padded size, as vLLM's forward context gave them; the
+        sampled tokens where they are known by now (not an async output's: MRV2 resolves them
+        after the step). The digest and the decisions changed since the last `finish`, as
+        `decisions.changed_since` gives them (all of them the first time)."""
+        entry = self._entry
+        if sampled is not None:
+            if entry is not None:
+                entry["sampled"] = sampled
+        elif entry is not None:
+            sampled = entry.get("sampled")  # `note(sampled=...)`; not known yet where `note_later` gave them
+            if type(sampled) is Later:
+                sampled = None
+        gated = self._gated
+        if gated is not None:  # the drafter's gate decided this step (`gate`)
+            self._gated = None
+            drafted, draft_steps = gated > 0, gated
+        mode, desc = self._last_forward
+        size = desc[0] if desc else 0
+        identity, scheduled = self._batch
+        # `real` as 0/1: the values `changed` compares are the digest's first six, as they are
+        values = (0 if self.kind == "idle" else 1, identity, scheduled, size, size if mode == "FULL" else 0,
+                  draft_steps if drafted else 0)
+        # The digests and, where no decision changed (most of a decode run), the tail, in one call
+        tokens, digest, tail = decide(values, sampled, self._last_values)
+        self._decided_now = (*values, tokens)
+        if tail is None:  # a decision changed (or the first step): the changes rendered too
+            tail = changed_tail(digest, self._last_values, values)
+            self._last_values = values
+        step = self.step_id
+        if self._forwards or drafted:
+            self._end_with_records(step, drafted, tail)
+        else:  # most steps: `finish` alone, no batch
+            self.machine.fire(_FINISH, step, None, tail)
+        self.kind = None
+        self.step_id = step + 1
+        if self.after_end is not None:
+            self.after_end()
 
     # -- start-up -------------------------------------------------------------------
 
