@@ -8,7 +8,7 @@ Two figures, both with fakes for the forward and the collectives:
 - `whole step`: a full `RealStep` (8 decode rows) through the runner with the fake model in
   one process: validation, planning, agreement rule, buffer writes, forward, sampling, records
   (target <= 500 us). One process has no peers, so its collectives run inline (see
-  `runner_fsm.collectives`); with peers each collective adds a worker-thread hop.
+  `runner_fsm.agree.collectives`); with peers each collective adds a worker-thread hop.
 
 Each figure is measured as wall time and as the process's CPU time: on a machine shared
 with other jobs, wall time also counts the time this process waited for a core, while the
@@ -29,10 +29,10 @@ import anyio
 
 from runner_fsm import dp
 from runner_fsm.audit import AuditLog
-from runner_fsm.collectives import CollectiveRunner
+from runner_fsm.agree.collectives import CollectiveRunner
 from runner_fsm.config import RunnerConfig
 from runner_fsm.events import Capture, RealStep
-from runner_fsm.machine import Handler, ReplicaMachine
+from runner_fsm.states.machine import Handler, ReplicaMachine
 from runner_fsm.pcp.buffers import PersistentBuffers
 from runner_fsm.states import Trigger
 from runner_fsm.dp import SingleReplicaAgreement

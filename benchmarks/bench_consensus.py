@@ -31,8 +31,8 @@ def _rank_main(groups, iterations: int, blocks: int) -> dict:
     import torch.distributed as dist
 
     from runner_fsm.audit.decisions import StepDecisions
-    from runner_fsm.shm_exchange import ShmExchange, replica_exchange
-    from runner_fsm.step_consensus import consensus_row, disagreement
+    from runner_fsm.agree.shm_exchange import ShmExchange, replica_exchange
+    from runner_fsm.agree.consensus import consensus_row, disagreement
 
     group, rank = groups.pcp, groups.pcp_rank
     gather_rows = replica_exchange(group, 8, timeout_s=60)  # what `Replica._check_consensus` makes
@@ -75,7 +75,7 @@ def own_work_us(repeats: int = 5, number: int = 2000) -> Spread:
     import torch
 
     from runner_fsm.audit.decisions import StepDecisions
-    from runner_fsm.step_consensus import consensus_row, disagreement
+    from runner_fsm.agree.consensus import consensus_row, disagreement
 
     decided = StepDecisions(True, 123456789, 4, 8, 8, 1, 987654321)
     mine = torch.zeros(8, dtype=torch.int64)

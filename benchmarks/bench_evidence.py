@@ -29,7 +29,7 @@ from real_logs import per_step, write_real_run  # noqa: E402
 @contextmanager
 def evidence_off():
     """Stub the evidence out of the replica (this process only; a measurement, not a mode)."""
-    from runner_fsm import replica as replica_module
+    from runner_fsm.replica import replica as replica_module
     from runner_fsm.pcp.buffers import PersistentBuffers
 
     saved = (replica_module.dispatch_inputs, replica_module.output_digest, PersistentBuffers.fingerprint)

@@ -28,7 +28,7 @@ TARGETS = {1: 1.2, 4: 0.5}  # world size -> peak / checkpoint
 
 
 def load_spec():
-    from runner_fsm.model.make import ModelSpec
+    from runner_fsm.model_files.make import ModelSpec
 
     return ModelSpec(layers=2, hidden=512, heads=8, kv_heads=4, experts=8, top_k=2, vocab=8192,
                      intermediate=1792)
@@ -54,8 +54,8 @@ def _load(model_dir: str, mg, how: str):
     import torch
 
     from runner_fsm.model import load_model
-    from runner_fsm.model.hf_config import MixtralConfig
-    from runner_fsm.model.weights import bind_weights, read_checkpoint
+    from runner_fsm.model_files.hf_config import MixtralConfig
+    from runner_fsm.model_files.weights import bind_weights, read_checkpoint
 
     if how == "lazy":
         return load_model(model_dir, kv_num_blocks=1, block_size=16, groups=mg).decoder.weights

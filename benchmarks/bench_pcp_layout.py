@@ -173,7 +173,7 @@ def measured_rows(quick: bool) -> list[Row]:
 
 def _fast_layout_row(step, repeats: int, pcp: int) -> Row:
     """MRV2's manager, fast_pcp_layout installed vs not: what a step's partition asks of it."""
-    from runner_fsm.integrations.vllm.runners.pcp.layout import install_fast_pcp_layout
+    from runner_fsm.integrations.vllm.runners.pcp_layout import install_fast_pcp_layout
 
     fast, plain, vllm_in = _manager(pcp), _manager(pcp), _vllm_inputs(step)
     description = install_fast_pcp_layout(fast)  # on the instance, as FSMWorker's MRV2 adapter does

@@ -30,8 +30,8 @@ from common import Row, Spread
 
 _EXPORT = r"""
 import json, sys, time
-from runner_fsm.audit.perfetto import export_perfetto
-from runner_fsm.audit.report import ReplayReport, RunSummary
+from runner_fsm.replay.perfetto import export_perfetto
+from runner_fsm.replay.report import ReplayReport, RunSummary
 
 def peak_rss_mib():
     with open("/proc/self/status") as status:
@@ -82,7 +82,7 @@ def export_rows(steps: int) -> list[Row]:
 
 
 def _fr_run(root: Path, on: bool, rep: int) -> tuple[float, dict, bool, float]:
-    from runner_fsm import flight_recorder
+    from runner_fsm.process import flight_recorder
     from runner_fsm.config import ParallelLayout
     from runner_fsm.engine.api import run_engine
     from runner_fsm.engine.config import EngineConfig
@@ -108,7 +108,7 @@ def _fr_run(root: Path, on: bool, rep: int) -> tuple[float, dict, bool, float]:
     dumped = len(list(run_dir.glob("fr-rank-*.json"))) == 4
     per_step_collectives = 0.0
     if dumped:  # every torch collective rank 0 issued, over its steps
-        from runner_fsm.audit.flight import read_dump
+        from runner_fsm.replay.flight import read_dump
 
         dump = read_dump(run_dir / "fr-rank-0.json", 0)
         per_step_collectives = sum(dump.enqueued.values()) / max(result.ranks[0].num_steps, 1)

@@ -39,7 +39,7 @@ from runner_fsm.testing.synth import SynthSpec, write_run  # noqa: E402
 # this process (torch loaded, for the synthetic buffers) would report this process's peak.
 _MEASURE = r"""
 import json, resource, sys, time, tracemalloc
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 
 def peak_rss_mib():
     try:

@@ -64,8 +64,8 @@ def measure(run_dir: Path, jobs: int | str, last: int | None = None) -> dict:
 
 def default_jobs(run_dir: Path) -> int:
     """The processes `runner-fsm replay` starts for this run when `--jobs` is left out."""
-    from runner_fsm.audit.ranks import discover
-    from runner_fsm.audit.replay import auto_jobs
+    from runner_fsm.replay.discover import discover
+    from runner_fsm.replay.judge import auto_jobs
 
     return auto_jobs(discover(run_dir))
 

@@ -105,7 +105,7 @@ def _add_make_model(sub) -> None:
 
 
 def _cmd_make_model(args) -> int:
-    from runner_fsm.model.make import DRAFT_SPEC, TARGET_SPEC, make_random_model, with_overrides
+    from runner_fsm.model_files.make import DRAFT_SPEC, TARGET_SPEC, make_random_model, with_overrides
 
     base = DRAFT_SPEC if args.draft else TARGET_SPEC
     spec = with_overrides(base, **{name: getattr(args, name) for name in _MODEL_SHAPE_FLAGS})
@@ -140,7 +140,7 @@ def _add_replay(sub) -> None:
 
 
 def _step_range(text: str) -> tuple[int, int]:
-    from runner_fsm.audit.coverage import parse_steps
+    from runner_fsm.replay.coverage import parse_steps
 
     try:
         return parse_steps(text)
@@ -149,8 +149,8 @@ def _step_range(text: str) -> tuple[int, int]:
 
 
 def _cmd_replay(args) -> int:
-    from runner_fsm.audit.progress import TerminalProgress
-    from runner_fsm.audit.replay import replay, replay_with_plot
+    from runner_fsm.replay.progress import TerminalProgress
+    from runner_fsm.replay.judge import replay, replay_with_plot
 
     window = {"steps": args.steps, "last": args.last}
     progress = TerminalProgress()  # on stderr, only when it is a terminal
@@ -162,7 +162,7 @@ def _cmd_replay(args) -> int:
     finally:
         progress.close()
     if args.perfetto:  # the same verdicts, as instants on the ranks' timelines
-        from runner_fsm.audit.perfetto import export_perfetto
+        from runner_fsm.replay.perfetto import export_perfetto
 
         export_perfetto(args.run_dir, args.perfetto, report)
     if args.json:

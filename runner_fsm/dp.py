@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from runner_fsm.audit.order import PHASE_NAMES as _ORDERED_PHASES, out_of_order
+from runner_fsm.agree.order import PHASE_NAMES as _ORDERED_PHASES, out_of_order
 from runner_fsm.errors import DesyncError, ReplicaFault
 
 # Phases of a step, each with its own agreement.

@@ -7,7 +7,7 @@ import sys
 import pytest
 
 from runner_fsm.audit import read_records
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 from runner_fsm.cli import main
 from runner_fsm.engine import preflight, scheduler
 from runner_fsm.engine.requests import Request

@@ -1,4 +1,4 @@
-"""The rules of `runner_fsm.audit.checks`, each written once and used online and offline.
+"""The rules of `runner_fsm.rules.checks`, each written once and used online and offline.
 
 The runner must refuse what replay would call unsound, with the same rule: a refresh that
 only rewrites the same bytes (`buf.copy_(buf)`) is stale on both sides, in eager and in graph
@@ -9,15 +9,15 @@ import numpy as np
 import pytest
 
 from runner_fsm import dp
-from runner_fsm.audit.checks import (divergent_outputs, output_digest, own_agreement_problem,
+from runner_fsm.rules.checks import (divergent_outputs, output_digest, own_agreement_problem,
                                      recomputed_dispatch_count, stale_inputs)
-from runner_fsm.audit.checks import dispatch_inputs
-from runner_fsm.audit.context_rule import context_evidence_missing, context_problem
-from runner_fsm.audit.replay import replay
+from runner_fsm.rules.checks import dispatch_inputs
+from runner_fsm.rules.context_rule import context_evidence_missing, context_problem
+from runner_fsm.replay.judge import replay
 from runner_fsm.config import GraphMode, ParallelLayout, RunnerConfig
 from runner_fsm.errors import StaleBufferError
 from runner_fsm.events import Capture, DummyStep, RealStep
-from runner_fsm.evidence import identity
+from runner_fsm.replica.evidence import identity
 from runner_fsm.pcp.buffers import BufferFingerprint
 from runner_fsm.pcp.plan import num_tokens_for_dispatch
 from runner_fsm.testing.fakes import ScriptedPeers, busy_peer
@@ -60,7 +60,7 @@ def test_context_evidence_missing_is_named_not_read_as_sound():
 
 
 def test_context_digest_is_the_plan_s_and_differs_from_a_dummy_s():
-    from runner_fsm.evidence import context_identity
+    from runner_fsm.replica.evidence import context_identity
     from runner_fsm.pcp.context import build_dummy_context, build_real_context, dummy_digest, plan_digest
     from runner_fsm.pcp.plan import plan_batch
 

@@ -15,7 +15,7 @@ import pytest
 from runner_fsm.audit import AuditLog, read_records, strip_times
 from runner_fsm.audit.compact import FORMAT, FORMAT_FIELD
 from runner_fsm.audit.render import BuffersTemplate
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.testing.synth import DEFECTS, Defect, SynthSpec, write_run
 

@@ -12,7 +12,7 @@ import pytest
 
 from runner_fsm.audit import AuditLog, read_records, step_lane
 from runner_fsm.audit.mapped import CHUNK, MappedFile, data_end, is_blank
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 
 
 def test_written_bytes_are_in_the_file_before_close_then_exactly_them(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 
 from runner_fsm.audit import AuditLog, read_records, strip_times
 from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, DecisionLog, StepDecisions
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.testing.logs import rewrite_in_full
 from runner_fsm.testing.synth import Defect, SynthSpec, write_run

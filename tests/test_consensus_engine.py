@@ -15,7 +15,7 @@ import pytest
 
 from runner_fsm.audit import read_records
 from runner_fsm.audit.decisions import DIGEST_FIELD
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 from runner_fsm.config import GraphMode, ParallelLayout
 from runner_fsm.engine.api import run_engine
 from runner_fsm.engine.config import EngineConfig

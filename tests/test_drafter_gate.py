@@ -11,10 +11,10 @@ import pytest
 
 from runner_fsm.audit import AuditLog, read_records
 from runner_fsm.audit.decisions import DecisionLog, StepDecisions
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.errors import ConfigError
-from runner_fsm.integrations.vllm import inject
+from runner_fsm.integrations.vllm.common import inject
 
 GATE_STEP = 3
 

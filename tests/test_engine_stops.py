@@ -25,7 +25,7 @@ pytestmark = pytest.mark.multiproc
 
 def _worker(run_dir: str, ready, blocked: bool) -> None:
     from runner_fsm.audit import AuditLog
-    from runner_fsm.integrations.vllm.recording.engine_stops import NOTICE, WorkerNotice
+    from runner_fsm.integrations.vllm.engine_stops import NOTICE, WorkerNotice
 
     log = AuditLog(run_dir, "r", 0, 0, 0)
     notice = WorkerNotice(lambda name: log.stop(4, "signal", name, detail="told by the engine core"))
@@ -42,7 +42,7 @@ def _idle(blocked: bool, signum: int) -> None:
 
 
 def _engine(run_dir: str, ready, worker_pid, blocked: bool) -> None:
-    from runner_fsm.integrations.vllm.recording.engine_stops import register
+    from runner_fsm.integrations.vllm.engine_stops import register
 
     signal.signal(signal.SIGTERM, lambda *_: None)  # vLLM's engine-core handler, installed first
     register()
@@ -82,7 +82,7 @@ def test_an_engine_core_s_sigterm_reaches_its_workers_log_before_the_kill(tmp_pa
 
 
 def test_the_plugin_is_inert_outside_an_engine_core(monkeypatch):
-    from runner_fsm.integrations.vllm.recording import engine_stops
+    from runner_fsm.integrations.vllm import engine_stops
 
     monkeypatch.delenv(engine_stops.REGISTRY_ENV, raising=False)
     before = signal.getsignal(signal.SIGTERM)
@@ -95,4 +95,4 @@ def test_the_package_declares_the_plugin_to_vllm():
     """vLLM finds it by this entry point only: without it the engine core stays silent."""
     pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     plugins = pyproject["project"]["entry-points"]["vllm.general_plugins"]
-    assert plugins == {"runner_fsm_stops": "runner_fsm.integrations.vllm.recording.engine_stops:register"}
+    assert plugins == {"runner_fsm_stops": "runner_fsm.integrations.vllm.engine_stops:register"}

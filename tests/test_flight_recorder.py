@@ -21,9 +21,9 @@ import textwrap
 
 import pytest
 
-from runner_fsm import flight_recorder
-from runner_fsm.audit.flight import read_dumps
-from runner_fsm.audit.replay import ReplayInputError, replay
+from runner_fsm.process import flight_recorder
+from runner_fsm.replay.flight import read_dumps
+from runner_fsm.replay.judge import ReplayInputError, replay
 from runner_fsm.config import ParallelLayout
 from runner_fsm.engine.api import run_engine
 from runner_fsm.engine.config import EngineConfig
@@ -288,7 +288,7 @@ def test_turned_off_by_environment(monkeypatch, tmp_path):
 
 _RECORDED = textwrap.dedent("""
     import json, torch, torch.distributed as dist
-    from runner_fsm import flight_recorder
+    from runner_fsm.process import flight_recorder
     flight_recorder.enable()  # before the first process group, as the workers call it
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     dist.all_reduce(torch.ones(2))
@@ -332,7 +332,7 @@ def test_missing_dump_api_fails_clearly(monkeypatch):
 
 @pytest.mark.multiproc
 def test_hang_in_the_trace(hang_run, tmp_path):
-    from runner_fsm.audit.perfetto import export_perfetto
+    from runner_fsm.replay.perfetto import export_perfetto
 
     export_perfetto(hang_run, tmp_path / "t.json")
     events = json.loads((tmp_path / "t.json").read_text())["traceEvents"]

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 from runner_fsm.config import ParallelLayout
-from runner_fsm.heartbeat import Position, describe_positions
+from runner_fsm.agree.heartbeat import Position, describe_positions
 
 AGREE, FORWARD = "dp all_reduce #9", "expert forward #12"
 
@@ -58,7 +58,7 @@ def test_three_positions_without_majority_name_nobody():
 
 
 def test_an_unreachable_store_names_replica_0_whose_rank_0_holds_it():
-    from runner_fsm.heartbeat import Heartbeat
+    from runner_fsm.agree.heartbeat import Heartbeat
 
     class GoneStore:
         def set_timeout(self, _):

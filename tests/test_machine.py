@@ -5,7 +5,7 @@ import asyncio
 import anyio
 import pytest
 
-from runner_fsm.machine import Handler, ReplicaMachine, SyncReplicaMachine, TransitionCore, TransitionRefused
+from runner_fsm.states.machine import Handler, ReplicaMachine, SyncReplicaMachine, TransitionCore, TransitionRefused
 from runner_fsm.states import TRANSITIONS, State, Trigger, next_state
 
 

@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from runner_fsm import dp
-from runner_fsm.components import ForwardStep
+from runner_fsm.replica.components import ForwardStep
 from runner_fsm.errors import BatchError
 from runner_fsm.model import draft_rows
-from runner_fsm.spec import tokens_per_request
+from runner_fsm.replica.spec import tokens_per_request
 
 from test_model_support import (
     BLOCK_SIZE, NUM_BLOCKS, TargetDriver, batch, block_table, make_model_dirs, open_drafter, open_target,

@@ -18,7 +18,7 @@ from runner_fsm.model.exchange import RowRoles, Splits, routed_exchange
 from runner_fsm.model.layers import swiglu
 from runner_fsm.model.moe import local_experts_eager
 from runner_fsm.model.parallel import ModelGroups
-from runner_fsm.model.weights import ExpertWeights
+from runner_fsm.model_files.weights import ExpertWeights
 
 HIDDEN, INTER, EXPERTS, TOP_K = 16, 24, 8, 2
 

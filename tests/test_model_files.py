@@ -13,9 +13,9 @@ from runner_fsm.errors import ConfigError
 from runner_fsm.model import (
     MixtralConfig, UnsupportedModelError, WeightsError, load_drafter, load_model, resolve_device,
 )
-from runner_fsm.model.make import TARGET_SPEC, with_overrides
-from runner_fsm.model.safetensors_io import load_file, save_file
-from runner_fsm.model.weights import expected_shapes, read_checkpoint
+from runner_fsm.model_files.make import TARGET_SPEC, with_overrides
+from runner_fsm.model_files.safetensors_io import load_file, save_file
+from runner_fsm.model_files.weights import expected_shapes, read_checkpoint
 
 FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
 

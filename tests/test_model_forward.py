@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from runner_fsm import dp
-from runner_fsm.components import ForwardStep
+from runner_fsm.replica.components import ForwardStep
 from runner_fsm.model import DispatchCountError, MixtralConfig, load_model
-from runner_fsm.model.weights import read_checkpoint
+from runner_fsm.model_files.weights import read_checkpoint
 
 from test_model_support import NUM_BLOCKS, Sequences, TargetDriver, make_model_dirs, open_target, prompt, runner_config
 
@@ -215,7 +215,7 @@ def test_wrong_dispatch_count_raises_before_any_row_is_used(target_dir):
 def test_expert_partition_is_layout_free(target_dir):
     """Expert-parallel pieces summed in any order equal the one-rank result bit for bit."""
     from runner_fsm.model.moe import local_experts_dense, local_experts_eager, route
-    from runner_fsm.model.weights import bind_weights
+    from runner_fsm.model_files.weights import bind_weights
 
     cfg = MixtralConfig.from_dir(target_dir)
     state = read_checkpoint(target_dir)

@@ -4,7 +4,7 @@ A device graph replays device work only; the expert header check is host work, s
 registers it through `graphs.host_step` and `GraphRunner.replay` re-runs it before each replay.
 """
 
-from runner_fsm import graphs
+from runner_fsm.replica import graphs
 
 
 def test_host_step_is_recorded_only_while_capturing():

@@ -15,10 +15,10 @@ import gc
 import torch
 
 from runner_fsm.model import load_model, make_random_model
-from runner_fsm.model.hf_config import MixtralConfig
-from runner_fsm.model.make import ModelSpec
+from runner_fsm.model_files.hf_config import MixtralConfig
+from runner_fsm.model_files.make import ModelSpec
 from runner_fsm.model.parallel import ModelGroups
-from runner_fsm.model.weights import bind_weights, read_checkpoint
+from runner_fsm.model_files.weights import bind_weights, read_checkpoint
 
 SPEC = ModelSpec(layers=2, hidden=256, heads=4, kv_heads=2, experts=8, intermediate=1024, vocab=4096)
 

@@ -13,11 +13,11 @@ import numpy as np
 import pytest
 
 from runner_fsm import dp
-from runner_fsm.components import ForwardStep
+from runner_fsm.replica.components import ForwardStep
 from runner_fsm.engine.launch import spawn
 from runner_fsm.model import DispatchCountError
 from runner_fsm.pcp.plan import num_tokens_for_dispatch
-from runner_fsm.spec import tokens_per_request
+from runner_fsm.replica.spec import tokens_per_request
 
 from test_model_support import (
     CAPTURE_SIZES, Sequences, TargetDriver, make_model_dirs, open_drafter, open_target, prompt,

@@ -1,6 +1,6 @@
 """Shared helpers of the model tests (no tests here): tiny checkpoints and a step driver.
 
-`TargetDriver` runs one rank's target step the way `runner_fsm.replica` does (plan, context,
+`TargetDriver` runs one rank's target step the way `runner_fsm.replica.replica` does (plan, context,
 buffers, forward, restore, sample) without the async runner, so a test can look at logits.
 """
 
@@ -14,7 +14,7 @@ import torch
 
 from runner_fsm import dp
 from runner_fsm.batch import ScheduledBatch
-from runner_fsm.components import ForwardStep
+from runner_fsm.replica.components import ForwardStep
 from runner_fsm.config import ParallelLayout, RunnerConfig
 from runner_fsm.model import DRAFT_SPEC, TARGET_SPEC, load_drafter, load_model, make_random_model
 from runner_fsm.pcp.buffers import PersistentBuffers

@@ -9,7 +9,7 @@ import dataclasses
 
 import pytest
 
-from runner_fsm.audit.order import AHEAD, BEYOND, MAJORITY, TIE, last_phase, out_of_order
+from runner_fsm.agree.order import AHEAD, BEYOND, MAJORITY, TIE, last_phase, out_of_order
 from runner_fsm.dp import DRAFT_DECODE, DRAFT_PREFILL, TARGET, LocalDispatch, agree
 from runner_fsm.errors import DesyncError
 

@@ -129,7 +129,7 @@ def test_mrv2_policy_equals_vllm_on_the_benchmark_batch():
 
 # --- fast_pcp_layout: the installer ---------------------------------------------------------
 
-FAST = "runner_fsm.integrations.vllm.runners.pcp.layout"
+FAST = "runner_fsm.integrations.vllm.runners.pcp_layout"
 
 
 def test_installs_on_a_manager_instance_and_refuses_a_class():
@@ -138,7 +138,7 @@ def test_installs_on_a_manager_instance_and_refuses_a_class():
     import vllm
     from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
-    from runner_fsm.integrations.vllm.runners.pcp.layout import install_fast_pcp_layout
+    from runner_fsm.integrations.vllm.runners.pcp_layout import install_fast_pcp_layout
 
     assert vllm.__version__ == "0.32.0"
     mgr = manager(2, 1)
@@ -160,7 +160,7 @@ WRITERS = [(1, "compiled"), (1, "numpy"), (2, "numpy")]  # (DCP, the writer it i
 
 
 def fast_manager(pcp, dcp, writer, monkeypatch, rank=0):
-    from runner_fsm.integrations.vllm.runners.pcp.layout import install_fast_pcp_layout
+    from runner_fsm.integrations.vllm.runners.pcp_layout import install_fast_pcp_layout
     from runner_fsm.pcp import native
 
     mgr = manager(pcp, dcp, rank=rank)
@@ -228,7 +228,7 @@ def test_not_installed_where_the_layout_is_not_the_pinned_one(monkeypatch):
     import vllm
     from vllm.v1.worker.gpu.pcp_manager import PCPManager
 
-    from runner_fsm.integrations.vllm.runners.pcp import layout as pcp_layout
+    from runner_fsm.integrations.vllm.runners import pcp_layout
 
     changed = type("Changed", (PCPManager,), {
         "_iter_rank_chunks": lambda self, rank, num_scheduled_tokens, is_prefilling, extra=0: iter(())})
@@ -251,7 +251,7 @@ def test_not_installed_where_rank_segment_is_not_the_pinned_one(monkeypatch):
 
     from vllm.v1.worker.gpu import pcp_manager
 
-    from runner_fsm.integrations.vllm.runners.pcp.layout import install_fast_pcp_layout
+    from runner_fsm.integrations.vllm.runners.pcp_layout import install_fast_pcp_layout
 
     @dataclasses.dataclass(frozen=True)
     class RankSegment:
@@ -269,7 +269,7 @@ def test_not_installed_where_rank_segment_is_not_the_pinned_one(monkeypatch):
 
 
 def test_not_installed_on_something_else():
-    from runner_fsm.integrations.vllm.runners.pcp.layout import install_fast_pcp_layout
+    from runner_fsm.integrations.vllm.runners.pcp_layout import install_fast_pcp_layout
 
     description = install_fast_pcp_layout(object())
     assert description["installed"] is False and "is not a vLLM PCPManager" in description["reason"]
@@ -295,7 +295,7 @@ def test_installed_steps_aside_for_what_it_was_not_pinned_on(writer, monkeypatch
     scheduled, computed, prefilling = np.array([3, 9], np.int32), np.zeros(2, np.int32), np.array([False, True])
     odd = manager(2, 2)
     odd.shard_decode_requests = True
-    from runner_fsm.integrations.vllm.runners.pcp.layout import install_fast_pcp_layout
+    from runner_fsm.integrations.vllm.runners.pcp_layout import install_fast_pcp_layout
 
     assert install_fast_pcp_layout(odd)["installed"]
     spy_on(odd)._build_batch_layout(scheduled, computed, prefilling, np.array([0, 3, 12]))

@@ -13,8 +13,8 @@ import tracemalloc
 
 import pytest
 
-from runner_fsm.audit.perfetto import export_perfetto
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.perfetto import export_perfetto
+from runner_fsm.replay.judge import replay
 from runner_fsm.testing.synth import Defect, SynthSpec, write_run
 from runner_fsm.cli import main
 from runner_fsm.config import ParallelLayout

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import orjson
 
-from runner_fsm.audit.replay import replay
-from runner_fsm.evidence import identity
+from runner_fsm.replay.judge import replay
+from runner_fsm.replica.evidence import identity
 from runner_fsm.testing.synth import SynthSpec, write_run
 
 SPEC = SynthSpec(dp_size=3, pcp_size=2, graphs=False)

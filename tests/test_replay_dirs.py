@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 from runner_fsm.cli import main
 from runner_fsm.testing.synth import Defect, SynthSpec, write_run
 

@@ -6,8 +6,8 @@ import tracemalloc
 
 import pytest
 
-from runner_fsm.audit.checks import TransitionChecker
-from runner_fsm.audit.replay import replay
+from runner_fsm.rules.checks import TransitionChecker
+from runner_fsm.replay.judge import replay
 from runner_fsm.testing.synth import SynthSpec, truncate_last_line, write_run
 from runner_fsm.cli import main
 

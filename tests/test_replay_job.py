@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from runner_fsm.audit import AuditLog, read_records
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 from runner_fsm.audit.shape import Coords, JobShape, coords_of, global_rank_of, job_shape_fields, layout_groups
 from runner_fsm.cli import main
 from runner_fsm.testing.synth import SynthSpec, write_run
@@ -183,7 +183,7 @@ def test_flight_recorder_only_without_membership_counts_ranks_from_file_names(tm
     {"entries": [{"pg_id": 0, "collective_seq_id": 1}]},  # no process_group: a KeyError on main
     {"entries": [{"pg_id": 0, "process_group": ["1"], "collective_seq_id": "one", "profiling_name": "x"}]},
     {"entries": [7]},
-    {"format": "runner_fsm.flight_recorder/1", "groups": {"dp": {"ranks": [0]}}, "trace": {"entries": []}},
+    {"format": "runner_fsm.process.flight_recorder/1", "groups": {"dp": {"ranks": [0]}}, "trace": {"entries": []}},
     {"pg_config": {"1": {"ranks": "[0, oops]"}}, "entries": []},
 ])
 def test_a_malformed_dump_is_one_line_and_exit_2(tmp_path, capsys, document):
@@ -208,7 +208,7 @@ def test_logs_without_a_shape_still_see_a_rank_the_dumps_name(tmp_path):
     (run / "rank-3.jsonl").unlink()
     for rank in range(3):  # the runner's dumps: each names the members of its groups
         (run / f"fr-rank-{rank}.json").write_text(json.dumps({
-            "format": "runner_fsm.flight_recorder/1", "global_rank": rank, "reason": "end",
+            "format": "runner_fsm.process.flight_recorder/1", "global_rank": rank, "reason": "end",
             "groups": {"expert": {"pg_name": "5", "ranks": [0, 1, 2, 3]}}, "trace": {"entries": []}}))
     [verdict] = replay(run).verdicts
     assert (verdict.kind, verdict.replica, verdict.ranks) == ("missing_rank", 1, (3,))
@@ -282,7 +282,8 @@ def test_replay_groups_ranks_as_vllm_does_even_without_a_rank_s_job_record(tmp_p
     whose record is lost is placed by its peers' lists or, failing those, by its coordinates.
     Mutation seen failing: `Groups.instance` keying `dp` by the PCP rank alone (the old rule:
     TP ranks of different DP groups merged)."""
-    from runner_fsm.audit.ranks import Groups, discover
+    from runner_fsm.rules.ranks import Groups
+    from runner_fsm.replay.discover import discover
 
     run = write_run(tmp_path / "run", SynthSpec(dp_size=2, pcp_size=2, tp_size=2, steps=3))
     if lost is not None:

@@ -20,8 +20,8 @@ import sys
 import pytest
 
 from runner_fsm.audit import AuditLog, read_records
-from runner_fsm.audit import replay as replay_module
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay import judge as replay_module
+from runner_fsm.replay.judge import replay
 from runner_fsm.audit.segments import MIN_SEGMENT
 from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.testing.synth import Defect, SynthSpec, write_run

@@ -12,7 +12,7 @@ import json
 
 import pytest
 
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 from runner_fsm.testing.synth import SynthSpec, write_run
 
 SPEC = SynthSpec(dp_size=2, pcp_size=2, steps=6)

@@ -4,7 +4,7 @@ import dataclasses
 
 import pytest
 
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 from runner_fsm.testing.synth import Defect, SynthSpec, write_run
 
 SPEC = SynthSpec(dp_size=3, pcp_size=2, steps=10, spec_tokens=2)

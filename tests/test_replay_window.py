@@ -12,9 +12,9 @@ import sys
 
 import pytest
 
-from runner_fsm.audit import progress as progress_module
-from runner_fsm.audit.progress import TerminalProgress
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay import progress as progress_module
+from runner_fsm.replay.progress import TerminalProgress
+from runner_fsm.replay.judge import replay
 from runner_fsm.testing.synth import Defect, SynthSpec, write_run
 
 DEFECTS = [Defect("agreed_mismatch", 0, 100), Defect("collective_mismatch", 2, 300)]

@@ -202,7 +202,7 @@ async def test_shutdown_refuses_later_events_and_closes_log(tmp_path):
 async def test_serve_answers_every_event_in_order_and_refuses_after_a_fault():
     import anyio
 
-    from runner_fsm.runner import EventRefused
+    from runner_fsm.replica.driver import EventRefused
 
     class Broken:
         def forward(self, *a):

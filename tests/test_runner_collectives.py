@@ -7,7 +7,7 @@ import time
 import anyio
 import pytest
 
-from runner_fsm.collectives import CollectiveRunner
+from runner_fsm.agree.collectives import CollectiveRunner
 from runner_fsm.errors import CollectiveTimeout
 
 pytestmark = pytest.mark.asyncio

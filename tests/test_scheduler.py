@@ -20,7 +20,7 @@ from runner_fsm.batch import validate_batch
 from runner_fsm.config import RunnerConfig
 from runner_fsm.engine.requests import Request, assign, synthetic_requests
 from runner_fsm.engine.scheduler import Scheduler, SchedulerConfig, max_positions
-from runner_fsm.spec import tokens_per_request
+from runner_fsm.replica.spec import tokens_per_request
 
 VOCAB = 50
 

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 
 from runner_fsm.audit import seek
-from runner_fsm.audit.ranges import judge_range
-from runner_fsm.audit.ranks import discover
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.ranges import judge_range
+from runner_fsm.replay.discover import discover
+from runner_fsm.replay.judge import replay
 from runner_fsm.testing.synth import Defect, SynthSpec, write_run
 
 DEFECTS = [Defect("illegal_transition", 1, 450), Defect("fault", 2, 470)]

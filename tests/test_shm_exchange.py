@@ -1,5 +1,5 @@
 """The shared-memory exchange the online consensus check uses among ranks of one host
-(`runner_fsm.shm_exchange`), in real processes (`engine.launch.spawn`, gloo for its set-up)."""
+(`runner_fsm.agree.shm_exchange`), in real processes (`engine.launch.spawn`, gloo for its set-up)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ pytestmark = pytest.mark.multiproc
 
 def _rows_each_step(groups, steps: int) -> list:
     """Every exchange's rows through shared memory and through gloo, for the same rows."""
-    from runner_fsm.shm_exchange import ShmExchange, replica_exchange
-    from runner_fsm.step_consensus import ConsensusExchange
+    from runner_fsm.agree.shm_exchange import ShmExchange, replica_exchange
+    from runner_fsm.agree.consensus import ConsensusExchange
 
     group, rank = groups.pcp, groups.pcp_rank
     shm = replica_exchange(group, 3, timeout_s=30)
@@ -41,7 +41,7 @@ def test_every_rank_reads_every_peers_row_of_each_exchange(tmp_path):
 
 def _one_rank_stops(groups, stopper: int) -> str:
     from runner_fsm.errors import CollectiveTimeout
-    from runner_fsm.shm_exchange import replica_exchange
+    from runner_fsm.agree.shm_exchange import replica_exchange
 
     exchange = replica_exchange(groups.pcp, 2, timeout_s=1.0)
     rank = groups.pcp_rank
@@ -72,7 +72,7 @@ def test_a_rank_that_never_comes_is_named_after_the_timeout(stopper):
 def _other_hosts(groups) -> str:
     import socket
 
-    from runner_fsm.shm_exchange import replica_exchange
+    from runner_fsm.agree.shm_exchange import replica_exchange
 
     if groups.pcp_rank == 1:
         socket.gethostname = lambda: "another-host"  # this process only: as if rank 1 ran elsewhere

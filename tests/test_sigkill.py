@@ -29,7 +29,7 @@ import pytest
 
 from runner_fsm.audit.expand import Expander
 from runner_fsm.audit.mapped import CHUNK, data_end
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 
 pytestmark = pytest.mark.multiproc
 

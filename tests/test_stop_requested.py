@@ -20,7 +20,7 @@ import time
 import pytest
 
 from runner_fsm.audit import read_records
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 
 pytestmark = pytest.mark.multiproc
 

@@ -30,7 +30,7 @@ PRELUDE = """
     import os, signal, sys
     from pathlib import Path
     from runner_fsm.audit import AuditLog
-    from runner_fsm.stop_signals import StopSignals
+    from runner_fsm.process.stop_signals import StopSignals
     out = Path(sys.argv[1])
     log = AuditLog(out / "run", "r", 0, 0, 0)
     stops = StopSignals(lambda name: log.stop(7, "signal", name))
@@ -150,7 +150,7 @@ def test_sigterm_to_a_loop_writing_records_dies_by_it_after_the_record(tmp_path)
     import sys
     import anyio
     from runner_fsm.audit import AuditLog
-    from runner_fsm.stop_signals import stops_on_loop
+    from runner_fsm.process.stop_signals import stops_on_loop
 
     async def main(log):
         async with stops_on_loop(lambda name: log.stop(9, "signal", name)):
@@ -187,7 +187,7 @@ def test_stops_on_loop_puts_the_previous_handlers_back_after_a_failed_body(tmp_p
     that returned."""
     out = _child(PRELUDE + """
     import anyio
-    from runner_fsm.stop_signals import stops_on_loop
+    from runner_fsm.process.stop_signals import stops_on_loop
     def mine(signum, frame):
         pass
     signal.signal(signal.SIGINT, mine)
@@ -221,7 +221,7 @@ def test_stops_on_loop_outside_the_main_thread_runs_its_body_with_no_handler(tmp
     to there), and runs as before. Mutation seen to fail this: no main-thread check."""
     out = _child(PRELUDE + """
     import threading, anyio
-    from runner_fsm.stop_signals import stops_on_loop
+    from runner_fsm.process.stop_signals import stops_on_loop
     result = []
     async def body():
         async with stops_on_loop(lambda name: None):
@@ -331,7 +331,7 @@ def test_a_forked_child_does_not_feed_its_parents_watch(tmp_path):
     to fail this: no `os.register_at_fork` (the child keeps the parent's pipe as its wakeup fd)."""
     out = _child(PRELUDE + """
     import time
-    from runner_fsm.signal_watch import WATCH
+    from runner_fsm.process.signal_watch import WATCH
     assert stops.install() and WATCH.active
     pid = os.fork()
     if pid == 0:

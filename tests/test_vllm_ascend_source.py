@@ -37,8 +37,9 @@ from pathlib import Path
 import pytest
 from ascend_source import Sources, collective_calls, methods
 
-from runner_fsm.integrations.vllm import platform_worker, schema
-from runner_fsm.integrations.vllm.runners.pcp import evidence as pcp_evidence
+from runner_fsm.integrations.vllm import platform_worker
+from runner_fsm.integrations.vllm.common import schema
+from runner_fsm.integrations.vllm.runners import pcp_evidence
 from runner_fsm.integrations.vllm.runners.ascend import GIT_READ, SOURCE_PIN, AscendMRV2Runner
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]

@@ -19,7 +19,7 @@ import pytest
 import vllm_dp_cases as c
 
 from runner_fsm.audit import read_records
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 from runner_fsm.audit.segments import flight_entries
 from runner_fsm.integrations.vllm.offline_dp import Job
 from runner_fsm.testing.logs import files_bytes

@@ -6,7 +6,7 @@ import pytest
 
 from runner_fsm import dp
 from runner_fsm.errors import ConfigError, DesyncError, ReplicaFault
-from runner_fsm.integrations.vllm import inject
+from runner_fsm.integrations.vllm.common import inject
 from runner_fsm.integrations.vllm.dp.agreement import check_columns
 
 
@@ -77,7 +77,7 @@ def test_scheduled_drafts_must_be_prefixes_of_the_latest_proposals():
 
 @pytest.mark.parametrize("replica", [0, 1])
 def test_an_injection_that_never_fired_says_why_on_its_replica(replica):
-    from runner_fsm.integrations.vllm.inject import VLLMInjector, parse
+    from runner_fsm.integrations.vllm.common.inject import VLLMInjector, parse
 
     injection = parse(f"skip-dummy-forward@replica={replica},step=4")
     target, other = VLLMInjector(injection, replica), VLLMInjector(injection, 1 - replica)
@@ -94,7 +94,7 @@ def test_an_injection_that_never_fired_says_why_on_its_replica(replica):
 
 
 def test_an_injection_that_fired_is_silent():
-    from runner_fsm.integrations.vllm.inject import VLLMInjector, parse
+    from runner_fsm.integrations.vllm.common.inject import VLLMInjector, parse
 
     injector = VLLMInjector(parse("desync@replica=0,step=2"), 0)
     injector.saw(2, "decode")

@@ -22,7 +22,7 @@ import pytest
 import vllm_dp_cases as c
 from conftest import EXPECTED_RUNNER
 
-from runner_fsm.audit.flight import read_dumps
+from runner_fsm.replay.flight import read_dumps
 from runner_fsm.integrations.vllm.offline_dp import Job
 
 pytestmark = pytest.mark.vllm

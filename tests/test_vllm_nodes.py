@@ -36,7 +36,7 @@ import pytest
 from test_vllm_server import free_port, wait_ready
 from vllm_checks import log_tail, plugin_env, stop_note
 
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 import vllm_harness as h
 
 # vLLM's launch modes and stops are its front end's, not the model runner's: once, in the V1 leg

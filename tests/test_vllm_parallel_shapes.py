@@ -28,7 +28,7 @@ from conftest import EXPECTED_RUNNER
 from vllm_checks import records
 
 from runner_fsm.audit.decisions import DIGEST_FIELD
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 import vllm_harness as h
 from runner_fsm.integrations.vllm.offline_dp import Job
 from runner_fsm.testing.vllm_models import MLA_BLOCK_SIZE, make_model

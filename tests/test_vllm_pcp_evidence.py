@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from runner_fsm.audit.checks import (BufferTracker, dispatch_inputs, dispatch_problem, recomputed_dispatch_count,
+from runner_fsm.rules.checks import (BufferTracker, dispatch_inputs, dispatch_problem, recomputed_dispatch_count,
                                      stale_inputs)
-from runner_fsm.audit.context_rule import context_evidence_missing, context_problem
-from runner_fsm.integrations.vllm.runners.pcp.evidence import PAD_SLOT_ID, PCPEvidence, layout_digest
+from runner_fsm.rules.context_rule import context_evidence_missing, context_problem
+from runner_fsm.integrations.vllm.runners.pcp_evidence import PAD_SLOT_ID, PCPEvidence, layout_digest
 from runner_fsm.pcp.plan import num_tokens_for_dispatch
 
 PCP = 2

@@ -21,7 +21,7 @@ import pytest
 import vllm_dp_cases as c
 from vllm_checks import hf_greedy, mrv2_env, records
 
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 import vllm_harness as h
 from runner_fsm.integrations.vllm.offline_dp import Job
 from runner_fsm.testing.vllm_models import MLA_BLOCK_SIZE, make_model

@@ -18,9 +18,9 @@ import torch
 
 from runner_fsm.audit import AuditLog, read_records
 from runner_fsm.audit.records import plain_fields
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 from runner_fsm.audit.shape import job_shape_fields
-from runner_fsm.integrations.vllm.errors import StepRefused
+from runner_fsm.integrations.vllm.common.errors import StepRefused
 from runner_fsm.integrations.vllm.recording.journal import BATCH as journal_batch, Journal, read_journal
 from runner_fsm.integrations.vllm.recording.probe import JUDGED, NAMES, TOKEN_BUFFERS, InputProbe, resolve
 from runner_fsm.integrations.vllm.recording.recorder import ReplicaRecorder

@@ -93,7 +93,8 @@ def adapter_tables() -> set[str]:
     the PCP manager's names, and the DP hooks' vLLM names."""
     from runner_fsm.integrations.vllm.runners import ADAPTERS
     from runner_fsm.integrations.vllm.runners.hooks import DP_HOOKS
-    from runner_fsm.integrations.vllm.runners.pcp import evidence, layout
+    from runner_fsm.integrations.vllm.runners import pcp_evidence as evidence
+    from runner_fsm.integrations.vllm.runners import pcp_layout as layout
 
     names: set[str] = set()
     for adapter in ADAPTERS:

@@ -4,7 +4,7 @@ gather over vLLM's world group is stood in for by the entries every rank would c
 import pytest
 
 from runner_fsm.errors import ConfigError
-from runner_fsm.integrations.vllm.recording.rundir import agree_run
+from runner_fsm.integrations.vllm.rundir import agree_run
 
 
 def _world(*entries):

@@ -9,8 +9,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from runner_fsm.integrations.vllm import schema
-from runner_fsm.integrations.vllm.errors import UnsupportedFeatureError, VLLMSchemaError
+from runner_fsm.integrations.vllm.common import schema
+from runner_fsm.integrations.vllm.common.errors import UnsupportedFeatureError, VLLMSchemaError
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
 
@@ -108,7 +108,7 @@ def test_every_rank_is_placed_where_vllm_numbers_it(sizes):
     import torch
     from vllm.distributed import parallel_state as ps
 
-    from runner_fsm.integrations.vllm.recording.rundir import rank_place
+    from runner_fsm.integrations.vllm.rundir import rank_place
 
     assert "all_ranks = torch.arange(world_size).reshape(" in inspect.getsource(ps.initialize_model_parallel)
     dp, pp, pcp, tp = sizes

@@ -252,6 +252,6 @@ def _server_tail(run_dir, code, answers) -> str:
 
 
 def replay_report(run_dir):
-    from runner_fsm.audit.replay import replay
+    from runner_fsm.replay.judge import replay
 
     return replay(run_dir)

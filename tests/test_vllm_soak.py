@@ -24,7 +24,7 @@ import pytest
 from test_vllm_server import free_port, start_server, stop, wait_ready
 
 from runner_fsm.audit import read_records
-from runner_fsm.audit.replay import replay
+from runner_fsm.replay.judge import replay
 from runner_fsm.testing.logs import files_bytes
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow]

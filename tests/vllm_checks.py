@@ -18,7 +18,7 @@ def transitions(run_dir, rank: int = 0) -> list[str]:
 
 
 def assert_replays_sound(run_dir):
-    from runner_fsm.audit.replay import replay
+    from runner_fsm.replay.judge import replay
 
     report = replay(run_dir)
     assert report.sound, report.format()

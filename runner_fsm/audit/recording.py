@@ -9,14 +9,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from runner_fsm.audit import compact
 from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, GATE_EVENT, GATE_FIELD
 from runner_fsm.audit.render import fingerprint_fields
-
-if TYPE_CHECKING:
-    from runner_fsm.audit.log import AuditLog
 
 HEADER_FIELDS = ("schema", "run_id", "seq", "t_ns", "dp_rank", "pcp_rank", "event", "step_id")
 _RESERVED = frozenset(HEADER_FIELDS) | compact.KEYS
@@ -131,8 +128,8 @@ class AuditBatch(_Records):
     """Records made now, written together by `write()` (see the module docstring). Each record
     keeps the time it was made; seq is given at `write()`, in the order the records were made."""
 
-    def __init__(self, log: "AuditLog"):
-        self._log = log
+    def __init__(self, log: Any):
+        self._log = log  # the `log.AuditLog` that writes it (not imported: `log` imports this module)
         self._pending: list[tuple[int, str, int | None, dict[str, Any]]] = []
 
     def _emit(self, event: str, step_id: int | None, fields: dict[str, Any] | bytes) -> None:

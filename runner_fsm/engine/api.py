@@ -6,9 +6,9 @@ import dataclasses
 from pathlib import Path
 import os
 
-from runner_fsm import flight_recorder
-from runner_fsm.audit.ranks import RANK_FILE
-from runner_fsm.audit.rundirs import ranked_segments
+from runner_fsm.process import flight_recorder
+from runner_fsm.replay.discover import RANK_FILE
+from runner_fsm.replay.rundirs import ranked_segments
 from runner_fsm.audit.seek import last_step_of
 from runner_fsm.audit.segments import flight_entries
 from runner_fsm.engine.config import EngineConfig

@@ -196,7 +196,7 @@ def _cmd_demo(args) -> int:
 
 def _replay(run_dir: str) -> int:
     """Judge the run's audit logs offline, as `runner-fsm replay` does."""
-    from runner_fsm.audit.replay import replay
+    from runner_fsm.replay.judge import replay
 
     report = replay(run_dir)
     s = report.summary

@@ -35,7 +35,7 @@ import torch.distributed as dist
 from runner_fsm.config import ParallelLayout
 from runner_fsm.engine.rendezvous import LOOPBACK, free_port, is_loopback, rendezvous_store
 from runner_fsm.errors import ConfigError
-from runner_fsm.stop_signals import StopSignals
+from runner_fsm.process.stop_signals import StopSignals
 
 # How long a child that exited without a result may still have one in flight in the queue.
 _EXIT_GRACE_S = 0.5

@@ -5,10 +5,10 @@ parallel over every rank (DP x PCP) with a checked exchange, Hugging Face checkp
 """
 
 from runner_fsm.model.drafter import MixtralDrafter
-from runner_fsm.model.errors import DispatchCountError, UnsupportedModelError, WeightsError
-from runner_fsm.model.hf_config import MixtralConfig
+from runner_fsm.errors import DispatchCountError, UnsupportedModelError, WeightsError
+from runner_fsm.model_files.hf_config import MixtralConfig
 from runner_fsm.model.loader import load_drafter, load_model, model_groups
-from runner_fsm.model.make import DRAFT_SPEC, TARGET_SPEC, ModelSpec, make_random_model
+from runner_fsm.model_files.make import DRAFT_SPEC, TARGET_SPEC, ModelSpec, make_random_model
 from runner_fsm.model.model import MixtralModel
 from runner_fsm.model.parallel import ModelGroups, resolve_device
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from runner_fsm import dp
 from runner_fsm.errors import DesyncError
-from runner_fsm.model.errors import DispatchCountError
+from runner_fsm.errors import DispatchCountError
 from runner_fsm.model.parallel import ModelGroups
 
 

@@ -1,4 +1,4 @@
-"""The replicated draft model (the `Drafter` protocol of `runner_fsm.components`).
+"""The replicated draft model (the `Drafter` protocol of `runner_fsm.replica.components`).
 
 It runs its replica's global batch on every PCP rank (no PCP split), with its own paged KV
 cache under the target's block ids, and its experts are parallel over every rank like the
@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 from runner_fsm.batch import ScheduledBatch
-from runner_fsm.components import ForwardStep
+from runner_fsm.replica.components import ForwardStep
 from runner_fsm.model import draft_rows
 from runner_fsm.model.attention import AttentionInputs
 from runner_fsm.model.decoder import MixtralDecoder

@@ -1,4 +1,4 @@
-"""The target model of one PCP rank (the `Model` protocol of `runner_fsm.components`).
+"""The target model of one PCP rank (the `Model` protocol of `runner_fsm.replica.components`).
 
 `forward` reads the step's inputs only from the persistent buffers, so the same function
 serves eager steps, the CPU static replay and CUDA graph capture; it takes the fixed-shape
@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runner_fsm.components import ForwardStep
+from runner_fsm.replica.components import ForwardStep
 from runner_fsm.errors import BatchError
 from runner_fsm.model.attention import AttentionInputs
 from runner_fsm.model.decoder import MixtralDecoder

@@ -22,7 +22,7 @@ from runner_fsm.model.dispatch import DispatchHeader, ExchangeStep, check_header
 from runner_fsm.model.exchange import NO_EXPERT, RowRoles, gathered_bytes, routed_exchange
 from runner_fsm.model.layers import compute_dtype, swiglu
 from runner_fsm.model.parallel import ModelGroups, all_gather_rows, all_reduce_sum
-from runner_fsm.model.weights import ExpertWeights
+from runner_fsm.model_files.weights import ExpertWeights
 
 ROUTED, GATHERED = "routed", "gathered"  # the two exchanges of an eager step
 

@@ -1,6 +1,6 @@
 """The replica's states and its one transition table, as data.
 
-The runtime machine (`runner_fsm.machine`), the Mermaid diagram (`runner-fsm states`,
+The runtime machine (`runner_fsm.states.machine`), the Mermaid diagram (`runner-fsm states`,
 docs/states.md) and the replay legality check are all built from `TRANSITIONS`; no
 transition exists anywhere else.
 """

@@ -7,12 +7,12 @@ import numpy as np
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.batch import ScheduledBatch
-from runner_fsm.collectives import CollectiveRunner
+from runner_fsm.agree.collectives import CollectiveRunner
 from runner_fsm.config import RunnerConfig
 from runner_fsm.dp import SingleReplicaAgreement
 from runner_fsm.pcp.buffers import BUFFER_NAMES
-from runner_fsm.replica import Replica
-from runner_fsm.runner import ReplicaRunner
+from runner_fsm.replica.replica import Replica
+from runner_fsm.replica.driver import ReplicaRunner
 from runner_fsm.testing.fakes import FakeDrafter, FakeModel
 
 

@@ -1,11 +1,12 @@
-"""The files of a synthetic run (`synth`): one rank's records written as the runner writes them,
+"""The files of a synthetic run (`synth`, whose `SynthSpec` and rank writer each function takes;
+not imported here: `synth` imports this module): one rank's records written as the runner writes them,
 in full, compact (`audit.compact`), or through `AuditLog` itself under a cap (segments).
 """
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any
 
 import orjson
 
@@ -14,11 +15,7 @@ from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD
 from runner_fsm.audit.log import SCHEMA_VERSION, AuditLog, log_path
 from runner_fsm.audit.render import RecordRenderer
 
-if TYPE_CHECKING:
-    from runner_fsm.testing.synth import SynthSpec, _RankWriter
-
-
-def _steps(spec: SynthSpec, writer: _RankWriter):
+def _steps(spec: Any, writer: Any):
     """The records of the rank, a step at a time: [(event, step_id, fields), ...]."""
     writer.start()
     alive, step = True, 0
@@ -34,7 +31,7 @@ def _steps(spec: SynthSpec, writer: _RankWriter):
         step += 1
 
 
-def write_rank_log(run_dir: Path, spec: SynthSpec, writer: _RankWriter) -> Path:
+def write_rank_log(run_dir: Path, spec: Any, writer: Any) -> Path:
     """Write the rank's log (`writer`'s records) into `run_dir`: in full or compact as `spec`
     says, or through `AuditLog` itself under `spec.max_log_bytes`; return its path."""
     if spec.max_log_bytes:
@@ -66,7 +63,7 @@ def write_rank_log(run_dir: Path, spec: SynthSpec, writer: _RankWriter) -> Path:
     return path
 
 
-def _write_capped(run_dir: Path, spec: SynthSpec, writer: _RankWriter) -> Path:
+def _write_capped(run_dir: Path, spec: Any, writer: Any) -> Path:
     """The rank's records through `AuditLog` itself, under `spec.max_log_bytes` (segments)."""
     log = None
     for records in _steps(spec, writer):

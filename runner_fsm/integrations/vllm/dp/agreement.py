@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from runner_fsm import dp
-from runner_fsm.audit.order import out_of_order
+from runner_fsm.agree.order import out_of_order
 from runner_fsm.errors import DesyncError, ReplicaFault
 
 AGREEMENT_ROWS = ("step_id", "phase", "seq", "kind", "status")

@@ -20,7 +20,7 @@ import time
 from typing import Callable
 
 from runner_fsm.errors import CollectiveTimeout
-from runner_fsm.heartbeat import describe_positions
+from runner_fsm.agree.heartbeat import describe_positions
 
 ABORT_KEY = "runner_fsm/abort"
 EXIT_CODE = 70  # EX_SOFTWARE: the run was stopped by its own check

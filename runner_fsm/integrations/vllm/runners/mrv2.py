@@ -70,7 +70,7 @@ class MRV2Runner(RunnerAdapter):
         problems = super().problems(kv_cache=kv_cache)
         manager = getattr(self.runner, "pcp_manager", None) if kv_cache else None
         if manager is not None:
-            from runner_fsm.integrations.vllm.runners.pcp.evidence import MANAGER_NAMES
+            from runner_fsm.integrations.vllm.runners.pcp_evidence import MANAGER_NAMES
 
             # Looked up without running a property (`input_buffers` asserts until its buffers
             # exist): the first name of each path, on the instance or its class.
@@ -82,7 +82,7 @@ class MRV2Runner(RunnerAdapter):
 
     def attach_kv(self) -> None:
         """The PCP manager exists once the KV cache does: its evidence from here on."""
-        from runner_fsm.integrations.vllm.runners.pcp.evidence import PCPEvidence  # imports this package
+        from runner_fsm.integrations.vllm.runners.pcp_evidence import PCPEvidence  # imports this package
 
         manager = self.runner.pcp_manager
         if manager is not None and self.pcp is None:
@@ -210,7 +210,7 @@ class MRV2Runner(RunnerAdapter):
     def install_fast_pcp_layout(self) -> dict:
         """On the PCP manager instance this runner builds with the KV cache (`attach_kv`), never on
         its class, which vLLM shares: checked here, before the manager exists, installed there."""
-        from runner_fsm.integrations.vllm.runners.pcp.layout import check_fast_pcp_layout
+        from runner_fsm.integrations.vllm.runners.pcp_layout import check_fast_pcp_layout
 
         par = self.runner.parallel_config
         if int(getattr(par, "prefill_context_parallel_size", 1) or 1) <= 1:
@@ -221,7 +221,7 @@ class MRV2Runner(RunnerAdapter):
         return description
 
     def _install_fast_pcp_layout(self, manager) -> None:
-        from runner_fsm.integrations.vllm.runners.pcp.layout import install_fast_pcp_layout
+        from runner_fsm.integrations.vllm.runners.pcp_layout import install_fast_pcp_layout
 
         description = install_fast_pcp_layout(manager)
         if not description["installed"]:  # the log's first record said it would be
@@ -229,7 +229,7 @@ class MRV2Runner(RunnerAdapter):
 
     def install_draft_dp_sync(self, dp_size: int, pcp_size: int) -> dict:
         """Under DP x PCP the speculator's reuse of the target's DP sync fails in vLLM 0.32 (`draft_dp_sync`)."""
-        from runner_fsm.integrations.vllm import schema
+        from runner_fsm.integrations.vllm.common import schema
         from runner_fsm.integrations.vllm.runners import draft_dp_sync
 
         spec = self.runner.speculator

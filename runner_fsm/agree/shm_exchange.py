@@ -1,0 +1,122 @@
+"""A row of integers from every rank of a group whose ranks share a host, through shared memory.
+
+The online consensus check (`step_consensus`) exchanges a few integers per step among the ranks
+of a replica. Over gloo that is a TCP round trip through the kernel and a wake-up of each peer:
+about 350 us on a 2-core box, seven times the check's budget. The ranks of a replica (its TP
+and PCP peers) usually share a host, and there a shared page does it in microseconds; vLLM
+passes its own per-step CPU messages within a node the same way (its shared-memory message
+queue). Where the ranks do not share a host, `replica_exchange` falls back to gloo.
+
+The segment holds, per rank, two slots (the exchange's parity): [generation, crc32 of the row,
+row...]. A rank writes its row, then its crc, then the generation last, and reads each peer's
+slot of this generation once the generation is there and the crc matches what it read (a torn
+read, on a machine that reorders stores, is read again). Two slots suffice: a rank cannot start
+generation g + 2 before every peer has written g + 1, which each writes only after reading g.
+A peer that never comes is named after `timeout_s` (`CollectiveTimeout`), with the generation
+it was last at: the check does not wait for ever.
+
+Set-up is collective over `group` (gloo): the hosts are compared, the group's first rank makes
+the file under /dev/shm with a random name, the others map it, and it is unlinked at once (the
+mapping outlives the name: nothing is left behind by a crash).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import secrets
+import time
+import zlib
+
+import numpy as np
+
+from runner_fsm.errors import CollectiveTimeout
+
+SHM_DIR = "/dev/shm"
+_SPINS = 200  # reads of a peer's generation before yielding the CPU (a peer at the same point is there at once)
+
+
+class NotOneHost(RuntimeError):
+    """The group's ranks do not share a host (or it has no /dev/shm): no shared segment."""
+
+
+class ShmExchange:
+    """`exchange(row)` -> every rank's row, in group order (the gloo `ConsensusExchange`'s API)."""
+
+    def __init__(self, group, width: int, timeout_s: float):
+        import socket
+
+        import torch.distributed as dist
+
+        self.width, self.timeout_s = int(width), float(timeout_s)
+        size, self.index = dist.get_world_size(group), dist.get_rank(group)
+        hosts: list = [None] * size
+        dist.all_gather_object(hosts, (socket.gethostname(), os.path.isdir(SHM_DIR)), group=group)
+        if len({h for h, _ in hosts}) > 1 or not all(ok for _, ok in hosts):
+            raise NotOneHost(f"the group's ranks are on {sorted({h for h, _ in hosts})}")
+        nbytes = size * 2 * (self.width + 2) * 8
+        name = [f"{SHM_DIR}/runner-fsm-{os.getpid()}-{secrets.token_hex(8)}" if self.index == 0 else None]
+        if self.index == 0:
+            fd = os.open(name[0], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+            os.ftruncate(fd, nbytes)
+            os.close(fd)
+        dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
+        fd = os.open(name[0], os.O_RDWR)
+        try:
+            self._map = mmap.mmap(fd, nbytes)
+        finally:
+            os.close(fd)
+        dist.barrier(group=group)  # every rank has it mapped: the name can go
+        if self.index == 0:
+            os.unlink(name[0])
+        self._slots = np.ndarray((size, 2, self.width + 2), dtype=np.int64, buffer=self._map)
+        self._generation = 0
+
+    def __call__(self, row: list[int]) -> list[list[int]]:
+        if len(row) != self.width:
+            raise ValueError(f"a row of {len(row)} integers where this exchange carries {self.width}")
+        self._generation = generation = self._generation + 1
+        parity = generation & 1
+        mine = self._slots[self.index, parity]
+        mine[2:] = row
+        mine[1] = zlib.crc32(mine[2:].tobytes())
+        mine[0] = generation  # last: a peer reads the row once it sees this
+        rows = []
+        for peer in range(len(self._slots)):
+            rows.append(list(row) if peer == self.index else self._read(peer, parity, generation))
+        return rows
+
+    def _read(self, peer: int, parity: int, generation: int) -> list[int]:
+        slot = self._slots[peer, parity]
+        spins, deadline = 0, None
+        while True:
+            if slot[0] == generation:
+                values = slot[2:].copy()
+                if zlib.crc32(values.tobytes()) == slot[1] and slot[0] == generation:
+                    return values.tolist()
+            spins += 1
+            if spins % _SPINS == 0:
+                now = time.monotonic()
+                if deadline is None:
+                    deadline = now + self.timeout_s
+                elif now > deadline:
+                    raise CollectiveTimeout(
+                        f"shared-memory exchange #{generation}: rank {peer} of the group never wrote its row"
+                        f" within {self.timeout_s:g} s (it is at exchange #{max(slot[0], self._slots[peer, 1 - parity][0])})")
+                time.sleep(0 if spins < 50 * _SPINS else 0.0005)  # yield; past ~10k reads, stop spinning
+
+    def close(self) -> None:
+        self._slots = None
+        self._map.close()
+
+
+def replica_exchange(group, width: int, timeout_s: float):
+    """The cheapest exchange for `group`: shared memory where its ranks share a host, else one
+    gloo all_gather per call (`step_consensus.ConsensusExchange`). Collective: every rank of
+    the group calls it at the same point."""
+    from runner_fsm.agree.consensus import ConsensusExchange
+
+    try:
+        return ShmExchange(group, width, timeout_s)
+    except NotOneHost:
+        return ConsensusExchange(group)

@@ -1,0 +1,142 @@
+"""vLLM's engine core hears of a stop before its workers do, and tells them: a vLLM plugin.
+
+`vllm serve` stops (SIGTERM to the server; Ctrl-C with the default `--shutdown-timeout 0`) by
+sending SIGTERM to each engine-core process and, at once, SIGKILL to it and to its worker
+processes, workers first (`vllm.v1.utils.shutdown`, `kill_process_tree`): with SIGTERM to the
+server alone, no signal ever reaches a worker, so FSMWorker could not record the stop itself.
+vLLM loads its general plugins (entry point group `vllm.general_plugins`, declared in this
+package's metadata) in every process it starts, its engine cores included (first thing in
+`EngineCore.__init__`, after vLLM's own SIGINT/SIGTERM handlers are in place). There
+`register()` chains a handler in front of vLLM's that hands NOTICE to every FSMWorker of this
+engine core, which records the stop in its own log (`WorkerNotice`), then runs vLLM's handler.
+
+FSMWorker processes find their engine core through its environment: before vLLM starts them,
+`register()` publishes a directory (REGISTRY_ENV), and each worker started from there puts a
+file named after its pid in it. In any other process, or an engine core whose workers are
+not FSMWorkers, nothing is told to anyone: NOTICE is a signal processes ignore unless they
+asked for it, and it goes only to registered pids. vLLM itself is not changed.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+from typing import Callable
+
+from runner_fsm.process.signal_watch import WATCH
+from runner_fsm.process.stop_signals import StopSignals
+
+NOTICE = signal.SIGWINCH  # ignored by default: a process that did not ask for it is untouched
+REGISTRY_ENV = "RUNNER_FSM_ENGINE_REGISTRY"
+_SIGNAL_FILE = "signal"  # the name of the signal the engine core received
+_PREFIX = "runner-fsm-engine-"  # + the engine core's pid
+
+
+def register() -> None:
+    """vLLM's plugin entry point, called in every vLLM process (maybe more than once)."""
+    if not multiprocessing.current_process().name.startswith("EngineCore") or REGISTRY_ENV in os.environ:
+        return
+    _remove_stale_registries()
+    registry = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
+    atexit.register(shutil.rmtree, registry, ignore_errors=True)  # vLLM kills engine cores: see above
+    os.environ[REGISTRY_ENV] = registry  # inherited by the worker processes vLLM starts from here
+    StopSignals(lambda name: tell_workers(registry, name)).install()
+
+
+def _remove_stale_registries() -> None:
+    """The registries of engine cores that are gone (vLLM SIGKILLs them, so atexit never runs)."""
+    for path in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*"):
+        pid = path.name[len(_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's process: alive
+        return True
+    return True
+
+
+def tell_workers(registry: str, signal_name: str) -> None:
+    """Hand NOTICE to each FSMWorker registered in `registry` (from a signal handler)."""
+    (Path(registry) / _SIGNAL_FILE).write_text(signal_name)
+    for entry in os.scandir(registry):
+        if entry.name.isdigit() and int(entry.name) != os.getpid():  # a worker inside: it heard the signal
+            with contextlib.suppress(OSError):
+                os.kill(int(entry.name), NOTICE)
+
+
+class WorkerNotice:
+    """A worker's side: registered with its engine core, NOTICE recorded as the engine's stop."""
+
+    def __init__(self, record: Callable[[str], None]):
+        self._record = record
+        self._registry = os.environ.get(REGISTRY_ENV)
+        self._previous = None
+        self._subscription = None  # heard from the watch thread too (`signal_watch`)
+
+    def install(self) -> bool:
+        """Register this process with its engine core (False: none published a registry here)."""
+        registry = self._registry
+        if not registry or not os.path.isdir(registry):
+            return False
+        try:
+            self._previous = signal.signal(NOTICE, self._handle)
+        except ValueError:  # not the main thread: Python sets no handler here
+            return False
+        self._subscription = WATCH.subscribe(NOTICE, lambda _signum: self._told())
+        Path(registry, str(os.getpid())).touch()
+        return True
+
+    def restore(self) -> None:
+        if self._previous is None:
+            return
+        with contextlib.suppress(ValueError):
+            if signal.getsignal(NOTICE) == self._handle:
+                signal.signal(NOTICE, self._previous)
+        WATCH.unsubscribe(self._subscription)
+        self._subscription = None
+        with contextlib.suppress(OSError):
+            Path(self._registry, str(os.getpid())).unlink()
+        self._previous = None
+
+    def _handle(self, _signum, _frame) -> None:
+        if not WATCH.settle(self._subscription):  # not told from the watch thread already
+            self._told()
+
+    def _told(self) -> None:
+        try:
+            name = Path(self._registry, _SIGNAL_FILE).read_text().strip() or None
+        except OSError:
+            name = None
+        with contextlib.suppress(Exception):  # recording must never fail the worker
+            self._record(name)
+
+
+class WorkerStops:
+    """Every stop request a worker can hear of, recorded by `record(signal_name, detail)`: a
+    SIGINT/SIGTERM of its own (handlers chained in front of vLLM's, `stop_signals`) and its
+    engine core's NOTICE (`WorkerNotice`: vLLM kills a served engine core's workers before any
+    signal reaches them). `restore()` at shutdown puts vLLM's handlers back."""
+
+    def __init__(self, record: Callable[[str, str], None]):
+        self.signals = StopSignals(lambda name: record(name, ""))
+        self.notice = WorkerNotice(lambda name: record(name, "received by vLLM's engine core, which told this worker"))
+
+    def install(self) -> None:
+        self.signals.install()
+        self.notice.install()
+
+    def restore(self) -> None:
+        self.signals.restore()
+        self.notice.restore()

@@ -1,0 +1,140 @@
+"""A stop request is a record: SIGINT and SIGTERM are written to the audit log the moment they
+arrive (DESIGN section 11, "A stop is a record").
+
+`StopSignals(record).install()` puts a handler in front of the one already installed for each
+signal (vLLM's worker and engine-core handlers, Python's `KeyboardInterrupt`, the default
+action): it calls `record(signal_name)`, then hands the signal on to that previous handler, so
+the process stops exactly as it would have. `restore()` puts the previous handlers back (only
+where ours is still the one installed: whoever replaced it since keeps their own).
+
+Python runs a handler only in the main thread, between two bytecodes: a rank blocked in C (a
+gloo collective, an idle wait the kernel did not interrupt) would run it only when that call
+returns, maybe after vLLM's SIGKILL. So the arrival is also heard from `signal_watch`'s thread
+the moment it happens (`early`, the default), and recorded from there; the handler then only
+hands the signal on. Where no watch can run (another wakeup fd is set), the handler records, and
+a rank killed before it runs leaves no record: its peers' records of the same stop explain its
+end (`audit.stops`). `record` must be safe to call at any bytecode and from another thread:
+`AuditLog.stop` is (`write_in_handler`).
+
+A handler that lands while its own thread writes a record finds the log's lock held: the record
+waits behind that write. The default action of SIGTERM, taken inside the handler, kills the
+process before the write ends, and the record is lost (26 of 40 SIGTERMs to a process writing
+records in a loop). A process whose main thread runs an event loop uses `stops_on_loop`: it hands
+each signal on from the loop, which runs once the write and the record behind it are done.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import threading
+from typing import AsyncIterator, Callable
+
+import anyio
+
+from runner_fsm.process.signal_watch import WATCH, Subscription
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class StopSignals:
+    """Chained SIGINT/SIGTERM handlers that record the request, then do what was done before."""
+
+    def __init__(self, record: Callable[[str], None], early: bool = True):
+        self._record = record
+        self._early = early  # also heard from the watch thread (see the module's docstring)
+        self._previous: dict[int, object] = {}
+        self._subscriptions: dict[int, Subscription | None] = {}
+
+    @property
+    def installed(self) -> bool:
+        return bool(self._previous)
+
+    def install(self) -> bool:
+        """Chain in front of the current handlers; False where that is impossible (not the main
+        thread, where Python refuses to set handlers; or a handler set outside Python)."""
+        if threading.current_thread() is not threading.main_thread():
+            return False
+        for signum in STOP_SIGNALS:
+            previous = signal.getsignal(signum)
+            if previous is None:  # installed from C: it could not be handed on, nor put back
+                continue
+            signal.signal(signum, self._handle)
+            self._previous[signum] = previous
+            if self._early:
+                self._subscriptions[signum] = WATCH.subscribe(signum, self._heard)
+        return self.installed
+
+    def restore(self) -> None:
+        if threading.current_thread() is not threading.main_thread():
+            return
+        for signum, previous in self._previous.items():
+            if signal.getsignal(signum) == self._handle:
+                signal.signal(signum, previous)
+        self._previous.clear()
+        for subscription in self._subscriptions.values():
+            WATCH.unsubscribe(subscription)
+        self._subscriptions.clear()
+
+    @property
+    def early(self) -> bool:
+        """Whether arrivals are heard from the watch thread (False: from the handler only)."""
+        return any(s is not None for s in self._subscriptions.values())
+
+    def _heard(self, signum: int) -> None:
+        """From the watch thread, the moment the signal arrives."""
+        self._record(signal.Signals(signum).name)
+
+    def _handle(self, signum: int, frame) -> None:
+        if not WATCH.settle(self._subscriptions.get(signum)):  # not recorded from the watch yet
+            try:
+                self._record(signal.Signals(signum).name)
+            except Exception:  # noqa: BLE001 - recording must never change how the signal is handled
+                pass
+        hand_on(self._previous.get(signum, signal.SIG_DFL), signum, frame)
+
+
+def hand_on(previous, signum: int, frame) -> None:
+    """Do what `previous` (a handler as `signal.getsignal` returns it) would have done."""
+    if callable(previous):
+        previous(signum, frame)
+    elif previous == signal.SIG_DFL:  # the default action (terminate): take it, as if never caught
+        signal.signal(signum, signal.SIG_DFL)
+        os.kill(os.getpid(), signum)
+    # SIG_IGN: ignored, as before
+
+
+@contextlib.asynccontextmanager
+async def stops_on_loop(record: Callable[[str], None]) -> AsyncIterator[None]:
+    """SIGINT and SIGTERM recorded as `StopSignals(record, early=False)` records them, for the body
+    of an anyio event loop in the main thread; what the previous handlers did (asyncio's SIGINT:
+    cancel the run, then KeyboardInterrupt; SIGTERM's default: death) is done on the loop, between
+    two of its callbacks, not at whatever bytecode the signal finds: after any record the handler
+    queued behind a write of its own thread (see the module's docstring), never in the middle
+    of a write. The loop's wakeup fd also wakes the main thread for a signal the kernel handed
+    to another of its threads."""
+    if threading.current_thread() is not threading.main_thread():  # no handler can be set there
+        yield
+        return
+    previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    try:
+        with anyio.open_signal_receiver(*STOP_SIGNALS) as arrivals:
+            stops = StopSignals(record, early=False)
+            stops.install()  # in front of the receiver's handlers, which only wake the loop
+            try:
+                async with anyio.create_task_group() as tasks:
+                    tasks.start_soon(_hand_on_from_loop, arrivals, previous)
+                    yield
+                    tasks.cancel_scope.cancel()
+            finally:
+                stops.restore()
+    finally:  # also after a cancelled or failed body: the receiver leaves the defaults behind
+        for signum, handler in previous.items():
+            if handler is not None:
+                signal.signal(signum, handler)
+
+
+async def _hand_on_from_loop(arrivals, previous: dict) -> None:
+    async for signum in arrivals:
+        hand_on(previous.get(signum, signal.SIG_DFL), signum, None)
