@@ -149,8 +149,8 @@ def _step_range(text: str) -> tuple[int, int]:
 
 
 def _cmd_replay(args) -> int:
-    from runner_fsm.replay.progress import TerminalProgress
     from runner_fsm.replay.judge import replay, replay_with_plot
+    from runner_fsm.replay.progress import TerminalProgress
 
     window = {"steps": args.steps, "last": args.last}
     progress = TerminalProgress()  # on stderr, only when it is a terminal

@@ -23,7 +23,7 @@ def _imported(path: Path) -> set[str]:
 
 def test_the_package_has_a_testing_module_and_production_code():
     assert (PACKAGE / "testing" / "fakes.py") in MODULES
-    assert (PACKAGE / "replica.py") in PRODUCTION and len(PRODUCTION) > 50
+    assert (PACKAGE / "replica" / "replica.py") in PRODUCTION and len(PRODUCTION) > 50
 
 
 @pytest.mark.parametrize("path", PRODUCTION, ids=lambda p: str(p.relative_to(PACKAGE)))

@@ -23,8 +23,8 @@ RUNNER_MODULES = ("vllm.v1.worker.dp_utils", "vllm.v1.worker.gpu.dp_utils", "vll
                   "vllm.v1.worker.gpu.spec_decode")
 # Rooms from the bottom up: a module imports its own room and the rooms below it, never above.
 # `runners` and `cpu` sit side by side (neither imports the other), as do `dp` and `recording`.
-LAYERS = {"base": 0, "runners": 1, "cpu": 1, "dp": 2, "recording": 2, "top": 3}
-BASE = {"errors", "options", "inject", "schema"}
+LAYERS = {"common": 0, "base": 0, "runners": 1, "cpu": 1, "dp": 2, "recording": 2, "top": 3}
+BASE = {"options"}  # beside common/: the worker's options
 
 
 def _modules(under: Path = PACKAGE) -> list[Path]:

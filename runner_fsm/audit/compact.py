@@ -52,9 +52,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from runner_fsm.audit import step_lane
 from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, FIELDS as DECISION_FIELDS
 from runner_fsm.audit.render import dumps_record
-from runner_fsm.audit import step_lane
 from runner_fsm.states.table import TRANSITIONS
 
 FORMAT_FIELD, FORMAT = "record_format", "compact"  # in the `job` record of a compact log

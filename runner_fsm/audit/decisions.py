@@ -17,10 +17,9 @@ one differs. The same digests are what the online check exchanges.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 import dataclasses
-from typing import Any
 import zlib
+from collections.abc import Mapping, Sequence
 
 import orjson
 

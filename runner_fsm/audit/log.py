@@ -31,15 +31,15 @@ from typing import Any
 
 import structlog
 
-from runner_fsm.errors import RunnerError
-from runner_fsm.audit import compact
+from runner_fsm.audit import compact, step_lane
 from runner_fsm.audit.mapped import MappedFile
-from runner_fsm.audit.records import AuditLogFormatError, TIME_FIELDS, plain_fields, plain_lines, read_records, strip_times  # noqa: F401
-from runner_fsm.audit.recording import (COLLECTIVE_STAGES, EVENTS, GRAPH_ACTIONS, HEADER_FIELDS,  # noqa: F401
-                                        STOP_SOURCES, AuditBatch, _RESERVED, _Records, _refuse_rendered)
+from runner_fsm.audit.recording import (_RESERVED, COLLECTIVE_STAGES, EVENTS, GRAPH_ACTIONS,  # noqa: F401
+                                        HEADER_FIELDS, STOP_SOURCES, AuditBatch, _Records, _refuse_rendered)
+from runner_fsm.audit.records import (TIME_FIELDS, AuditLogFormatError, plain_fields, plain_lines,  # noqa: F401
+                                      read_records, strip_times)
 from runner_fsm.audit.render import RecordRenderer
 from runner_fsm.audit.segments import DEFAULT_PINNED_STEPS, Companion, SegmentPolicy
-from runner_fsm.audit import step_lane
+from runner_fsm.errors import RunnerError
 
 # 2: the `job` record names every parallel dimension (TP, PP), the rank's coordinates and host
 # (`audit.shape`); schema-1 logs still replay.

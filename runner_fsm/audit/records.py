@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 
 from runner_fsm.audit.compact import is_compact
-from runner_fsm.audit.expand import Expander
 from runner_fsm.audit.compress import open_lines
+from runner_fsm.audit.expand import Expander
 from runner_fsm.audit.mapped import is_blank, rest_is_blank
 from runner_fsm.errors import RunnerError
 

@@ -3,22 +3,22 @@
 from __future__ import annotations
 
 import dataclasses
-from pathlib import Path
 import os
+from pathlib import Path
 
-from runner_fsm.process import flight_recorder
-from runner_fsm.replay.discover import RANK_FILE
-from runner_fsm.replay.rundirs import ranked_segments
+import torch.distributed as dist
+
 from runner_fsm.audit.seek import last_step_of
 from runner_fsm.audit.segments import flight_entries
 from runner_fsm.engine.config import EngineConfig
-import torch.distributed as dist
-
-from runner_fsm.engine.preflight import prepare
 from runner_fsm.engine.launch import RankFailure, init_process_groups_from_env, spawn, under_torchrun
+from runner_fsm.engine.preflight import prepare
 from runner_fsm.engine.requests import Request
 from runner_fsm.engine.worker import RankResult, run_rank
 from runner_fsm.faults import Injection
+from runner_fsm.process import flight_recorder
+from runner_fsm.replay.discover import RANK_FILE
+from runner_fsm.replay.rundirs import ranked_segments
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,10 +20,10 @@ try:
 except NameError:  # Python 3.10: anyio depends on the backport
     from exceptiongroup import BaseExceptionGroup
 
-from runner_fsm.process import flight_recorder
+from runner_fsm.agree.collectives import CollectiveRunner
+from runner_fsm.agree.heartbeat import Heartbeat
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.shape import job_shape_fields
-from runner_fsm.agree.collectives import CollectiveRunner
 from runner_fsm.dp import GlooAgreement
 from runner_fsm.engine.config import MISSING_MODEL, EngineConfig
 from runner_fsm.engine.requests import Request, assign
@@ -31,11 +31,11 @@ from runner_fsm.engine.scheduler import Scheduler, SchedulerStalled
 from runner_fsm.errors import ConfigError
 from runner_fsm.events import Capture, DummyStep, Event, Fault, RealStep, Shutdown
 from runner_fsm.faults import Injection, Injector, why_not_fired
-from runner_fsm.agree.heartbeat import Heartbeat
 from runner_fsm.pcp.buffers import BUFFER_NAMES
-from runner_fsm.replica.replica import Replica
-from runner_fsm.replica.driver import Outcome, ReplicaRunner
+from runner_fsm.process import flight_recorder
 from runner_fsm.process.stop_signals import stops_on_loop
+from runner_fsm.replica.driver import Outcome, ReplicaRunner
+from runner_fsm.replica.replica import Replica
 
 
 @dataclasses.dataclass(frozen=True)

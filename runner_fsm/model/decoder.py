@@ -10,16 +10,16 @@ import dataclasses
 
 import torch
 
-from runner_fsm.replica import graphs
 from runner_fsm.model.attention import AttentionInputs, eager_attention, graph_attention
 from runner_fsm.model.dispatch import DispatchHeader, ExchangeStep, check_headers, exchange_headers
 from runner_fsm.model.exchange import RowRoles, gathered_bytes
-from runner_fsm.model_files.hf_config import MixtralConfig
 from runner_fsm.model.kv_cache import PagedKVCache
 from runner_fsm.model.layers import apply_rope, compute_dtype, rms_norm, rope_cos_sin, rope_inv_freq
 from runner_fsm.model.moe import ROUTED, Traffic, moe_layer
 from runner_fsm.model.parallel import ModelGroups, all_gather_rows
+from runner_fsm.model_files.hf_config import MixtralConfig
 from runner_fsm.model_files.weights import LayerWeights, MixtralWeights
+from runner_fsm.replica import graphs
 
 
 class MixtralDecoder:

@@ -14,8 +14,7 @@ import torch
 import torch.distributed as dist
 
 from runner_fsm import dp
-from runner_fsm.errors import DesyncError
-from runner_fsm.errors import DispatchCountError
+from runner_fsm.errors import DesyncError, DispatchCountError
 from runner_fsm.model.parallel import ModelGroups
 
 

@@ -14,12 +14,12 @@ import numpy as np
 import torch
 
 from runner_fsm.batch import ScheduledBatch
-from runner_fsm.replica.components import ForwardStep
 from runner_fsm.model import draft_rows
 from runner_fsm.model.attention import AttentionInputs
 from runner_fsm.model.decoder import MixtralDecoder
 from runner_fsm.model.dispatch import ExchangeStep
 from runner_fsm.model.exchange import RowRoles
+from runner_fsm.replica.components import ForwardStep
 
 
 @dataclasses.dataclass

@@ -9,11 +9,11 @@ import torch
 from runner_fsm.errors import ConfigError
 from runner_fsm.model.decoder import MixtralDecoder
 from runner_fsm.model.drafter import MixtralDrafter
-from runner_fsm.model_files.hf_config import MixtralConfig
 from runner_fsm.model.kv_cache import PagedKVCache
 from runner_fsm.model.model import MixtralModel
 from runner_fsm.model.parallel import ModelGroups, resolve_device
 from runner_fsm.model_files.checkpoint import LazyCheckpoint
+from runner_fsm.model_files.hf_config import MixtralConfig
 from runner_fsm.model_files.weights import bind_weights
 
 _DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,

@@ -10,7 +10,6 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from runner_fsm.replica.components import ForwardStep
 from runner_fsm.errors import BatchError
 from runner_fsm.model.attention import AttentionInputs
 from runner_fsm.model.decoder import MixtralDecoder
@@ -19,6 +18,7 @@ from runner_fsm.model.exchange import RowRoles
 from runner_fsm.model.parallel import all_gather_rows
 from runner_fsm.pcp.buffers import PersistentBuffers
 from runner_fsm.pcp.context import PCPAttentionContext
+from runner_fsm.replica.components import ForwardStep
 
 
 class MixtralModel:

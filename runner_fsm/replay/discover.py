@@ -9,10 +9,10 @@ show.
 
 from __future__ import annotations
 
+import re
 from itertools import islice
 from pathlib import Path
 from typing import NamedTuple
-import re
 
 import orjson
 

@@ -18,10 +18,10 @@ import json
 import re
 from pathlib import Path
 
-from runner_fsm.replay.report import ReplayReport, RunSummary
 from runner_fsm.errors import ReplayInputError
-from runner_fsm.rules.verdicts import Verdict, sort_verdicts
+from runner_fsm.replay.report import ReplayReport, RunSummary
 from runner_fsm.replay.rundirs import RunDirs, as_dirs, label, ranked_files
+from runner_fsm.rules.verdicts import Verdict, sort_verdicts
 
 DUMP_FILE = re.compile(r"^fr-rank-(\d+)\.json$")
 EVIDENCE = ("flight_recorder",)

@@ -24,15 +24,14 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
-
-from runner_fsm.replay.flight import RankDump, describe, group_views, in_flight, named_ranks, read_dumps
-from runner_fsm.audit.mapped import data_end
 from runner_fsm.agree.order import past_last_phase
-from runner_fsm.rules.ranks import RankInfo, job_last_phase
-from runner_fsm.replay.discover import discover
+from runner_fsm.audit.mapped import data_end
 from runner_fsm.audit.records import lenient_records
-from runner_fsm.replay.rundirs import RunDirs
+from runner_fsm.replay.discover import discover
+from runner_fsm.replay.flight import RankDump, describe, group_views, in_flight, named_ranks, read_dumps
 from runner_fsm.replay.report import ReplayReport
+from runner_fsm.replay.rundirs import RunDirs
+from runner_fsm.rules.ranks import RankInfo, job_last_phase
 from runner_fsm.rules.verdicts import Verdict, sort_verdicts
 
 SEQ_JOINED_GROUPS = ("dp",)  # groups whose every torch collective is one audited collective

@@ -32,22 +32,22 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from runner_fsm.audit.shape import DIMENSIONS
+from runner_fsm.errors import ReplayInputError
 from runner_fsm.replay.coverage import resolve_window, rotated_spans
-from runner_fsm.rules.crossrank import join_missed
+from runner_fsm.replay.discover import discover
 from runner_fsm.replay.flight import flight_only, replay_flight_only
 from runner_fsm.replay.flight_join import join_flight_recorder
-from runner_fsm.rules.job import check_job, hosts_of
 from runner_fsm.replay.ranges import cpu_count, first_kept_step, judge_in_ranges, judge_range
 from runner_fsm.replay.rankscan import log_last_step
-from runner_fsm.rules.ranks import RankInfo, layout_of
-from runner_fsm.replay.discover import discover
 from runner_fsm.replay.report import ReplayReport, RunSummary, Timeline
-from runner_fsm.errors import ReplayInputError
-from runner_fsm.rules.verdicts import Verdict, sort_verdicts
-from runner_fsm.rules.injections import check_injections
-from runner_fsm.rules.stops import settle_stops
 from runner_fsm.replay.rundirs import RunDirs, label
-from runner_fsm.audit.shape import DIMENSIONS
+from runner_fsm.rules.crossrank import join_missed
+from runner_fsm.rules.injections import check_injections
+from runner_fsm.rules.job import check_job, hosts_of
+from runner_fsm.rules.ranks import RankInfo, layout_of
+from runner_fsm.rules.stops import settle_stops
+from runner_fsm.rules.verdicts import Verdict, sort_verdicts
 
 __all__ = ["ReplayInputError", "ReplayReport", "Verdict", "replay", "replay_with_plot"]
 

@@ -25,12 +25,12 @@ from pathlib import Path
 
 import orjson
 
-from runner_fsm.rules.ranks import Groups, RankInfo
-from runner_fsm.replay.discover import discover
 from runner_fsm.audit.records import lenient_records
+from runner_fsm.replay.discover import discover
+from runner_fsm.replay.report import ReplayReport
 from runner_fsm.replay.rundirs import RunDirs, label
 from runner_fsm.rules.rank_steps import StepMerger
-from runner_fsm.replay.report import ReplayReport
+from runner_fsm.rules.ranks import Groups, RankInfo
 from runner_fsm.rules.verdicts import Verdict
 
 STATE_TRIGGERS = {"prefill": "prefill", "decode": "decode", "idle": "idle_dummy", "draft": "draft_sync",

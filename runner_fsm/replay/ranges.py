@@ -14,12 +14,12 @@ import multiprocessing
 import os
 import traceback
 
+from runner_fsm.errors import ReplayInputError
+from runner_fsm.replay.rankscan import log_last_step, scan_rank
 from runner_fsm.rules.crossrank import CrossRankChecker, MissedSteps
 from runner_fsm.rules.facts import RunFacts
-from runner_fsm.rules.ranks import Groups, RankInfo
-from runner_fsm.replay.rankscan import log_last_step, scan_rank
 from runner_fsm.rules.rank_steps import StepMerger
-from runner_fsm.errors import ReplayInputError
+from runner_fsm.rules.ranks import Groups, RankInfo
 from runner_fsm.rules.verdicts import Verdict
 
 WARMUP_STEPS = 8

@@ -13,16 +13,16 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from runner_fsm.audit.expand import Expander
-from runner_fsm.rules.facts import RankEnd, RunFacts
 from runner_fsm.audit.compress import open_lines
+from runner_fsm.audit.expand import Expander
 from runner_fsm.audit.ranklog import SegmentFile, last_step
-from runner_fsm.rules.ranks import RankInfo
-from runner_fsm.rules.rank_steps import RankStep
-from runner_fsm.errors import ReplayInputError
-from runner_fsm.rules.verdicts import Verdict
-from runner_fsm.replay.scan import RankScanner
 from runner_fsm.audit.seek import SeekOrigin, locate
+from runner_fsm.errors import ReplayInputError
+from runner_fsm.replay.scan import RankScanner
+from runner_fsm.rules.facts import RankEnd, RunFacts
+from runner_fsm.rules.rank_steps import RankStep
+from runner_fsm.rules.ranks import RankInfo
+from runner_fsm.rules.verdicts import Verdict
 
 
 def log_last_step(info: RankInfo) -> int | None:

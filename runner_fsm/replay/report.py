@@ -9,12 +9,12 @@ any length costs the same memory (`MAX_BINS` per rank). matplotlib is an optiona
 
 from __future__ import annotations
 
-from typing import Any, Iterable
 import collections
 import dataclasses
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
+from runner_fsm.errors import ReplayInputError
 from runner_fsm.replay.coverage import coverage_lines, sound_line
 from runner_fsm.rules.verdicts import KINDS, Verdict
 

@@ -18,15 +18,15 @@ from collections.abc import Iterator
 
 import orjson
 
+from runner_fsm.audit.decisions import DIGEST_FIELD, GATE_FIELD, DecisionTrail
+from runner_fsm.audit.mapped import is_blank, rest_is_blank
+from runner_fsm.replay.scan_collectives import CollectiveReader
 from runner_fsm.rules.checks import BufferTracker, TransitionChecker
 from runner_fsm.rules.context_rule import ContextEvidence
-from runner_fsm.audit.decisions import DIGEST_FIELD, GATE_FIELD, DecisionTrail
 from runner_fsm.rules.facts import RunFacts
-from runner_fsm.audit.mapped import is_blank, rest_is_blank
-from runner_fsm.rules.ranks import RankInfo
 from runner_fsm.rules.rank_steps import RankStep, StepBuilder
+from runner_fsm.rules.ranks import RankInfo
 from runner_fsm.rules.verdicts import Verdict
-from runner_fsm.replay.scan_collectives import CollectiveReader
 
 TERMINAL_STATES = ("stopped", "faulted")
 QUIESCENT_STATE = "ready"  # between steps: no forward, no collective, nothing half done

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from runner_fsm.batch import ScheduledBatch
-from runner_fsm.dp import LocalDispatch, DPSyncState
+from runner_fsm.dp import DPSyncState, LocalDispatch
 from runner_fsm.pcp.buffers import PersistentBuffers
 from runner_fsm.pcp.context import PCPAttentionContext
 

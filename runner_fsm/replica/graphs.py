@@ -19,9 +19,9 @@ from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
-from runner_fsm.rules.checks import moved_storage, stale_inputs
 from runner_fsm.errors import ConfigError, RunnerError, StaleBufferError
 from runner_fsm.pcp.buffers import BufferFingerprint, PersistentBuffers
+from runner_fsm.rules.checks import moved_storage, stale_inputs
 
 BACKENDS = ("static", "cuda", "npu")
 Fingerprints = Mapping[str, BufferFingerprint]

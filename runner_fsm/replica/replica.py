@@ -22,29 +22,28 @@ from typing import Any
 import numpy as np
 
 from runner_fsm import dp
-from runner_fsm.replica import evidence
-from runner_fsm.rules.checks import dispatch_inputs, output_digest, own_agreement_problem
-from runner_fsm.rules.context_rule import context_problem
+from runner_fsm.agree.collectives import CollectiveRunner
+from runner_fsm.agree.consensus import consensus_row, disagreement
+from runner_fsm.agree.shm_exchange import replica_exchange
 from runner_fsm.audit.decisions import DecisionLog, StepDecisions, batch_identity, tokens_digest
 from runner_fsm.batch import ScheduledBatch, validate_batch
-from runner_fsm.agree.collectives import CollectiveRunner
-from runner_fsm.replica.components import Agreement, Drafter, ForwardStep, Model
-from runner_fsm.replica.draft_step import DraftStep
 from runner_fsm.config import GraphMode, RunnerConfig
+from runner_fsm.errors import DesyncError, StaleContextError
 from runner_fsm.events import RealStep
 from runner_fsm.faults import NO_FAULTS, Injector
-from runner_fsm.errors import DesyncError, StaleContextError
-from runner_fsm.replica.graphs import Fingerprints, GraphRunner, backend_for, check_refreshed
-from runner_fsm.states.machine import Handler, ReplicaMachine
 from runner_fsm.pcp.buffers import PersistentBuffers
 from runner_fsm.pcp.context import PCPAttentionContext, PCPContextState, dummy_digest, plan_digest
 from runner_fsm.pcp.plan import PlanWorkspace, plan_batch
+from runner_fsm.replica import evidence
+from runner_fsm.replica.components import Agreement, Drafter, ForwardStep, Model
+from runner_fsm.replica.draft_step import DraftStep
+from runner_fsm.replica.graphs import Fingerprints, GraphRunner, backend_for, check_refreshed
 from runner_fsm.replica.spec import tokens_per_request
-from runner_fsm.states import Trigger
-from runner_fsm.agree.shm_exchange import replica_exchange
-from runner_fsm.agree.consensus import consensus_row, disagreement
 from runner_fsm.replica.written_positions import WrittenPositions
-
+from runner_fsm.rules.checks import dispatch_inputs, output_digest, own_agreement_problem
+from runner_fsm.rules.context_rule import context_problem
+from runner_fsm.states import Trigger
+from runner_fsm.states.machine import Handler, ReplicaMachine
 
 CRASH_EXIT_CODE = 17  # the exit status of an injected crash
 

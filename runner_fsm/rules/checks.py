@@ -34,8 +34,8 @@ import zlib
 from typing import Mapping, Sequence
 
 from runner_fsm.audit.expand import FINGERPRINTS
-from runner_fsm.rules.verdicts import label
 from runner_fsm.rules.transitions import OUTCOMES, TransitionChecker  # noqa: F401  (re-exported)
+from runner_fsm.rules.verdicts import label
 
 _PTR, _SHAPE, _VERSION, _DIGEST = range(4)
 

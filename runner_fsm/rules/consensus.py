@@ -31,8 +31,8 @@ import collections
 from typing import Callable
 
 from runner_fsm.audit.decisions import FIELDS, PP_SHARED, TOKENS, first_difference, outvoted
-from runner_fsm.rules.ranks import Groups
 from runner_fsm.rules.rank_steps import RankStep
+from runner_fsm.rules.ranks import Groups
 from runner_fsm.rules.verdicts import Verdict
 
 _GRAPH_EAGER, _GRAPH_FULL = 0, 2  # `dp.GRAPH_EAGER`, `dp.GRAPH_FULL` (replay imports no runtime)

@@ -15,19 +15,19 @@ verdict, not one per step.
 
 from __future__ import annotations
 
-from typing import Callable
 import collections
 import dataclasses
+from typing import Callable
 
 import orjson
 
 from runner_fsm.rules.checks import divergent_outputs
 from runner_fsm.rules.consensus import ReplicaConsensus
 from runner_fsm.rules.pairing import AgreementPairs
-from runner_fsm.rules.ranks import Groups
 from runner_fsm.rules.rank_steps import RankStep, StepMerger
-from runner_fsm.rules.verdicts import Verdict, phase_label
+from runner_fsm.rules.ranks import Groups
 from runner_fsm.rules.sequences import SequenceChecker, check_hangs
+from runner_fsm.rules.verdicts import Verdict, phase_label
 
 
 @dataclasses.dataclass

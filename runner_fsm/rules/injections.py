@@ -9,9 +9,9 @@ runner could make only at its shutdown.
 
 from __future__ import annotations
 
+from runner_fsm.faults import parse_target
 from runner_fsm.rules.facts import RunFacts
 from runner_fsm.rules.verdicts import Verdict
-from runner_fsm.faults import parse_target
 
 
 def _key(text: str) -> tuple[str, tuple[int, int] | None]:

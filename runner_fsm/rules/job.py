@@ -16,10 +16,10 @@ from __future__ import annotations
 import dataclasses
 
 from runner_fsm.audit.mapped import data_end
-from runner_fsm.rules.ranks import RankInfo
-from runner_fsm.errors import ReplayInputError
-from runner_fsm.rules.verdicts import Verdict
 from runner_fsm.audit.shape import JobShape
+from runner_fsm.errors import ReplayInputError
+from runner_fsm.rules.ranks import RankInfo
+from runner_fsm.rules.verdicts import Verdict
 
 NO_SHAPE_NOTE = ("no log begins with the job's shape (logs of an older writer): the ranks are taken"
                  " from the files found, so the logs alone cannot show a rank whose log is missing")

@@ -17,8 +17,8 @@ from __future__ import annotations
 from typing import Callable
 
 from runner_fsm.agree.order import key_text, out_of_order
-from runner_fsm.rules.ranks import Groups
 from runner_fsm.rules.rank_steps import RankStep
+from runner_fsm.rules.ranks import Groups
 from runner_fsm.rules.verdicts import Verdict
 
 WINDOW = 2  # steps an agreement waits for its peers' (a skip puts the two sides one step apart)

@@ -15,8 +15,8 @@ The rank files themselves, their coordinates and groups: `audit.ranks`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
 import heapq
+from collections.abc import Iterator, Mapping
 
 
 def freeze(value):

@@ -10,8 +10,8 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 import dataclasses
+from pathlib import Path
 
 from runner_fsm.agree.order import last_phase
 from runner_fsm.audit.ranklog import SegmentFile

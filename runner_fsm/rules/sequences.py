@@ -24,13 +24,13 @@ later phase skipped ahead). One verdict per step and culprit.
 
 from __future__ import annotations
 
-from typing import Callable
 import collections
 import dataclasses
+from typing import Callable
 
 from runner_fsm.agree.order import past_last_phase
-from runner_fsm.rules.ranks import Groups
 from runner_fsm.rules.rank_steps import RankStep, StepMerger
+from runner_fsm.rules.ranks import Groups
 from runner_fsm.rules.verdicts import RELAYED_FAULTS, Verdict, key_label, label, phase_label, sequence_label
 
 

@@ -11,7 +11,6 @@ from typing import Callable
 
 from runner_fsm.states import State, next_state
 
-
 OUTCOMES = ("ok", "error", "refused", "cancelled")
 _MISSING = object()
 

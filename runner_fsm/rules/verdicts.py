@@ -7,9 +7,8 @@ by kind (a skipped collective before the hang or desync fault it caused), then b
 
 from __future__ import annotations
 
-from typing import Any, Iterable
 import dataclasses
-
+from typing import Any, Iterable
 
 # Kinds in the order a root cause precedes its consequences within one step.
 KINDS = (

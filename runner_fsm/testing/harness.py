@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import numpy as np
 
+from runner_fsm.agree.collectives import CollectiveRunner
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.batch import ScheduledBatch
-from runner_fsm.agree.collectives import CollectiveRunner
 from runner_fsm.config import RunnerConfig
 from runner_fsm.dp import SingleReplicaAgreement
 from runner_fsm.pcp.buffers import BUFFER_NAMES
-from runner_fsm.replica.replica import Replica
 from runner_fsm.replica.driver import ReplicaRunner
+from runner_fsm.replica.replica import Replica
 from runner_fsm.testing.fakes import FakeDrafter, FakeModel
 
 

@@ -17,7 +17,6 @@ import orjson
 from runner_fsm.audit.compact import FORMAT_FIELD
 from runner_fsm.audit.records import read_records
 
-
 _RANK_FILES = re.compile(r"^(?:rank-(\d+)(?:\.\d+)?\.jsonl(?:\.idx)?|vllm-steps-(\d+)(?:\.\d+)?\.jsonl"
                          r"|fr-rank-(\d+)\.json)$")
 

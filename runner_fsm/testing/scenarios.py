@@ -9,13 +9,12 @@ from __future__ import annotations
 import anyio
 
 from runner_fsm.config import ParallelLayout, RunnerConfig
+from runner_fsm.dp import GlooAgreement
 from runner_fsm.engine.launch import ProcessGroups
 from runner_fsm.events import Capture, DummyStep, RealStep, Shutdown
 from runner_fsm.faults import Injection, Injector
-from runner_fsm.dp import GlooAgreement
 from runner_fsm.testing.fakes import FakeModel
 from runner_fsm.testing.harness import decode_batch, make_runner, prefill_batch
-
 
 HANDOFF_LAYOUT = ParallelLayout(dp_size=2, pcp_size=2)
 # replica 0 prefills, then decodes, while replica 1 idles; then both idle; then the reverse

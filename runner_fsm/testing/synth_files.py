@@ -15,6 +15,7 @@ from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD
 from runner_fsm.audit.log import SCHEMA_VERSION, AuditLog, log_path
 from runner_fsm.audit.render import RecordRenderer
 
+
 def _steps(spec: Any, writer: Any):
     """The records of the rank, a step at a time: [(event, step_id, fields), ...]."""
     writer.start()

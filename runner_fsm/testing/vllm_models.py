@@ -65,7 +65,7 @@ def _config(arch: str, **overrides):
 
 def write_tokenizer(path: Path) -> None:
     """A word-level tokenizer: token i is the word `w<i>` (specials 0..2)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {"<pad>": 0, "<s>": 1, "</s>": 2, **{f"w{i}": i for i in range(3, VOCAB)}}

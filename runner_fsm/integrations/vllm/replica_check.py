@@ -23,14 +23,13 @@ from __future__ import annotations
 import datetime
 import itertools
 
+from runner_fsm.agree.consensus import consensus_row, disagreement
+from runner_fsm.agree.shm_exchange import replica_exchange
+from runner_fsm.audit.decisions import StepDecisions
 from runner_fsm.audit.shape import coords_of
 from runner_fsm.errors import DesyncError
 from runner_fsm.integrations.vllm.common import inject
 from runner_fsm.integrations.vllm.common.inject import VLLMInjector
-from runner_fsm.audit.decisions import StepDecisions
-from runner_fsm.agree.shm_exchange import replica_exchange
-from runner_fsm.agree.consensus import consensus_row, disagreement
-
 
 REPLICA_GROUP = "replica"  # the exchanges' group in the log: every rank of one replica
 TARGET_PHASE = 1  # `dp.TARGET`: the exchanges belong to the step, not to a draft pass

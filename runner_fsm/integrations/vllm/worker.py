@@ -36,20 +36,17 @@ from typing import Any
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.segments import flight_entries
 from runner_fsm.audit.shape import job_shape_fields
-from runner_fsm.integrations.vllm.common import inject
-from runner_fsm.integrations.vllm.common import schema
-from runner_fsm.integrations.vllm.cpu import collectives as cpu_collectives
-from runner_fsm.integrations.vllm.cpu import rope as cpu_rope
+from runner_fsm.integrations.vllm.common import inject, schema
+from runner_fsm.integrations.vllm.cpu import collectives as cpu_collectives, rope as cpu_rope
 from runner_fsm.integrations.vllm.dp.support import DPSupport
 from runner_fsm.integrations.vllm.engine_stops import WorkerStops
-from runner_fsm.integrations.vllm.flight import WorkerFlight, groups as flight_groups
-from runner_fsm.integrations.vllm.flight import start as start_flight_recorder
+from runner_fsm.integrations.vllm.flight import WorkerFlight, groups as flight_groups, start as start_flight_recorder
+from runner_fsm.integrations.vllm.options import WorkerOptions
 from runner_fsm.integrations.vllm.recording.forwards import forward_context, hook_forward
 from runner_fsm.integrations.vllm.recording.journal import Journal, step_entry
-from runner_fsm.integrations.vllm.recording.step_kinds import StepKinds
-from runner_fsm.integrations.vllm.options import WorkerOptions
 from runner_fsm.integrations.vllm.recording.probe import InputProbe
 from runner_fsm.integrations.vllm.recording.recorder import ReplicaRecorder
+from runner_fsm.integrations.vllm.recording.step_kinds import StepKinds
 from runner_fsm.integrations.vllm.replica_check import ReplicaCheck, logged_groups
 from runner_fsm.integrations.vllm.rundir import agree_run, place_in_groups, rank_place
 from runner_fsm.integrations.vllm.runners import RunnerAdapter, adapter_for

@@ -20,16 +20,16 @@ import itertools
 import torch.distributed as dist
 
 from runner_fsm import dp
+from runner_fsm.agree.heartbeat import Heartbeat
 from runner_fsm.agree.order import last_phase
 from runner_fsm.config import ParallelLayout
 from runner_fsm.errors import BatchError
-from runner_fsm.agree.heartbeat import Heartbeat
 from runner_fsm.integrations.vllm.common import inject
+from runner_fsm.integrations.vllm.common.inject import VLLMInjector
 from runner_fsm.integrations.vllm.dp import agreement
 from runner_fsm.integrations.vllm.dp.drafts import DraftLedger
-from runner_fsm.integrations.vllm.common.inject import VLLMInjector
-from runner_fsm.integrations.vllm.runners import RunnerAdapter
 from runner_fsm.integrations.vllm.dp.watchdog import Watchdog
+from runner_fsm.integrations.vllm.runners import RunnerAdapter
 
 
 class DPSupport:

@@ -19,8 +19,8 @@ import threading
 import time
 from typing import Callable
 
-from runner_fsm.errors import CollectiveTimeout
 from runner_fsm.agree.heartbeat import describe_positions
+from runner_fsm.errors import CollectiveTimeout
 
 ABORT_KEY = "runner_fsm/abort"
 EXIT_CODE = 70  # EX_SOFTWARE: the run was stopped by its own check

@@ -23,9 +23,9 @@ from runner_fsm.audit.compact import decisions_tail
 from runner_fsm.audit.decisions import StepDecisions, batch_identity, changed_since, decide
 from runner_fsm.audit.log import AuditBatch
 from runner_fsm.integrations.vllm.recording.forwards import forward_context
-from runner_fsm.integrations.vllm.recording.step_machine import StepMachine
 from runner_fsm.integrations.vllm.recording.journal import BATCH as JOURNAL_BATCH, Journal, Later
 from runner_fsm.integrations.vllm.recording.probe import resolve
+from runner_fsm.integrations.vllm.recording.step_machine import StepMachine
 from runner_fsm.states import State, Trigger
 
 CAPTURE_STEP = -1

@@ -16,11 +16,11 @@ calls to the same record.
 from __future__ import annotations
 
 from runner_fsm.audit import AuditLog
-from runner_fsm.audit.log import AuditBatch
 from runner_fsm.audit.compact import transition_body
+from runner_fsm.audit.log import AuditBatch
 from runner_fsm.integrations.vllm.common.errors import StepRefused
-from runner_fsm.states.machine import TransitionCore
 from runner_fsm.states import State, Trigger
+from runner_fsm.states.machine import TransitionCore
 
 
 def _body(trigger: Trigger, src: State, dst: State, outcome: str) -> bytes:

@@ -6,7 +6,8 @@ from typing import Any
 
 from runner_fsm.integrations.vllm.common.errors import UnsupportedFeatureError
 from runner_fsm.integrations.vllm.runners.ascend import AscendMRV2Runner
-from runner_fsm.integrations.vllm.runners.base import NAMES, REQUEST_BUFFERS, TOKEN_BUFFERS, ForwardInputs, RunnerAdapter
+from runner_fsm.integrations.vllm.runners.base import (NAMES, REQUEST_BUFFERS, TOKEN_BUFFERS, ForwardInputs,
+                                                       RunnerAdapter)
 from runner_fsm.integrations.vllm.runners.mrv2 import MRV2Runner
 from runner_fsm.integrations.vllm.runners.v1 import V1Runner
 

@@ -32,8 +32,8 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from runner_fsm.integrations.vllm.runners.pinning import source_digest
 from runner_fsm.integrations.vllm.runners.base import wrap_method
+from runner_fsm.integrations.vllm.runners.pinning import source_digest
 
 PINNED_VERSION = "0.32.0"
 SPECULATOR = "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator.TargetDependentARSpeculator"

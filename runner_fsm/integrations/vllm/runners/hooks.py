@@ -15,8 +15,8 @@ import importlib
 import inspect
 
 from runner_fsm.integrations.vllm.common.errors import VLLMSchemaError
-from runner_fsm.integrations.vllm.runners.v1_dp import RUN_AR_PARAMS
 from runner_fsm.integrations.vllm.common.schema import WRITTEN_AGAINST, installed_version
+from runner_fsm.integrations.vllm.runners.v1_dp import RUN_AR_PARAMS
 
 
 @dataclasses.dataclass(frozen=True)

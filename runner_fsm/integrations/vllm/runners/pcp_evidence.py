@@ -37,8 +37,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-from runner_fsm.rules.checks import dispatch_inputs
 from runner_fsm.integrations.vllm.runners.base import wrap_method
+from runner_fsm.rules.checks import dispatch_inputs
 
 PAD_SLOT_ID = -1  # vllm.v1.attention.backends.utils.PAD_SLOT_ID: a token whose KV is not written
 CHUNKING = "mrv2"  # runner_fsm.pcp.plan's policy that is MRV2's partition

@@ -30,8 +30,8 @@ import numpy as np
 import torch
 
 from runner_fsm.errors import BatchError
-from runner_fsm.integrations.vllm.runners.pinning import source_digest
 from runner_fsm.integrations.vllm.runners.pcp_segments import FIELDS, SegmentsByRank
+from runner_fsm.integrations.vllm.runners.pinning import source_digest
 from runner_fsm.pcp import layout, native, rows
 from runner_fsm.pcp.plan import _check_padding, _validate, num_tokens_for_dispatch
 

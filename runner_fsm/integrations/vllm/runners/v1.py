@@ -15,8 +15,8 @@ from typing import Any, Callable
 import torch
 
 from runner_fsm.integrations.vllm.runners import v1_dp
-from runner_fsm.integrations.vllm.runners.base import (ForwardInputs, RunnerAdapter, SkipDummyForward,
-                                                       new_inputs, skipping_dummy, wrap_method)
+from runner_fsm.integrations.vllm.runners.base import (ForwardInputs, RunnerAdapter, SkipDummyForward, new_inputs,
+                                                       skipping_dummy, wrap_method)
 
 
 def _tensor(buf: Any) -> torch.Tensor:
