@@ -1,4 +1,4 @@
-"""`runner-fsm`: look at plans and state tables, run demos, replay audit logs."""
+"""`runner-fsm`: look at plans and state tables, run demos, replay and print audit logs."""
 
 from __future__ import annotations
 
@@ -120,7 +120,9 @@ def _add_replay(sub) -> None:
     p = sub.add_parser("replay", help="judge a run from its audit logs (exit 0 sound, 1 findings, 2 unreadable)")
     p.add_argument("run_dir", metavar="RUN_DIR", nargs="+",
                    help="directory holding rank-<global_rank>.jsonl files; several (e.g. one per node of a"
-                        " job on several machines) are judged as one run")
+                        " job on several machines) are judged as one run. A folder of runs (e.g. runs/demo),"
+                        " or directories that are each a whole run: every run judged, one line each (exit"
+                        " status the worst; --json: a list of reports)")
     p.add_argument("--json", action="store_true", help="print the verdicts and a summary as JSON")
     p.add_argument("--plot", metavar="FILE", help="write a timeline picture (needs matplotlib)")
     p.add_argument("--limit", type=int, default=20, help="verdicts listed in the human report (default 20)")
@@ -151,7 +153,12 @@ def _step_range(text: str) -> tuple[int, int]:
 def _cmd_replay(args) -> int:
     from runner_fsm.replay.judge import replay, replay_with_plot
     from runner_fsm.replay.progress import TerminalProgress
+    from runner_fsm.replay.runs import find_runs, print_runs
 
+    runs = find_runs(args.run_dir)
+    if runs is not None:  # a folder of several runs
+        return print_runs(args.run_dir, runs, as_json=args.json, jobs=args.jobs, steps=args.steps, last=args.last,
+                          plot=args.plot, perfetto=args.perfetto, world_size=args.world_size)
     window = {"steps": args.steps, "last": args.last}
     progress = TerminalProgress()  # on stderr, only when it is a terminal
     try:
@@ -172,6 +179,46 @@ def _cmd_replay(args) -> int:
     return report.exit_code
 
 
+def _add_log(sub) -> None:
+    p = sub.add_parser("log", help="print a run's audit records in full, one JSON object per line",
+                       description="Print the audit records of RUN_DIR in full (DESIGN section 7: schema,"
+                                   " run_id, seq, t_ns, dp_rank, pcp_rank, event, step_id and the event's"
+                                   " fields; the compact on-disk format expanded), one JSON object per line,"
+                                   " across rotated (rank-<g>.<k>.jsonl) and compressed (.jsonl.gz) segments."
+                                   " Without --rank: every rank, rank by rank in global-rank order, each"
+                                   " rank's records in the order it wrote them. With --steps or --last, each"
+                                   " rank's output keeps the records of those steps, after the `job` record"
+                                   " that heads each segment they come from. Exit status 0, or 2 when the"
+                                   " logs cannot be read (one line on stderr).")
+    p.add_argument("run_dir", metavar="RUN_DIR", nargs="+",
+                   help="directory holding rank-<global_rank>.jsonl files; several (one per node of a job)"
+                        " are read as one run, as replay reads them")
+    p.add_argument("--rank", type=int, action="append", metavar="R",
+                   help="only global rank R (repeat for several); default: every rank")
+    window = p.add_mutually_exclusive_group()
+    window.add_argument("--steps", type=_step_range, metavar="A:B",
+                        help="only steps A..B (both included, as replay --steps)")
+    window.add_argument("--last", type=_positive, metavar="N",
+                        help="only the last N steps of each rank's own log")
+    p.set_defaults(func=_cmd_log)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive number of steps, got {text!r}")
+    return value
+
+
+def _cmd_log(args) -> int:
+    from runner_fsm.replay.show_log import print_log
+
+    return print_log(args.run_dir, ranks=args.rank, steps=args.steps, last=args.last)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr (exit status 2), like every user error."""
 
@@ -188,6 +235,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_states(sub)
     _add_make_model(sub)
     _add_replay(sub)
+    _add_log(sub)
     return parser
 
 
