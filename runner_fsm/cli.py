@@ -151,6 +151,8 @@ def _step_range(text: str) -> tuple[int, int]:
 
 
 def _cmd_replay(args) -> int:
+    from runner_fsm.replay.discover import Run
+    from runner_fsm.replay.flight import flight_only
     from runner_fsm.replay.judge import replay, replay_with_plot
     from runner_fsm.replay.progress import TerminalProgress
     from runner_fsm.replay.runs import find_runs, print_runs
@@ -159,19 +161,22 @@ def _cmd_replay(args) -> int:
     if runs is not None:  # a folder of several runs
         return print_runs(args.run_dir, runs, as_json=args.json, jobs=args.jobs, steps=args.steps, last=args.last,
                           plot=args.plot, perfetto=args.perfetto, world_size=args.world_size)
+    # The run found once, for the judgement, the picture and the trace alike (Flight Recorder
+    # dumps alone have no ranks to find: replay reads them itself)
+    run = args.run_dir if flight_only(args.run_dir) else Run.find(args.run_dir)
     window = {"steps": args.steps, "last": args.last}
     progress = TerminalProgress()  # on stderr, only when it is a terminal
     try:
         if args.plot:
-            report = replay_with_plot(args.run_dir, args.plot, jobs=args.jobs, world_size=args.world_size, **window)
+            report = replay_with_plot(run, args.plot, jobs=args.jobs, world_size=args.world_size, **window)
         else:
-            report = replay(args.run_dir, jobs=args.jobs, world_size=args.world_size, progress=progress, **window)
+            report = replay(run, jobs=args.jobs, world_size=args.world_size, progress=progress, **window)
     finally:
         progress.close()
     if args.perfetto:  # the same verdicts, as instants on the ranks' timelines
         from runner_fsm.replay.perfetto import export_perfetto
 
-        export_perfetto(args.run_dir, args.perfetto, report)
+        export_perfetto(run, args.perfetto, report)
     if args.json:
         print(json.dumps(report.as_dict(), indent=1))
     else:

@@ -20,7 +20,7 @@ import sys
 import pytest
 
 from runner_fsm.audit import AuditLog, read_records
-from runner_fsm.replay import judge as replay_module
+from runner_fsm.replay import discover as discover_module
 from runner_fsm.replay.judge import replay
 from runner_fsm.audit.segments import MIN_SEGMENT
 from runner_fsm.audit.shape import job_shape_fields
@@ -135,14 +135,14 @@ def test_a_segment_rotated_away_while_replay_reads_is_skipped(tmp_path, monkeypa
     """The writer deletes a segment after replay found it: its steps count as rotated away.
     Mutation: `scan_rank` letting FileNotFoundError through -> exit 2 (unreadable)."""
     logs = _live_job(tmp_path, 3000)
-    found = replay_module.discover
+    found = discover_module.discover
 
     def discover_then_rotate(run_dir):
         infos = found(run_dir)
         first = next(s for s in infos[0].segments if s.index > 0)
         os.unlink(first.path)  # as the live writer would, between discovery and reading
         return infos
-    monkeypatch.setattr(replay_module, "discover", discover_then_rotate)
+    monkeypatch.setattr(discover_module, "discover", discover_then_rotate)
     try:
         report = replay(tmp_path)
     finally:

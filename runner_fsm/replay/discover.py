@@ -5,11 +5,16 @@ header (`dp_rank`, `pcp_rank`; TP and PP then 0); a file with no readable record
 before its first line was complete) gets them from its global rank and the shape a sibling
 declares, or, in logs written without one, from its global rank and the PCP size its siblings
 show.
+
+`Run` is a run found once: its directories and its ranks. Every reader of the run (replay's
+judgement, the Flight Recorder join, the timeline picture, the Perfetto export) takes the same
+`Run`, so a replay lists and probes each rank's files once.
 """
 
 from __future__ import annotations
 
 import re
+import dataclasses
 from itertools import islice
 from pathlib import Path
 from typing import NamedTuple
@@ -20,11 +25,30 @@ from runner_fsm.audit.compress import open_lines
 from runner_fsm.audit.ranklog import RANK_SEGMENT_PATTERN, read_segments, rotated_ranges
 from runner_fsm.audit.shape import DIMENSIONS, JOB_EVENT, Coords, JobShape
 from runner_fsm.errors import ReplayInputError
-from runner_fsm.replay.rundirs import RunDirs, as_dirs, ranked_segments
+from runner_fsm.replay.rundirs import RunDirs, as_dirs, label, ranked_segments
 from runner_fsm.rules.ranks import RankInfo
 
 RANK_FILE = re.compile(RANK_SEGMENT_PATTERN)
 _PROBE_LINES = 64  # enough to get past a damaged first line, few enough to stay instant
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    """One run, found once: the directories it was read from and each rank's `RankInfo`."""
+
+    dirs: tuple[Path, ...]
+    ranks: tuple[RankInfo, ...]
+
+    @classmethod
+    def find(cls, run_dir: RunDirs) -> Run:
+        """The run in `run_dir` (one directory, or several: the nodes of one job);
+        `ReplayInputError` as `discover` raises it."""
+        return cls(as_dirs(run_dir), tuple(discover(run_dir)))
+
+    @property
+    def label(self) -> str:
+        """How a report names the run: its directory, or 'A + B' for several."""
+        return label(self.dirs)
 
 
 def discover(run_dir: RunDirs) -> list[RankInfo]:

@@ -27,10 +27,9 @@ from collections.abc import Iterable
 from runner_fsm.agree.order import past_last_phase
 from runner_fsm.audit.mapped import data_end
 from runner_fsm.audit.records import lenient_records
-from runner_fsm.replay.discover import discover
+from runner_fsm.replay.discover import Run
 from runner_fsm.replay.flight import RankDump, describe, group_views, in_flight, named_ranks, read_dumps
 from runner_fsm.replay.report import ReplayReport
-from runner_fsm.replay.rundirs import RunDirs
 from runner_fsm.rules.ranks import RankInfo, job_last_phase
 from runner_fsm.rules.verdicts import Verdict, sort_verdicts
 
@@ -80,12 +79,12 @@ def read_tail(info: RankInfo) -> AuditTail:
     return tail
 
 
-def join_flight_recorder(report: ReplayReport, run_dir: RunDirs) -> ReplayReport:
-    """`report` with the Flight Recorder dumps of `run_dir` joined in (itself when there are none)."""
-    dumps = read_dumps(run_dir)
+def join_flight_recorder(report: ReplayReport, run: Run) -> ReplayReport:
+    """`report` with the Flight Recorder dumps of `run` joined in (itself when there are none)."""
+    dumps = read_dumps(run.dirs)
     if not dumps:
         return report
-    tails = {info.global_rank: read_tail(info) for info in discover(run_dir)}
+    tails = {info.global_rank: read_tail(info) for info in run.ranks}
     verdicts = list(report.verdicts)
     found: list[Verdict] = _missing_logs(dumps, tails, verdicts)
     for view in group_views(dumps):

@@ -35,7 +35,7 @@ import os
 from runner_fsm.audit.shape import DIMENSIONS
 from runner_fsm.errors import ReplayInputError
 from runner_fsm.replay.coverage import resolve_window, rotated_spans
-from runner_fsm.replay.discover import discover
+from runner_fsm.replay.discover import Run
 from runner_fsm.replay.flight import flight_only, replay_flight_only
 from runner_fsm.replay.flight_join import join_flight_recorder
 from runner_fsm.replay.ranges import cpu_count, first_kept_step, judge_in_ranges, judge_range
@@ -55,10 +55,11 @@ PARALLEL_MIN_BYTES = 64 << 20  # below this, one process is done before others w
 MAX_JOBS = 8
 
 
-def replay(run_dir: RunDirs, *, timeline: Timeline | None = None,
+def replay(run_dir: RunDirs | Run, *, timeline: Timeline | None = None,
            jobs: int | None = None, world_size: int | None = None, steps: tuple[int, int] | None = None,
            last: int | None = None, progress=None) -> ReplayReport:
-    """Judge the run in `run_dir`; feed `timeline` (if given) with every merged step.
+    """Judge the run in `run_dir` (its directories, or the `Run` found in them already); feed
+    `timeline` (if given) with every merged step.
 
     `jobs`: processes, each judging a range of steps (None: one for small runs, else one per
     CPU up to MAX_JOBS). A timeline needs every step in one process, so it implies one.
@@ -68,9 +69,13 @@ def replay(run_dir: RunDirs, *, timeline: Timeline | None = None,
     or `last` N: judge that window alone (`coverage`). `progress`: a
     `progress.TerminalProgress`, told the steps to judge and, now and then, the step reached.
     """
-    if flight_only(run_dir):  # a plain PyTorch job: Flight Recorder dumps and no audit log
+    if isinstance(run_dir, Run):
+        run = run_dir
+    elif flight_only(run_dir):  # a plain PyTorch job: Flight Recorder dumps and no audit log
         return replay_flight_only(run_dir, world_size)
-    infos = discover(run_dir)
+    else:
+        run = Run.find(run_dir)
+    infos = list(run.ranks)
     job = check_job(infos, world_size)  # before the long pass: logs of different runs are refused at once
     log_steps = (min(map(first_kept_step, infos)), max((log_last_step(i) or 0 for i in infos), default=0))
     try:
@@ -88,13 +93,13 @@ def replay(run_dir: RunDirs, *, timeline: Timeline | None = None,
     verdicts = list(job.verdicts) + result.verdicts + join_missed(result.missed) + check_injections(result.facts)
     verdicts, stop_note = settle_stops(verdicts, result.facts)
     sizes = layout_of(infos)
-    summary = RunSummary(label(run_dir), len(infos), sizes.dp, sizes.pcp, result.records,
+    summary = RunSummary(run.label, len(infos), sizes.dp, sizes.pcp, result.records,
                          result.first_step, result.last_step, job.expected_ranks, job.notes + stop_note,
                          sizes.tp, sizes.pp, window, log_steps,
                          rotated_spans((rank, tuple(spans)) for rank, spans in result.rotated.items()))
     verdicts = drop_explained(join_mismatches(merge_same_findings(verdicts)))
     report = ReplayReport(summary, sort_verdicts(name_coordinates(verdicts, infos, job)))
-    return join_flight_recorder(report, run_dir)  # Flight Recorder dumps, when the run left them
+    return join_flight_recorder(report, run)  # Flight Recorder dumps, when the run left them
 
 
 def auto_jobs(infos: list[RankInfo]) -> int:
@@ -112,20 +117,20 @@ def _size(path) -> int:
         return 0
 
 
-def replay_with_plot(run_dir: RunDirs, plot_path: str | os.PathLike[str],
+def replay_with_plot(run_dir: RunDirs | Run, plot_path: str | os.PathLike[str],
                      *, jobs: int | None = None, world_size: int | None = None, **window) -> ReplayReport:
     """`replay`, then the timeline picture at `plot_path` (matplotlib is checked first)."""
     from runner_fsm.replay.report import plot, require_matplotlib
 
     require_matplotlib()  # fail before the long pass, not after it
-    if flight_only(run_dir):
+    if not isinstance(run_dir, Run) and flight_only(run_dir):
         raise ReplayInputError(f"--plot draws the steps of audit logs; {label(run_dir)} holds Flight Recorder dumps only"
                                " (replay it without --plot)")
-    infos = discover(run_dir)
-    timeline = Timeline(info.global_rank for info in infos)
-    report = replay(run_dir, timeline=timeline, jobs=jobs, world_size=world_size, **window)
+    run = run_dir if isinstance(run_dir, Run) else Run.find(run_dir)
+    timeline = Timeline(info.global_rank for info in run.ranks)
+    report = replay(run, timeline=timeline, jobs=jobs, world_size=world_size, **window)
     verdict = "sound" if report.sound else f"{len(report.verdicts)} finding(s)"
-    plot(timeline, report.verdicts, plot_path, f"{label(run_dir)}: {verdict}")
+    plot(timeline, report.verdicts, plot_path, f"{run.label}: {verdict}")
     return report
 
 

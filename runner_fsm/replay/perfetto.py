@@ -26,9 +26,9 @@ from pathlib import Path
 import orjson
 
 from runner_fsm.audit.records import lenient_records
-from runner_fsm.replay.discover import discover
+from runner_fsm.replay.discover import Run
 from runner_fsm.replay.report import ReplayReport
-from runner_fsm.replay.rundirs import RunDirs, label
+from runner_fsm.replay.rundirs import RunDirs
 from runner_fsm.rules.rank_steps import StepMerger
 from runner_fsm.rules.ranks import Groups, RankInfo
 from runner_fsm.rules.verdicts import Verdict
@@ -202,18 +202,19 @@ def _first_t(info: RankInfo) -> int | None:
     return None
 
 
-def export_perfetto(run_dir: RunDirs, trace_path: str | os.PathLike[str],
+def export_perfetto(run_dir: RunDirs | Run, trace_path: str | os.PathLike[str],
                     report: ReplayReport | None = None) -> ExportStats:
-    """Write the trace of the run in `run_dir` to `trace_path`; `report` (replay's verdicts,
-    computed here when not given) supplies the findings."""
+    """Write the trace of the run in `run_dir` (its directories, or the `Run` found in them) to
+    `trace_path`; `report` (replay's verdicts, computed here when not given) supplies the findings."""
+    run = run_dir if isinstance(run_dir, Run) else Run.find(run_dir)
     if report is None:
         from runner_fsm.replay.judge import replay
 
-        report = replay(run_dir)
-    infos = discover(run_dir)
+        report = replay(run)
+    infos = list(run.ranks)
     starts = [t for t in map(_first_t, infos) if t is not None]
     base = min(starts, default=0)
-    out = _Writer(Path(trace_path), {"run_dir": label(run_dir), "sound": report.sound,
+    out = _Writer(Path(trace_path), {"run_dir": run.label, "sound": report.sound,
                                      "findings": len(report.verdicts)})
 
     def us(t_ns: int) -> float:

@@ -27,7 +27,7 @@ from pathlib import Path
 from runner_fsm.audit.shape import JobShape
 from runner_fsm.errors import ReplayInputError, RunnerError
 from runner_fsm.replay.coverage import resolve_window
-from runner_fsm.replay.discover import RANK_FILE, discover
+from runner_fsm.replay.discover import RANK_FILE, Run
 from runner_fsm.replay.flight import DUMP_FILE
 from runner_fsm.replay.judge import replay
 from runner_fsm.replay.report import ReplayReport
@@ -44,6 +44,7 @@ class FoundRun:
     ranks: frozenset[int] = frozenset()
     hosts: dict | None = dataclasses.field(default=None, compare=False)  # the job's {host: [ranks]}, if listed
     error: str | None = None  # its logs cannot be read as a run: replay would exit 2
+    found: Run | None = dataclasses.field(default=None, compare=False)  # its ranks, when one directory holds it
 
     @property
     def label(self) -> str:
@@ -91,15 +92,16 @@ def run_dirs_below(root: Path) -> list[Path]:
 def read_run(directory: Path) -> FoundRun:
     """One directory as a run: its ranks, run id, shape and hosts from its logs' first records."""
     try:
-        infos = discover(directory)
+        run = Run.find(directory)
     except ReplayInputError as err:
         return FoundRun((directory,), error=str(err))
+    infos = run.ranks
     job = infos[0].segments[0].job if infos[0].segments else None
     run_id = job.get("run_id") if isinstance(job, dict) else None
     return FoundRun((directory,), run_id if isinstance(run_id, str) else None,
                     next((info.shape for info in infos if info.shape is not None), None),
                     frozenset(info.global_rank for info in infos),
-                    next((info.hosts for info in infos if info.hosts), None))
+                    next((info.hosts for info in infos if info.hosts), None), found=run)
 
 
 def group_runs(found: list[FoundRun]) -> list[FoundRun]:
@@ -112,7 +114,7 @@ def group_runs(found: list[FoundRun]) -> list[FoundRun]:
         else:
             run = runs[place]
             runs[place] = dataclasses.replace(run, dirs=run.dirs + one.dirs, ranks=run.ranks | one.ranks,
-                                              hosts=run.hosts or one.hosts)
+                                              hosts=run.hosts or one.hosts, found=None)  # found anew, whole
     return runs
 
 
@@ -167,7 +169,7 @@ def judge_runs(runs: list[FoundRun], *, jobs: int | None = None, steps: tuple[in
             outcomes.append(RunOutcome(run, None, run.error))
             continue
         try:
-            outcomes.append(RunOutcome(run, replay(run.dirs, jobs=jobs, steps=steps, last=last)))
+            outcomes.append(RunOutcome(run, replay(run.found or run.dirs, jobs=jobs, steps=steps, last=last)))
         except (RunnerError, OSError) as err:
             outcomes.append(RunOutcome(run, None, " ".join(str(err).split())))
     return outcomes
