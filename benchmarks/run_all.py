@@ -4,8 +4,8 @@ Each benchmark module exposes `rows(quick: bool) -> list[common.Row]`; it checks
 output before it times anything and raises when that output is wrong. The suite prints one
 table (figure, the baseline measured in the same run, ratio, target, pass/miss) and, with
 `--readme`, writes it with the machine and the command into benchmarks/README.md between
-the markers there; with `--main-readme`, the same rows also become README.md's generated
-block (readme.py). README numbers are never typed.
+the markers there; with `--main-readme`, five headline rows of that table (`readme.HEADLINE`)
+become README.md's generated block. README numbers are never typed.
 
 Exit status: 0 whatever the speed (a missed target is reported, never failed); 1 when a
 benchmark crashed or its output was wrong, because then its figures mean nothing.
@@ -26,7 +26,10 @@ A `SUITE_ROW` line holds one JSON object with the fields of `common.Row`.
 
 `--merge` (with `--only` and `--readme`): the rows measured now replace the rows of the same
 name in the table already there (and the rows `RENAMED` says they replace); every other row
-stays as it was, and the summary line says which rows were measured when.
+stays as it was, and the summary line says which rows were measured when. `--from-table`
+(`make bench-readme`) measures nothing: README.md's block is made again from the table stored
+in benchmarks/README.md. `--main-readme` with `--only` needs `--merge`: the headline rows come
+from the whole table.
 """
 
 from __future__ import annotations
@@ -46,7 +49,7 @@ import traceback
 from pathlib import Path
 
 from common import Row, format_table
-from readme import between_markers, main_readme_block, parse_block, write_between_markers
+from readme import REMEASURED, between_markers, main_readme_block, parse_block, write_between_markers
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
@@ -253,9 +256,6 @@ def merged(table_path: Path, rows: list[Row], summary: str) -> tuple[str, list[R
     return _summary(old_summary, [row.name for row in rows], summary), out
 
 
-REMEASURED = " Re-measured since: "  # then `name`, ...: their run's own "Measured ..." sentence
-
-
 def _summary(old_summary: str, names: list[str], summary: str) -> str:
     """The table's summary line: the whole run's sentence, then per later `--merge` the rows it
     re-measured and its sentence; a re-measure whose rows are all measured again now is dropped
@@ -293,6 +293,8 @@ def main() -> int:
         return _regenerate_main_readme(args.from_table, args.main_readme)
     if args.merge and not (args.only and args.readme):
         parser.error("--merge needs --only and --readme")
+    if args.main_readme and args.only and not args.merge:
+        parser.error("--main-readme with --only needs --merge (README.md's headline rows come from the whole table)")
     names = [n for n in args.only.split(",") if n] or list(SUITE)
     unknown = [n for n in names if n not in SUITE]
     if unknown:
@@ -317,7 +319,11 @@ def main() -> int:
         write_between_markers(args.readme, text)
         print(f"\n[bench] table written to {args.readme}", file=sys.stderr)
     if args.main_readme:
-        write_between_markers(args.main_readme, main_readme_block(summary, rows), create=False)
+        try:
+            write_between_markers(args.main_readme, main_readme_block(summary, rows), create=False)
+        except ValueError as err:  # a headline row this run did not make (a benchmark that crashed)
+            print(f"[bench] {args.main_readme} left as it was: {err}", file=sys.stderr)
+            return 1
         print(f"[bench] generated block written to {args.main_readme}", file=sys.stderr)
     return 0 if ok else 1
 

@@ -84,6 +84,6 @@ def test_an_identity_without_digest_is_a_gap(tmp_path):
 
 
 def test_a_writer_that_logs_no_identity_is_not_judged(tmp_path):
-    # what the vLLM worker writes today: no verdict either way (README: not judged)
+    # what the vLLM worker writes today: no verdict either way (docs/audit.md: not judged)
     report = replay(write_run(tmp_path / "run", SPEC))
     assert report.sound, report.format()

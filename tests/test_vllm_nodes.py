@@ -1,8 +1,8 @@
-"""A job on two machines, on loopback: the README's commands, run as written.
+"""A job on two machines, on loopback: docs/vllm-serving.md's commands, run as written.
 
-README's "Running on several machines" holds one block of commands per launch mode of vLLM
+docs/vllm-serving.md's "Running on several machines" holds one block of commands per launch mode of vLLM
 (head + `--headless` node, hybrid load balancing, one instance per DP rank); this test takes
-them from the README itself, so a command that stops working fails here. Each node is a server
+them from that page itself, so a command that stops working fails here. Each node is a server
 process group of its own, started in a directory of its own (`nodeA/`, `nodeB/`, where its
 `run_dir`, `runs/job`, lands), with only the small test model's options, the ports and the
 host (127.0.0.1) added. `vllm serve` runs as `python -m runner_fsm.integrations.vllm.serve`
@@ -42,7 +42,7 @@ import vllm_harness as h
 # vLLM's launch modes and stops are its front end's, not the model runner's: once, in the V1 leg
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+DOC = Path(__file__).resolve().parent.parent / "docs" / "vllm-serving.md"
 REQUESTS = h.mixed_workload(num=4, seed=11, long_prompt=40)
 STEP = 6  # where the injection acts: replica 1 is idle by then (every request is on replica 0)
 INJECTION = f"skip-dummy-forward@replica=1,step={STEP}"
@@ -50,7 +50,7 @@ TIMEOUT_S = 20.0  # collective_timeout_s of the injected job: its watchdog ends 
 SERVER_OPTIONS = ["--host", "127.0.0.1", "--dtype", "float32", "--enforce-eager", "--block-size", "32",
                   "--max-num-seqs", "8", "--max-num-batched-tokens", "64", "--max-model-len", "512",
                   "--kv-cache-memory-bytes", str(64 << 20), "--seed", "0"]
-# job -> (README block, what each node's API server is asked, how the job ends)
+# job -> (docs/vllm-serving.md's block, what each node's API server is asked, how the job ends)
 JOBS = {
     "head-first": ("headless", "both", "sigint-head-first"),
     "injected": ("headless", "replica-0", "by-itself"),
@@ -61,15 +61,15 @@ JOBS = {
 
 
 def readme_block(name: str) -> list[str]:
-    """The commands of the README's block `<!-- nodes: NAME -->` (continuations joined, comments out)."""
-    found = re.search(rf"<!-- nodes: {re.escape(name)} -->\n```bash\n(.*?)```", README.read_text(), re.S)
-    assert found, f"README.md has no block <!-- nodes: {name} -->"
+    """The commands of docs/vllm-serving.md's block `<!-- nodes: NAME -->` (continuations joined, comments out)."""
+    found = re.search(rf"<!-- nodes: {re.escape(name)} -->\n```bash\n(.*?)```", DOC.read_text(), re.S)
+    assert found, f"docs/vllm-serving.md has no block <!-- nodes: {name} -->"
     text = found.group(1).replace("\\\n", " ")
     return [line.split("#")[0].strip() for line in text.splitlines() if line.split("#")[0].strip()]
 
 
 def node_command(line: str, model: str, rpc_port: int, api_port: int, options: dict) -> list[str]:
-    """A README command as this machine runs it: see the module docstring."""
+    """A docs/vllm-serving.md command as this machine runs it: see the module docstring."""
     words = shlex.split(line.replace("$W", h.FSM_WORKER))
     assert words[:3] == ["vllm", "serve", "M"], line
     words = [sys.executable, "-m", "runner_fsm.integrations.vllm.serve", model, *words[3:]]
@@ -276,7 +276,7 @@ def test_a_node_killed_mid_run_is_named_never_sound(jobs):
 
 
 def test_the_readme_replay_commands_run_as_written(jobs):
-    """README's `<!-- nodes: replay -->` block, run by the shell in the head-first job's directory
+    """docs/vllm-serving.md's `<!-- nodes: replay -->` block, run by the shell in the head-first job's directory
     (where `nodeA/` and `nodeB/` are): both directories, SOUND, exit 0; node A's alone, exit 1,
     `missing_rank` naming rank 1. Mutation seen to fail it: the block's second line given both
     directories (exit 0)."""

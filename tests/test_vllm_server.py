@@ -44,7 +44,7 @@ def free_port() -> int:
 # lines after its SIGTERM: a worker not scheduled in between leaves no record of the stop, and its
 # log reads as a death. On CI's 2 cores, with four servers at once, both workers of the SIGTERM'd
 # server lost that race. With a timeout vLLM waits for each engine core, which drains and lets
-# its workers shut down: the stop is recorded every time (README, "Running on several machines").
+# its workers shut down: the stop is recorded every time (docs/vllm-serving.md, "Stopping a server").
 SHUTDOWN_TIMEOUT = ("--shutdown-timeout", "10")
 
 
