@@ -23,7 +23,7 @@ TARGET = 1
 DRAFT_PREFILL = 2
 DRAFT_DECODE = 3
 PHASE_NAMES = {TARGET: "TARGET", DRAFT_PREFILL: "DRAFT_PREFILL", DRAFT_DECODE: "DRAFT_DECODE"}
-assert PHASE_NAMES == _ORDERED_PHASES, "audit.order must order the phases this module sends"
+assert PHASE_NAMES == _ORDERED_PHASES, "agree.order must order the phases this module sends"
 
 # Graph modes as sent on the wire; the agreed mode is the minimum, so eager wins.
 GRAPH_EAGER = 0
@@ -236,7 +236,7 @@ def _raise_on_desync(rows: list[list[int]]) -> None:
     if min(steps) == max(steps) and min(phases) == max(phases):
         return
     sent = dict(enumerate(zip(steps, phases)))
-    # The rule replay applies too (`audit.order`): majority, else the side ahead, else a tie.
+    # The rule replay applies too (`agree.order`): majority, else the side ahead, else a tie.
     found = out_of_order(sent)
     each = ", ".join(
         f"replica {rank} sent step {step} {phase_name(phase)}"

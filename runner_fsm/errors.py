@@ -23,7 +23,7 @@ class DesyncError(RunnerError):
     """Replicas disagree on the step id or phase of a collective they all joined.
 
     `sent` maps each DP rank to the (step_id, phase) it sent; `culprits` are the replicas
-    out of order and `culprit_step` the step they went wrong in (`audit.order`; empty and None
+    out of order and `culprit_step` the step they went wrong in (`agree.order`; empty and None
     on a tie, or where the raiser does not know).
     """
 

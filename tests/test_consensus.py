@@ -1,4 +1,4 @@
-"""A replica agrees with itself (`audit.decisions`, `audit.consensus`), from synthetic logs.
+"""A replica agrees with itself (`audit.decisions`, `rules.consensus`), from synthetic logs.
 
 Each rank logs a decision digest on its step's `finish` (and the decisions that changed); replay
 names the first rank, step and decision where a replica's ranks differ (`replica_divergence`),

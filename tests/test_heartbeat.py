@@ -1,6 +1,6 @@
 """Naming a culprit from every rank's last position on a timeout (`heartbeat`): a replica outside
 any collective while its peers wait; else the rule `dp.agree` names a desync's culprit by
-(`audit.order`) over where each one waits."""
+(`agree.order`) over where each one waits."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The one rule that names the replica out of order in a DP agreement (`audit.order`), and
+"""The one rule that names the replica out of order in a DP agreement (`agree.order`), and
 `dp.agree` raising with it: a phase past the last a step of the job has names its sender (when
 the drafter's K is known), else a majority decides, else the side ahead in (step, phase, sequence)
 order, else it is a tie and nobody is named."""

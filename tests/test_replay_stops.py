@@ -1,9 +1,9 @@
-"""A stop you asked for reads clean, a death never does (`audit.stops`, DESIGN section 11).
+"""A stop you asked for reads clean, a death never does (`rules.stops`, DESIGN section 11).
 
 Synthetic runs cut the way real stops and deaths cut them: logs that end between steps, in a
 collective, or after faults, with `stop` records (a signal a rank received, the engine's
 shutdown call) placed before or after where the other logs end. Faults on replica 0 and on
-the last replica. Each test names the mutation of `audit.stops` it was seen to fail under.
+the last replica. Each test names the mutation of `rules.stops` it was seen to fail under.
 """
 
 from __future__ import annotations

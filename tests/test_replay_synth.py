@@ -76,7 +76,7 @@ def test_a_skipped_collective_is_one_verdict_not_one_per_later_step(tmp_path):
         "replica 1 skipped all_reduce DRAFT_PREFILL [[14]] that its peers issued (DRAFT_PREFILL: 0"
         " collectives where its peers ran 1) in group 'dp'; and skipped draft_prefill DRAFT_PREFILL that its"
         " peers issued (DRAFT_PREFILL: 0 collectives where its peers ran 1) in group 'expert' at step 4"
-        # the same finding from the agreement both met (audit.pairing, by the rule of dp.agree)
+        # the same finding from the agreement both met (rules.pairing, by the rule of dp.agree)
         "; and replica 1: its DP agreement met its peers' with another step or phase (replica 0 sent step 4"
         " DRAFT_PREFILL, replica 1 sent step 5 TARGET): culprit: replica 1 at step 4 (no majority; it is"
         " ahead in (step, phase, sequence) order: it skipped a collective its peers are still in); expected"
@@ -112,7 +112,7 @@ def test_deadlock_names_the_replica_that_skipped_ahead(tmp_path):
 def test_an_extra_draft_pass_is_named_from_k_in_the_job_record(tmp_path, replica):
     """K = 1, and the culprit entered a DRAFT_DECODE agreement after its draft while its peers
     finished the step and wait in the next one's agreement: from the logs alone its peers look
-    like the ones that did not issue it. With K in the job record (`audit.order`, rule 0) the
+    like the ones that did not issue it. With K in the job record (`agree.order`, rule 0) the
     culprit is named, and only it (at step 5, and as the one its peers wait for at step 6).
     Mutation: `Groups.last_phase` returns None -> the hang blames the peers."""
     spec = SynthSpec(dp_size=3, pcp_size=2, steps=10, spec_tokens=1, job_names_k=True)

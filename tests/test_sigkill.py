@@ -9,7 +9,7 @@ copy of a memory-mapped log then is byte for byte what a SIGKILL at that instant
 replayed: every complete line parses, and the verdicts are the cut's (`unfinished`, `hang`,
 `missing_replica`, a `gap` for a cut line), never SOUND.
 
-Mutation seen to fail it: `settle_stops` (audit/stops.py) treating a log that ends between
+Mutation seen to fail it: `settle_stops` (rules/stops.py) treating a log that ends between
 steps as explained without any `stop` record (the quiescent-stop rule of before: it read the
 between-steps placements SOUND).
 """

@@ -1,5 +1,5 @@
 """The PCP evidence of vLLM MRV2's PCP manager (`runners/pcp/evidence.py`), over a fake manager: what it
-logs is judged by replay's own rules (`audit.checks`), and each injected PCP fault leaves
+logs is judged by replay's own rules (`rules.checks`), and each injected PCP fault leaves
 evidence those rules reject. No vLLM needed (the end-to-end runs are in test_vllm_pcp_dp.py)."""
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def test_dispatch_evidence_missing_is_not_a_count():
 ])
 def test_per_decode_inputs_recompute_mrv2s_count(scheduled, prefilling):
     """What replay recomputes from the logged inputs is MRV2's count, by the rule written out
-    above. Mutation seen to fail this: `_dispatch_count` (audit/checks.py) summing the `decodes`
+    above. Mutation seen to fail this: `_dispatch_count` (rules/checks.py) summing the `decodes`
     into one replicated row (`decodes = (decode,)`)."""
     inputs = dispatch_inputs(scheduled, prefilling, PCP, "mrv2", per_decode=True)
     assert recomputed_dispatch_count(inputs) == mrv2_dispatch_count(scheduled, prefilling, PCP)

@@ -5,10 +5,10 @@ its position (step, and the collective it is entering, or that it is between col
 into the c10d store that the process group already runs. When a collective times out,
 the rank reads every position and names the replica that is not where its peers are:
 - a replica waiting in a collective of a phase past the last of a step (when the drafter's K
-  is known: `audit.order`, rule 0) ran a draft pass its peers never run;
+  is known: `agree.order`, rule 0) ran a draft pass its peers never run;
 - a replica outside any collective while its peers wait inside one never arrived (it hung,
   faulted or died);
-- when every replica waits, the rule of `audit.order` (shared with `dp.agree` and replay)
+- when every replica waits, the rule of `agree.order` (shared with `dp.agree` and replay)
   over where each waits (step, phase, the agreement before the forward): the replicas off a
   strict majority's position; else, between two positions, the one further along ran past a
   collective its peers are still in; else a tie, and no replica stands out.
@@ -100,7 +100,7 @@ def describe_positions(positions: dict[int, Position], layout: ParallelLayout, *
 
 def _culprits(positions: dict[int, Position], layout: ParallelLayout, last_phase: int | None = None) -> list[int]:
     """Replicas waiting in a phase past the step's last; else replicas outside any collective
-    while others wait in one; else, when every replica waits, the ones out of order (`audit.order`)."""
+    while others wait in one; else, when every replica waits, the ones out of order (`agree.order`)."""
     outside, furthest, beyond = set(), {}, set()
     for p in positions.values():
         replica = layout.coords(p.rank)[0]
@@ -115,7 +115,7 @@ def _culprits(positions: dict[int, Position], layout: ParallelLayout, last_phase
         return sorted(beyond)
     if outside:
         return sorted(outside)
-    # Every replica waits: the rule the DP agreement names its culprit by (`audit.order`),
+    # Every replica waits: the rule the DP agreement names its culprit by (`agree.order`),
     # over where each one waits: a strict majority, else the side ahead, else nobody (a tie).
     found = out_of_order(furthest)
     return list(found.culprits) if found is not None else []

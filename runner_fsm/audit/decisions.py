@@ -11,7 +11,7 @@ Each rank logs, on its step's `finish` transition, `decision_digest` (a 32-bit h
 decision, sampled tokens included: about 15 bytes a step, compact key `dg`) and `decisions`: those of
 `FIELDS` that changed since its previous step (all of them on its first; compact key `dc`). The
 sampled tokens change every step, so only the digest holds them. Replay rebuilds each rank's
-decisions from those changes and compares digests (`audit.consensus`); the decisions say which
+decisions from those changes and compares digests (`rules.consensus`); the decisions say which
 one differs. The same digests are what the online check exchanges.
 """
 

@@ -5,7 +5,7 @@ missing: three logs of a DP=2 x PCP=2 run look like a sound run of three ranks. 
 process begins its log with the shape of the whole job and its own place in it: the size of
 every parallel dimension, the world size, its global rank and coordinates, the members of
 each process group it is in, and the host it ran on. Replay requires a log from every rank
-the shape names (`audit.job`), and names ranks by their coordinates.
+the shape names (`rules.job`), and names ranks by their coordinates.
 
 Ranks are numbered as vLLM numbers them (`vllm/distributed/parallel_state.py`): the global
 ranks reshaped to `[dp, pp, pcp, tp]`, tensor parallelism the fastest dimension. The embedded

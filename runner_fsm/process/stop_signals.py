@@ -13,7 +13,7 @@ returns, maybe after vLLM's SIGKILL. So the arrival is also heard from `signal_w
 the moment it happens (`early`, the default), and recorded from there; the handler then only
 hands the signal on. Where no watch can run (another wakeup fd is set), the handler records, and
 a rank killed before it runs leaves no record: its peers' records of the same stop explain its
-end (`audit.stops`). `record` must be safe to call at any bytecode and from another thread:
+end (`rules.stops`). `record` must be safe to call at any bytecode and from another thread:
 `AuditLog.stop` is (`write_in_handler`).
 
 A handler that lands while its own thread writes a record finds the log's lock held: the record

@@ -52,7 +52,7 @@ class Run:
 
 
 def discover(run_dir: RunDirs) -> list[RankInfo]:
-    """Every rank file of `run_dir` (one directory, or several: `audit.rundirs`) with its
+    """Every rank file of `run_dir` (one directory, or several: `replay.rundirs`) with its
     coordinates; `ReplayInputError` if none can be read, or one rank's log is found twice."""
     dirs = as_dirs(run_dir)
     segments = {rank: read_segments(numbered) for rank, numbered in ranked_segments(dirs, RANK_FILE, "audit log").items()}

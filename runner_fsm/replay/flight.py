@@ -72,7 +72,7 @@ class RankDump:
 
 
 def dump_paths(run_dir: RunDirs) -> list[tuple[int, Path]]:
-    """(global rank, path) of every dump in the run's directories (`audit.rundirs`)."""
+    """(global rank, path) of every dump in the run's directories (`replay.rundirs`)."""
     return ranked_files([d for d in as_dirs(run_dir) if d.is_dir()], DUMP_FILE, "Flight Recorder dump")
 
 

@@ -157,7 +157,7 @@ def _annotate_hang(verdicts, dumps, view, name, seq, tails, steps, audit_seq: st
 
 
 def _extra_draft_pass(verdict, name, seq: int, tails) -> bool:
-    """The hang's blamed ranks wait at `seq` in a phase past the last of any step (`audit.order`,
+    """The hang's blamed ranks wait at `seq` in a phase past the last of any step (`agree.order`,
     rule 0): the members the Flight Recorder shows never starting it rightly did not."""
     last = job_last_phase(tail.info for tail in tails.values())
     waits = [tails[r].collectives.get((name, seq - 1)) for r in verdict.ranks if r in tails]

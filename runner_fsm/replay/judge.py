@@ -1,14 +1,14 @@
 """`runner-fsm replay RUN_DIR`: judge a run from its audit logs alone (DESIGN section 7).
 
-The package, in the order a replay uses it:
-- `log`: writing the records (the runner's side);
-- `ranks`: the rank files, each rank's coordinates, groups and host (the job's shape: `shape`, `job`);
-- `read`: per-step summaries of each rank, merged by step id;
-- `scan`: one pass over each rank's file, the checks that need no peer;
-- `crossrank`, `sequences` and `pairing`: the checks across the ranks of each merged step
-  (`pairing` names a DP desync's culprit by `order`, the rule `dp.agree` applies online);
-- `checks`, `context_rule`, `order`: every rule, written once, shared with the runner's online checks;
-- `report`: the verdicts, their text and JSON, the timeline picture;
+In the order a replay uses them (docs/architecture.md, "Where a verdict is decided"):
+- `discover`: the run found once (`Run`): each rank's files, coordinates, groups and host;
+- `rules.job`: the job's shape against the logs found (`missing_rank`);
+- `scan` (through `rankscan`): one pass over each rank's log, the rules that need no peer;
+- `rules.rank_steps`: each rank's steps merged by step id;
+- `rules.crossrank`, `sequences`, `pairing`, `consensus`: the rules across the ranks of a step
+  (`pairing` names a DP desync's culprit by `agree.order`, the rule `dp.agree` applies online);
+- `rules.stops`, `rules.injections`: the rules over the whole job, once every log is read;
+- `report`: the verdicts' text and JSON, the timeline picture;
 - `ranges`: large runs judged in ranges of steps side by side, one process each.
 Only one step per rank is held at a time, so memory stays flat however long the run.
 

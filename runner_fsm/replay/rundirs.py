@@ -4,7 +4,7 @@ A run is usually one directory, but a job on several machines leaves one per nod
 node's ranks write where that node can), and `runner-fsm replay A B ...` judges them together
 as one run. Each rank's file must be found once: the same rank's log (or dump) in two of the
 directories given is input that cannot be judged (exit status 2), as are logs of different runs
-(`audit.job`). Nothing here compares the clocks of different hosts.
+(`rules.job`). Nothing here compares the clocks of different hosts.
 """
 
 from __future__ import annotations

@@ -182,7 +182,7 @@ class RankScanner(CollectiveReader):
         state = self.transitions.state
         if hang is None and not self._truncated and state not in TERMINAL_STATES:
             # Between steps every step it began, it finished; a stop request recorded in the job
-            # before the log ends may explain it (`audit.stops`), nothing else does.
+            # before the log ends may explain it (`rules.stops`), nothing else does.
             self._verdict("unfinished", f"{BETWEEN_STEPS} after step {last.step}, without shutdown (process killed"
                           " between steps, or still running?)" if state == QUIESCENT_STATE else
                           f"the log ends in state {state!r} at step {last.step} without shutdown, fault or a"

@@ -14,7 +14,7 @@ from runner_fsm import dp
 def identity(step: int, dummy: bool, rows: int, digest: int) -> dict:
     """What a batch or a PCP attention context is: the step it was built for, real or dummy,
     its rows per PCP rank and the digest of its layout arrays (`pcp.context.layout_digest`);
-    `audit.context_rule.context_problem` compares two of them."""
+    `rules.context_rule.context_problem` compares two of them."""
     return {"step": int(step), "dummy": bool(dummy), "rows": int(rows), "digest": int(digest)}
 
 

@@ -119,7 +119,7 @@ class GraphRunner:
 def check_replay(captured: Fingerprints, since: Fingerprints, now: Fingerprints, *, step_id,
                  last_real: Fingerprints | None = None) -> None:
     """Raise `StaleBufferError` when storage moved since capture or the inputs are stale
-    (the rules of `audit.checks`, which replay applies to the logged fingerprints too)."""
+    (the rules of `rules.checks`, which replay applies to the logged fingerprints too)."""
     moved = moved_storage(captured, now)
     if moved:
         details = ", ".join(f"{n} {captured[n].ptr:#x}->{now[n].ptr:#x}" for n in moved)

@@ -8,7 +8,7 @@ directory, a file renamed): `ReplayInputError`, exit status 2.
 Logs written before the shape was logged (runner_fsm before issue 16, or a worker that does
 not write it yet) are judged as before, from the files found, and the report says so in a
 note: a missing log cannot be seen there (the Flight Recorder dumps, when the run left them,
-still name members without a log: `audit.flight_join`).
+still name members without a log: `replay.flight_join`).
 """
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """The DP agreements of one DP group paired as gloo paired them, by `pg_seq`: when the members
-met in one agreement with different (step, phase), `audit.order` names the replica out of
+met in one agreement with different (step, phase), `agree.order` names the replica out of
 order, the rule the online check (`dp.agree`) applies to the same keys.
 
 `sequences` sees a skipped agreement inside one step (one member issued fewer); the pairing

@@ -10,7 +10,7 @@
   rank's summary of step S together while holding nothing older: memory is bounded by the
   number of ranks, not by the length of the run.
 
-The rank files themselves, their coordinates and groups: `audit.ranks`.
+The rank files themselves, their coordinates and groups: `rules.ranks`.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ class RankStep:
         self.faulted = faulted  # its transitions show it faulted in this step
         self.aborted = aborted  # it sent a non-ok status to a DP agreement in this step
         self.resumed = resumed  # its log jumped to this step (a seek, steps rotated away before it)
-        # what `audit.consensus` compares across the replica's ranks: (decision digest or None,
+        # what `rules.consensus` compares across the replica's ranks: (decision digest or None,
         # decisions as known or None, (num_tokens, graph_mode, largest graph captured) of its
         # target agreement or None, drafter steps its gate let run or None)
         self.decided = decided

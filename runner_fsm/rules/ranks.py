@@ -34,7 +34,7 @@ class RankInfo:
     host: str | None = None  # where the process ran, as its `job` record says
     hosts: dict | None = dataclasses.field(default=None, compare=False)  # the job's {host: [ranks]}, if gathered
     # K, the drafter's tokens per step, where the `job` record names it (`num_speculative_tokens`,
-    # the vLLM worker's): it bounds the phases of a step (`audit.order`, rule 0).
+    # the vLLM worker's): it bounds the phases of a step (`agree.order`, rule 0).
     spec_tokens: int | None = None
     # its log's kept segments, in order (one: a log without a cap), and the steps rotated away
     segments: tuple[SegmentFile, ...] = dataclasses.field(default=(), compare=False)
@@ -55,7 +55,7 @@ class RankInfo:
 
 
 def job_last_phase(infos) -> int | None:
-    """The last phase of a step (`audit.order.last_phase`), when every log names the same
+    """The last phase of a step (`agree.order.last_phase`), when every log names the same
     drafter K; None (unknown) otherwise."""
     ks = {info.spec_tokens for info in infos}
     return last_phase(ks.pop()) if len(ks) == 1 and None not in ks else None

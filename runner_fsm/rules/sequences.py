@@ -232,7 +232,7 @@ def _add_waiter(hangs, step, rank, summary: RankStep, present, groups: Groups, m
     hang = hangs.setdefault((group, op, phase, occurrence), _Hang(group, op, phase, occurrence))
     hang.waiting[rank] = pg_seq
     hang.timed_out |= summary.hang_timed_out
-    if past_last_phase(phase, groups.last_phase):  # `audit.order`, rule 0: its own extra draft pass
+    if past_last_phase(phase, groups.last_phase):  # `agree.order`, rule 0: its own extra draft pass
         hang.blamed[rank] = "it waits in a phase past the last of any step of this job: a draft pass its peers do not run"
         return
     for peer in groups.members(group, groups.instance(group, rank)):

@@ -5,7 +5,7 @@ rank faults, and the opt-in online `consensus` check.
   speculator). Each rank decides alone whether its drafter runs this step; where two ranks of a
   replica decide otherwise, the one that drafts waits in a TP collective its peer never joins
   (vLLM #49027). So the decision is logged (`gate` record) *before* any drafter collective: it is
-  the evidence replay compares (`audit.consensus`), which no `finish` of that step will carry.
+  the evidence replay compares (`rules.consensus`), which no `finish` of that step will carry.
 - **`tp-skip-draft@replica=R,step=S,rank=K`**: rank K's gate alone says no at step S.
 - **`consensus`** (worker option, off by default): the ranks of the replica exchange [step,
   gate] at each gate (before the drafter's collectives, so a

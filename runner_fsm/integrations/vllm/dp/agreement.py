@@ -51,7 +51,7 @@ def check_columns(ours: list[list[int]], num_tokens: list[int], graph_modes: lis
     """The project's agreement rule over gathered columns: `ours` are the AGREEMENT_ROWS,
     `num_tokens` and `graph_modes` the rows of vLLM's tensor that hold each replica's dispatch
     count and graph mode (0 = eager); `last_phase`, the last phase of a step (from K, the same on
-    every replica), names a replica that ran a draft pass no step has (`audit.order`, rule 0).
+    every replica), names a replica that ran a draft pass no step has (`agree.order`, rule 0).
 
     `dp.agree` judges status, step and phase; a sequence mismatch (same step and phase, but one
     replica issued an extra or skipped agreement) is a desync too. A desync names its culprit
@@ -75,7 +75,7 @@ def check_columns(ours: list[list[int]], num_tokens: list[int], graph_modes: lis
 
 def _named(exc: DesyncError, sent: list[tuple[int, int, int]], last_phase: int | None = None) -> DesyncError:
     """`exc` with its culprit named by the rule the embedded engine and replay apply
-    (`audit.order`: a phase past the step's last, a majority, else the replica ahead in
+    (`agree.order`: a phase past the step's last, a majority, else the replica ahead in
     (step, phase, sequence), else a tie)."""
     found = out_of_order(dict(enumerate(sent)), last_phase=last_phase)
     each = ", ".join(f"replica {r} sent step {s} {dp.phase_name(p)} seq {q}" for r, (s, p, q) in enumerate(sent))

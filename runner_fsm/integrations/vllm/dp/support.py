@@ -41,7 +41,7 @@ class DPSupport:
             injection.step, str(injection)))
         store = dist.distributed_c10d._get_default_store()  # the job's store, as the embedded engine uses
         # `last_phase` (from the drafter's K, the same on every replica) lets the agreement and the
-        # watchdog name a replica that runs a draft pass no step has (`audit.order`, rule 0).
+        # watchdog name a replica that runs a draft pass no step has (`agree.order`, rule 0).
         heartbeat = Heartbeat(store, ParallelLayout(dp_size=dp_size, pcp_size=1).validate(), dp_rank,
                               last_phase=last_phase)
         self.watchdog = Watchdog(heartbeat, timeout_s, dp_rank=dp_rank, on_fault=self._log_fault).start()

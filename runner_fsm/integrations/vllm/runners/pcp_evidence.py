@@ -3,8 +3,8 @@
 Under PCP (`runner.pcp_manager` is not None) the manager owns what a forward's attention reads:
 the rank-local batch in its own persistent `InputBuffers`, the gathered KV slot mappings, and
 the layout of the step's partition (`_hidden_restore_idx`, built by `partition_batch`). Replay
-judges these with the embedded engine's rules (`audit.checks`), so they are logged in the
-records those rules read (`audit.scan`):
+judges these with the embedded engine's rules (`rules.checks`), so they are logged in the
+records those rules read (`replay.scan`):
 
 - the dispatch count: the inputs of `get_num_tokens_for_dispatch` go on the TARGET agreement's
   `enqueue` record (`inputs`) next to the count vLLM sent (`sent.num_tokens`):
