@@ -5,7 +5,7 @@ import asyncio
 import anyio
 import pytest
 
-from runner_fsm.states.machine import Handler, ReplicaMachine, SyncReplicaMachine, TransitionCore, TransitionRefused
+from runner_fsm.states.machine import Handler, ReplicaMachine, TransitionCore, TransitionRefused
 from runner_fsm.states import TRANSITIONS, State, Trigger, next_state
 
 
@@ -216,34 +216,3 @@ def test_core_edges_are_the_table():
     with pytest.raises(TransitionRefused, match="'capture' is not allowed from state 'ready'"):
         core.move(Trigger.CAPTURE)
     assert core.state is State.READY
-
-
-def test_sync_machine_runs_handlers_in_order_and_faults_with_cause():
-    seen, records = [], []
-
-    def boom(event):
-        seen.append(("after", event))
-        raise ValueError("bad slot")
-
-    machine = SyncReplicaMachine({Trigger.CAPTURE: Handler(before=lambda e: seen.append(("before", e)),
-                                                           after=boom)},
-                                 on_record=lambda *r: records.append(r))
-    with pytest.raises(ValueError, match="bad slot"):
-        machine.fire(Trigger.CAPTURE, "E")
-    assert seen == [("before", "E"), ("after", "E")]
-    assert machine.state is State.FAULTED and isinstance(machine.fault_cause, ValueError)
-    assert records == [(Trigger.CAPTURE, State.INIT, State.CAPTURING, "error"),
-                       (Trigger.FAULT, State.CAPTURING, State.FAULTED, "ok")]
-    with pytest.raises(TransitionRefused):
-        machine.fire(Trigger.CAPTURED)
-    assert records[-1] == (Trigger.CAPTURED, State.FAULTED, State.FAULTED, "refused")
-
-
-def test_sync_machine_refuses_a_coroutine_handler():
-    async def work(event):
-        return None
-
-    machine = SyncReplicaMachine({Trigger.CAPTURE: Handler(after=work)})
-    with pytest.raises(TypeError, match="returned a coroutine"):
-        machine.fire(Trigger.CAPTURE)
-    assert machine.state is State.FAULTED

@@ -9,14 +9,13 @@ synchronous code.
 
 Work is attached per trigger as `Handler(before, after)`: `before` runs in the source state
 (validation, so a bad batch leaves everything untouched), `after` runs in the destination
-state (the step's work). Two drivers share the same rules:
-- `ReplicaMachine` (async, the embedded runner): a handler may return an awaitable, which is
-  awaited in the calling task, so callbacks run one after another and a collective is never
-  raced; nothing here cancels a running transition;
-- `SyncReplicaMachine` (for synchronous callers such as vLLM's worker methods): handlers are
-  plain functions.
+state (the step's work). `ReplicaMachine` drives them (async, the embedded runner): a handler
+may return an awaitable, which is awaited in the calling task, so callbacks run one after
+another and a collective is never raced; nothing here cancels a running transition. (vLLM's
+worker drives the same core without handlers: `integrations/vllm/recording/step_machine.py`,
+since there each step's work is vLLM's own.)
 
-Rules, both drivers: a trigger the table does not allow from the current state is refused
+Rules: a trigger the table does not allow from the current state is refused
 (`TransitionRefused`, logged `refused`, nothing runs); any error takes the table's `fault`
 edge with the cause kept and logged; a `CancelledError` is logged `cancelled` and propagates
 (a cancelled or timed-out trigger is neither success nor a fault of this replica).
@@ -224,53 +223,3 @@ class ReplicaMachine(_Driver):
     async def fault(self, error: BaseException) -> None:
         """Move to `faulted` keeping `error` as the cause (no-op when already ended)."""
         self._enter_fault(error)
-
-
-class SyncReplicaMachine(_Driver):
-    """`ReplicaMachine` for synchronous callers (vLLM's worker methods): the same table,
-    records, refusals and fault edge; handlers are plain functions, their results ignored."""
-
-    def __init__(self, handlers: Mapping[Trigger, Handler], *,
-                 on_record: Recorder = lambda *a: None,
-                 on_fault: Callable[[BaseException], None] = lambda e: None):
-        super().__init__(handlers, on_record=on_record, on_fault=on_fault)
-
-    def fire(self, trigger: Trigger, event: Any = None) -> State:
-        """Run `trigger`; on error fault the replica and re-raise the cause."""
-        if self._running is None and trigger not in self._handlers:
-            return self._move_only(trigger)
-        src, handler = self._start(trigger)
-        self._running = trigger
-        try:
-            if handler is not None and handler.before is not None:
-                _no_coroutine(handler.before(event), trigger)
-            self.core.move(trigger)
-            if handler is not None and handler.after is not None:
-                _no_coroutine(handler.after(event), trigger)
-        except BaseException as error:
-            self._failed(trigger, src, error)
-            raise
-        return self._succeeded(trigger, src)
-
-    def _move_only(self, trigger: Trigger) -> State:
-        """A trigger with no work bound (every step of vLLM's worker): the same checks and
-        record as `fire`, in one edge lookup; nothing can fail after the check."""
-        if not isinstance(trigger, Trigger):
-            raise TypeError(f"triggers are Trigger members, got {trigger!r}")
-        src, dst = self.core.edge(trigger)
-        if dst is None:
-            self._refuse(trigger, src)
-        self.core.take(dst)
-        self._on_record(trigger, src, dst, "ok")
-        return dst
-
-    def fault(self, error: BaseException) -> None:
-        """Move to `faulted` keeping `error` as the cause (no-op when already ended)."""
-        self._enter_fault(error)
-
-
-def _no_coroutine(result: Any, trigger: Trigger) -> None:
-    if asyncio.iscoroutine(result):
-        result.close()
-        raise TypeError(f"a handler of {trigger.value!r} returned a coroutine: SyncReplicaMachine"
-                        " runs plain functions (use ReplicaMachine for async work)")
