@@ -1,11 +1,14 @@
-"""The benchmark figures report means over every step, the periodic ones included (Part 27,
-"Honest figures"): FSMWorker's own time per vLLM step (benchmarks/bench_vllm_worker.py) is a
-mean over a whole number of the journal's batches, its render steps in it, with the median
-beside it, and its ratio to vLLM's worker layer is of the two means. No vLLM needed: these
-are the helpers that turn the timed steps into the row."""
+"""The benchmark figures report means over every step, the periodic ones included, and every
+byte a step writes (Part 27, "Honest figures"): FSMWorker's own time per vLLM step
+(benchmarks/bench_vllm_worker.py) is a mean over a whole number of the journal's batches, its
+render steps in it, with the median beside it, and its ratio to vLLM's worker layer is of the
+two means; bytes per decode step (benchmarks/bench_log_bytes.py) are the audit log's plus the
+journal's beside it, at a batch of 32 requests. No vLLM needed: these are the helpers that turn
+the timed steps and the written files into the rows."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -73,3 +76,59 @@ def test_the_own_time_row_gives_the_mean_first_and_a_ratio_of_means():
     assert row["ratio"] == "1.10x [1.00-1.20]"  # 46/42; rounds 48/40 and 44/44
     assert row["status"] == "miss"
     assert "the first 64 of 70 steps of each process (2 journal batches, 2 renders), 2 processes" in row["note"]
+
+
+def _lines(path: Path, records: list[dict]) -> list[int]:
+    """Write `records` as JSON lines; the bytes each takes (its newline included)."""
+    lines = [json.dumps(r, separators=(",", ":")) for r in records]
+    path.write_text("".join(line + "\n" for line in lines))
+    return [len(line) + 1 for line in lines]
+
+
+def _transition(step: int, trigger: str) -> dict:
+    return {"event": "transition", "step_id": step, "trigger": trigger, "src": "ready", "dst": trigger}
+
+
+def test_bytes_per_step_are_the_log_plus_the_journal_at_the_full_batch(tmp_path):
+    """Bytes per decode step (benchmarks/bench_log_bytes.py): the log's records of the step and
+    its journal entry's line, over the decode steps of `BATCH` requests or more (the tail, where
+    requests finish, left out). Mutations seen to fail this: the journal's size over every step
+    (the old "beside it" figure), the tail counted, the log alone in the figure."""
+    import bench_log_bytes as logbytes
+
+    log = _lines(tmp_path / "rank-0.jsonl", [
+        {"event": "job", "step_id": -1}, _transition(0, "prefill"),
+        _transition(1, "decode"), {"event": "buffers", "step_id": 1, "reason": "real", "pad": "x" * 40},
+        _transition(2, "decode"), _transition(3, "decode")])
+    journal = _lines(tmp_path / "vllm-steps-0.jsonl", [
+        {"step": 0, "kind": "prefill", "sched": [20] * 32}, {"step": 1, "kind": "decode", "sched": [1] * 32},
+        {"step": 2, "kind": "decode", "sched": [1] * 33, "sampled": [[5]] * 33},
+        {"step": 3, "kind": "decode", "sched": [1] * 8}])
+    got = logbytes.per_decode_step(tmp_path)
+    assert got["counted_steps"] == 2 and got["decode_steps"] == 3 and got["batch"] == pytest.approx(32.5)
+    assert got["bytes"] == pytest.approx((log[2] + log[3] + log[4]) / 2)
+    assert got["records"] == pytest.approx(1.5)
+    assert got["journal_bytes"] == pytest.approx((journal[1] + journal[2]) / 2)
+    assert got["total_bytes"] == pytest.approx(got["bytes"] + got["journal_bytes"])
+    text = logbytes.figure(got)
+    assert text.startswith(f"{got['total_bytes']:,.0f} B/step: log {got['bytes']:,.0f} + journal"
+                           f" {got['journal_bytes']:,.0f} (")
+    with pytest.raises(SystemExit, match="no decode step of 64 requests or more"):
+        logbytes.per_decode_step(tmp_path, batch=64)
+
+
+def test_bytes_per_step_of_the_engine_read_its_batch_from_the_dp_agreement(tmp_path):
+    """The embedded engine writes no journal: the batch is its DP agreement's `num_reqs`, and
+    the figure says there is no journal."""
+    import bench_log_bytes as logbytes
+
+    def sync(step: int, reqs: int) -> dict:
+        return {"event": "collective", "step_id": step, "group": "dp", "stage": "enqueue", "phase": 1,
+                "sent": {"num_reqs": reqs}}
+
+    log = _lines(tmp_path / "rank-0.jsonl", [sync(1, 32), _transition(1, "decode"),
+                                             sync(2, 31), _transition(2, "decode")])
+    got = logbytes.per_decode_step(tmp_path)
+    assert got["counted_steps"] == 1 and got["journal_bytes"] == 0 and not got["journal"]
+    assert got["bytes"] == pytest.approx(log[0] + log[1])
+    assert logbytes.figure(got) == f"{log[0] + log[1]} B/step: log {log[0] + log[1]}, no journal (2.0 records)"
