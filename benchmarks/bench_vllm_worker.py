@@ -5,7 +5,7 @@ Same model (a random Llama made with transformers; `--arch` for Mixtral or Qwen3
 requests (greedy, ignore_eos), same engine settings (float32, eager), same run of this script.
 Each measurement is a fresh process (vLLM's CPU worker binds threads process-wide); workers
 alternate (default, fsm, default, fsm, ...) so drift of a shared machine hits both, and the
-ratio is of the medians. In each process, after a warm-up:
+throughput ratio is of the medians of their wall times. In each process, after a warm-up:
 1. `LLM.generate` on the workload is timed (wall): the throughput;
 2. timers are put around the worker's calls (`execute_model`, `sample_tokens`,
    `take_draft_token_ids`, `execute_dummy_batch`) and around the model runner's same calls,
@@ -15,8 +15,16 @@ ratio is of the medians. In each process, after a warm-up:
 3. In FSMWorker's process, vLLM's worker calls that FSMWorker's methods make (super()) are
    timed too: each step's wrapper time is FSMWorker's calls minus those, plus its forward
    pre-hook. That is the wrapper's own time, paired step by step in one process; the
-   difference of the two layers' medians, from different processes, is reported beside it
-   (one process's median differs from the next one's by up to half on this machine).
+   difference of the two layers' means, from different processes, is reported beside it
+   (one process's figure differs from the next one's by up to half on this machine).
+The per-step figures are means (with the median, p90 and p99 beside them) over a window of a
+whole number of the journal's batches (`journal.BATCH` steps, 32), the timed run's first steps:
+the journal renders its entries once a batch, in the step that completes one, and a median, or
+a window that leaves that step out, hides it (a run of fewer than 32 steps: all its steps). In
+FSMWorker's process the renders inside the window are counted and must be one per batch. Means
+add up: the split by call is each call's mean per step, and the ratio to vLLM's worker layer is
+of the two means (pooled over the processes: the same workload gives each the same window),
+its spread that of the rounds' ratios of means.
 FSMWorker runs twice per round: with the full audit and with `audit=transitions` (no
 per-forward buffers records). Outputs of all runs must be equal. OMP_NUM_THREADS=1 for both (vLLM's CPU serving setting;
 more threads than free cores make spin-waiting OpenMP times swing on a shared machine).
@@ -69,15 +77,17 @@ def _workload(vocab: int, num: int, max_new: int, seed: int):
 
 def _install_timers(worker) -> list:
     """Per step: [layer ns] and, in FSMWorker's process, [wrapper ns]; a step starts at each
-    execute_model with scheduled tokens."""
+    execute_model with scheduled tokens. Per call: [(step index, own ns)] (-1 before the first
+    step); in FSMWorker's process, the step indices where its journal rendered a batch."""
     import torch
 
     clock = time.thread_time_ns
     steps: list[int] = []
     wrapper_steps: list[int] = []
-    by_call: dict[str, list[int]] = {}  # own time per call (and per forward pre-hook)
+    by_call: dict[str, list[tuple[int, int]]] = {}  # own time per call (and per forward pre-hook)
     # FSMWorker's own time per call, paired; its forward pre-hook is the wrapper's alone
-    wrapper_by_call: dict[str, list[int]] = {"forward hook": by_call.setdefault("forward hook", [])}
+    wrapper_by_call: dict[str, list[tuple[int, int]]] = {"forward hook": by_call.setdefault("forward hook", [])}
+    renders: list[int] = []
     runner = worker.model_runner
     inner = {"ns": 0, "base": 0}
 
@@ -102,15 +112,16 @@ def _install_timers(worker) -> list:
             finally:
                 total = clock() - start
                 own = total - inner["ns"]
-                by_call.setdefault(name, []).append(own)
+                step = len(steps) - 1
+                by_call.setdefault(name, []).append((step, own))
                 if hook["ns"]:
-                    by_call.setdefault("forward hook", []).append(hook["ns"])
+                    by_call.setdefault("forward hook", []).append((step, hook["ns"]))
                 own += hook["ns"]
                 # FSMWorker's own code: its call minus vLLM's worker call inside it (super()),
                 # plus its forward pre-hook; 0 where FSMWorker does not override the call.
                 wrapper = (total - inner["base"] if inner["base"] else 0) + hook["ns"]
                 if inner["base"]:
-                    wrapper_by_call.setdefault(name, []).append(total - inner["base"])
+                    wrapper_by_call.setdefault(name, []).append((step, total - inner["base"]))
                 hook["ns"] = 0
                 if steps:
                     steps[-1] += own
@@ -139,6 +150,13 @@ def _install_timers(worker) -> list:
         model.register_forward_pre_hook(last, with_kwargs=True)
     # collective_rpc hands vLLM's WorkerWrapperBase, which holds the worker it made
     vllm_worker_cls = _vllm_worker_class(type(getattr(worker, "worker", worker)))
+    recorder = getattr(getattr(worker, "worker", worker), "recorder", None)
+    journal = getattr(recorder, "journal", None)
+    if vllm_worker_cls is not None and journal is not None:  # which step renders a batch of its entries
+        def counted(render=journal.render):
+            renders.append(len(steps) - 1)
+            return render()
+        journal.render = counted
     for name in WORKER_CALLS:
         setattr(runner, RUNNER_CALLS[name], timed_inner(getattr(runner, RUNNER_CALLS[name])))
         if vllm_worker_cls is not None:  # FSMWorker: time vLLM's worker call its method makes
@@ -149,7 +167,37 @@ def _install_timers(worker) -> list:
     worker._bench_wrapper_steps = wrapper_steps if vllm_worker_cls is not None else []
     worker._bench_by_call = by_call
     worker._bench_wrapper_by_call = wrapper_by_call if vllm_worker_cls is not None else {}
+    worker._bench_renders = renders
     return []
+
+
+def _window(steps: int) -> int:
+    """How many of the timed run's first steps the per-step figures cover: a whole number of the
+    journal's batches, or every step of a run shorter than one batch."""
+    from runner_fsm.integrations.vllm.recording.journal import BATCH
+
+    return steps // BATCH * BATCH or steps
+
+
+def _figures(ns: list[int], prefix: str) -> dict:
+    """Mean, median, p90 and p99 (us) of per-step ns, as `{prefix}_mean`, ..."""
+    if not ns:
+        return {f"{prefix}_{k}": None for k in ("mean", "median", "p90", "p99")}
+    ranked = sorted(ns)
+    return {f"{prefix}_mean": statistics.fmean(ns) / 1e3, f"{prefix}_median": statistics.median(ns) / 1e3,
+            f"{prefix}_p90": ranked[int(0.9 * (len(ns) - 1))] / 1e3,
+            f"{prefix}_p99": ranked[int(0.99 * (len(ns) - 1))] / 1e3}
+
+
+def _by_call(calls: dict[str, list[tuple[int, int]]], window: int) -> dict[str, dict[str, float]]:
+    """Per call: its mean per step over the window's steps (the means add up to the step's) and
+    the median of its calls there (us)."""
+    out = {}
+    for name, timed in calls.items():
+        ns = [t for step, t in timed if 0 <= step < window]
+        if ns and window:
+            out[name] = {"mean": sum(ns) / window / 1e3, "median": statistics.median(ns) / 1e3}
+    return out
 
 
 def _vllm_worker_class(cls: type) -> type | None:
@@ -189,16 +237,25 @@ def _child(args) -> None:
         (by_call,) = h.worker_call(llm, lambda w: dict(w._bench_by_call))
         (wrapper,) = h.worker_call(llm, lambda w: list(w._bench_wrapper_steps))
         (wrapper_by_call,) = h.worker_call(llm, lambda w: dict(w._bench_wrapper_by_call))
-    steps = sum(1 for _ in own)
+        (renders,) = h.worker_call(llm, lambda w: list(w._bench_renders))
+    steps = len(own)
+    window = _window(steps)
+    from runner_fsm.integrations.vllm.recording.journal import BATCH
+
+    renders_in = sum(1 for step in renders if 0 <= step < window)
+    if wrapper and window % BATCH == 0 and renders_in != window // BATCH:
+        raise SystemExit(f"{renders_in} journal renders in the {window}-step window, not one per {BATCH} steps:"
+                         " the window would not be a whole number of the journal's batches")
+    own_split, wrapper_split = _by_call(by_call, window), _by_call(wrapper_by_call, window)
     Path(args.out).write_text(json.dumps({
         "worker": args.worker, "elapsed_s": elapsed, "cpu_s": cpu, "outputs": outputs, "again_equal": again == outputs,
-        "output_tokens": sum(map(len, outputs.values())), "steps": steps,
-        "own_us_median": statistics.median(own) / 1e3 if own else None,
-        "own_us_p90": sorted(own)[int(0.9 * (len(own) - 1))] / 1e3 if own else None,
-        "own_us_by_call_median": {name: statistics.median(ns) / 1e3 for name, ns in by_call.items() if ns},
-        "wrapper_us_median": statistics.median(wrapper) / 1e3 if wrapper else None,
-        "wrapper_us_p90": sorted(wrapper)[int(0.9 * (len(wrapper) - 1))] / 1e3 if wrapper else None,
-        "wrapper_us_by_call_median": {name: statistics.median(ns) / 1e3 for name, ns in wrapper_by_call.items() if ns},
+        "output_tokens": sum(map(len, outputs.values())), "steps": steps, "window_steps": window,
+        "journal_renders_in_window": renders_in if wrapper else None,
+        **_figures(own[:window], "own_us"), **_figures(wrapper[:window], "wrapper_us"),
+        "own_us_by_call_mean": {name: f["mean"] for name, f in own_split.items()},
+        "own_us_by_call_median": {name: f["median"] for name, f in own_split.items()},
+        "wrapper_us_by_call_mean": {name: f["mean"] for name, f in wrapper_split.items()},
+        "wrapper_us_by_call_median": {name: f["median"] for name, f in wrapper_split.items()},
     }))
 
 
@@ -245,16 +302,47 @@ def _tp_summary(args, runs: dict, wall: dict, same: bool) -> None:
 
 
 def _own_time_row(level: str, worker: str, runs: dict, wrapper: dict, own: dict, on: str, status, note: str) -> dict:
-    """FSMWorker's own time per step over vLLM's own worker layer (issue 37's target: <= 1.0x).
-    Each round pairs a default-worker process with the FSMWorker process after it (interleaved):
-    the spread is over those rounds' ratios."""
-    ratio = wrapper[worker] / own["default"]
-    rounds = [f["wrapper_us_median"] / d["own_us_median"] for d, f in zip(runs["default"], runs[worker])]
+    """FSMWorker's own time per step over vLLM's own worker layer (issue 37's target: <= 1.0x),
+    a ratio of means. Each round pairs a default-worker process with the FSMWorker process after
+    it (interleaved): the spread is over those rounds' ratios of means."""
+    ratio = wrapper[worker]["mean"] / own["default"]["mean"]
+    rounds = [f["wrapper_us_mean"] / d["own_us_mean"] for d, f in zip(runs["default"], runs[worker])]
     return dict(name=f"FSMWorker's own time per vLLM step / vLLM's worker layer, {level}{on}",
-                figure=f"{wrapper[worker]:.1f} us (median, thread CPU, paired)",
-                baseline=f"vLLM's worker layer {own['default']:.1f} us",
+                figure=f"{wrapper[worker]['mean']:.1f} us mean, {wrapper[worker]['median']:.1f} us median"
+                       " (thread CPU, paired)",
+                baseline=f"vLLM's worker layer {own['default']['mean']:.1f} us mean,"
+                         f" {own['default']['median']:.1f} us median",
                 ratio=f"{ratio:.2f}x [{min(rounds):.2f}-{max(rounds):.2f}]",
-                target="<= 1.0x", status=status or ("pass" if ratio <= 1.0 else "miss"), note=note)
+                target="<= 1.0x", status=status or ("pass" if ratio <= 1.0 else "miss"),
+                note=f"{note}; means over {_windows(runs[worker])}; p90 {wrapper[worker]['p90']:.1f} us,"
+                     f" p99 {wrapper[worker]['p99']:.1f} us (median over processes)")
+
+
+def _pooled(results: list[dict], prefix: str) -> dict[str, float]:
+    """A worker's per-step figures over its processes: the mean pooled over every window step
+    (each process's mean weighted by its window), the median, p90 and p99 as the median of the
+    processes' own."""
+    steps = sum(r["window_steps"] for r in results)
+    return {"mean": sum(r[f"{prefix}_mean"] * r["window_steps"] for r in results) / steps,
+            **{k: statistics.median(r[f"{prefix}_{k}"] for r in results) for k in ("median", "p90", "p99")}}
+
+
+def _windows(results: list[dict]) -> str:
+    """What the means cover: "the first 64 of 70 steps of each process (2 journal batches, 2
+    renders), 3 processes"."""
+    from runner_fsm.integrations.vllm.recording.journal import BATCH
+
+    def count(n: int, one: str, many: str) -> str:
+        return f"{n} {one if n == 1 else many}"
+
+    first = results[0]
+    window, renders = first["window_steps"], first.get("journal_renders_in_window")
+    processes = count(len(results), "process", "processes")
+    if window % BATCH:  # a run shorter than a batch: every step
+        return f"all {window} steps of each process (under one journal batch), {processes}"
+    return (f"the first {window} of {first['steps']} steps of each process"
+            f" ({count(window // BATCH, 'journal batch', 'journal batches')}"
+            + (f", {count(renders, 'render', 'renders')}" if renders is not None else "") + f"), {processes}")
 
 
 def main() -> None:
@@ -299,9 +387,13 @@ def main() -> None:
                       flush=True)
                 continue
             print(f"{worker:8s} run {i}: {result['elapsed_s']:.3f} s wall, {result['cpu_s']:.3f} s cpu,"
-                  f" {result['output_tokens']} tokens, {result['steps']} steps,"
-                  f" layer time per step median {result['own_us_median']:.1f} us (p90 {result['own_us_p90']:.1f})"
-                  + (f", wrapper's own {result['wrapper_us_median']:.1f} us (p90 {result['wrapper_us_p90']:.1f})"
+                  f" {result['output_tokens']} tokens, {result['steps']} steps (window {result['window_steps']}),"
+                  f" layer time per step mean {result['own_us_mean']:.1f} us, median {result['own_us_median']:.1f}"
+                  f" (p90 {result['own_us_p90']:.1f}, p99 {result['own_us_p99']:.1f})"
+                  + (f", wrapper's own mean {result['wrapper_us_mean']:.1f} us,"
+                     f" median {result['wrapper_us_median']:.1f}"
+                     f" (p90 {result['wrapper_us_p90']:.1f}, p99 {result['wrapper_us_p99']:.1f};"
+                     f" {result['journal_renders_in_window']} journal renders in the window)"
                      if result["wrapper_us_median"] is not None else ""),
                   flush=True)
     reference = runs["default"][0]["outputs"]
@@ -310,15 +402,25 @@ def main() -> None:
     if args.tp > 1:
         return _tp_summary(args, runs, wall, same)
     cpu = {w: statistics.median(r["cpu_s"] for r in rs) for w, rs in runs.items()}
-    own = {w: statistics.median(r["own_us_median"] for r in rs) for w, rs in runs.items()}
+    own = {w: _pooled(rs, "own_us") for w, rs in runs.items()}
     # The wrapper's own time, paired: in FSMWorker's process, step by step, its calls minus
     # vLLM's worker calls inside them. The other figure, FSMWorker's layer minus the default
-    # worker's, subtracts medians of different processes, which differ by up to half here.
-    wrapper = {w: statistics.median(r["wrapper_us_median"] for r in runs[w]) for w in ("fsm", "fsm-transitions")}
-    # Where the wrapper's time goes: per call, the median of the runs' paired medians.
-    split = {worker: {name: statistics.median(r["wrapper_us_by_call_median"].get(name, 0.0) for r in runs[worker])
-                      for name in ("execute_model", "forward hook", "sample_tokens")}
+    # worker's, subtracts means of different processes, which differ by up to half here.
+    wrapper = {w: _pooled(runs[w], "wrapper_us") for w in ("fsm", "fsm-transitions")}
+    # Where the wrapper's time goes: per call, its mean per step, pooled over the processes
+    # (the calls' means add up to the step's).
+    calls = {worker: ["execute_model", "forward hook", "sample_tokens"]
+             + sorted({name for r in runs[worker] for name in r["wrapper_us_by_call_mean"]}
+                      - {"execute_model", "forward hook", "sample_tokens"})
              for worker in ("fsm", "fsm-transitions")}
+    split = {worker: {name: sum(r["wrapper_us_by_call_mean"].get(name, 0.0) * r["window_steps"] for r in runs[worker])
+                      / sum(r["window_steps"] for r in runs[worker])
+                      for name in calls[worker]}
+             for worker in ("fsm", "fsm-transitions")}
+    split_median = {worker: {name: statistics.median(r["wrapper_us_by_call_median"].get(name, 0.0)
+                                                     for r in runs[worker])
+                             for name in ("execute_model", "forward hook", "sample_tokens")}
+                    for worker in ("fsm", "fsm-transitions")}
     tokens = runs["fsm"][0]["output_tokens"]
     ratio = wall["default"] / wall["fsm"]
     summary = {
@@ -329,13 +431,28 @@ def main() -> None:
         "default_ms_per_step": 1e3 * wall["default"] / runs["default"][0]["steps"],
         "throughput_ratio_fsm_over_default": ratio,
         "cpu_time_ratio_default_over_fsm": cpu["default"] / cpu["fsm"],
-        "fsm_layer_us_per_step_median": own["fsm"], "default_layer_us_per_step_median": own["default"],
-        "wrapper_own_us_per_step_median": wrapper["fsm"],
-        "wrapper_own_us_per_step_median_audit_transitions": wrapper["fsm-transitions"],
-        "layer_difference_us_per_step_median": own["fsm"] - own["default"],
-        "layer_difference_us_per_step_median_audit_transitions": own["fsm-transitions"] - own["default"],
-        "wrapper_own_us_by_call_median": split["fsm"],
-        "wrapper_own_us_by_call_median_audit_transitions": split["fsm-transitions"],
+        "window_steps": runs["fsm"][0]["window_steps"],
+        "fsm_layer_us_per_step_mean": own["fsm"]["mean"], "default_layer_us_per_step_mean": own["default"]["mean"],
+        "fsm_layer_us_per_step_median": own["fsm"]["median"],
+        "default_layer_us_per_step_median": own["default"]["median"],
+        "wrapper_own_us_per_step_mean": wrapper["fsm"]["mean"],
+        "wrapper_own_us_per_step_mean_audit_transitions": wrapper["fsm-transitions"]["mean"],
+        "wrapper_own_us_per_step_median": wrapper["fsm"]["median"],
+        "wrapper_own_us_per_step_median_audit_transitions": wrapper["fsm-transitions"]["median"],
+        "wrapper_own_us_per_step_p90": wrapper["fsm"]["p90"], "wrapper_own_us_per_step_p99": wrapper["fsm"]["p99"],
+        "wrapper_own_us_per_step_p90_audit_transitions": wrapper["fsm-transitions"]["p90"],
+        "wrapper_own_us_per_step_p99_audit_transitions": wrapper["fsm-transitions"]["p99"],
+        "own_time_ratio_of_means": wrapper["fsm"]["mean"] / own["default"]["mean"],
+        "own_time_ratio_of_means_audit_transitions": wrapper["fsm-transitions"]["mean"] / own["default"]["mean"],
+        "layer_difference_us_per_step_mean": own["fsm"]["mean"] - own["default"]["mean"],
+        "layer_difference_us_per_step_mean_audit_transitions": own["fsm-transitions"]["mean"] - own["default"]["mean"],
+        "layer_difference_us_per_step_median": own["fsm"]["median"] - own["default"]["median"],
+        "layer_difference_us_per_step_median_audit_transitions":
+            own["fsm-transitions"]["median"] - own["default"]["median"],
+        "wrapper_own_us_by_call_mean": split["fsm"],
+        "wrapper_own_us_by_call_mean_audit_transitions": split["fsm-transitions"],
+        "wrapper_own_us_by_call_median": split_median["fsm"],
+        "wrapper_own_us_by_call_median_audit_transitions": split_median["fsm-transitions"],
         "throughput_ratio_audit_transitions": wall["default"] / wall["fsm-transitions"],
         "outputs_equal": same, "work_dir": str(work),
     }
@@ -355,15 +472,18 @@ def main() -> None:
                    + ("equal" if same else "DIFFER"))),
         _own_time_row("audit=transitions", "fsm-transitions", runs, wrapper, own, on, status,
                       "the cheaper audit level: transitions and journal, no per-forward buffers records;"
-                      f" layer difference between processes {own['fsm-transitions'] - own['default']:.1f} us;"
-                      " by call (medians): "
+                      " layer difference between processes (means)"
+                      f" {own['fsm-transitions']['mean'] - own['default']['mean']:.1f} us;"
+                      " by call (means per step): "
                       + ", ".join(f"{name} {us:.1f} us" for name, us in split["fsm-transitions"].items())),
         _own_time_row("full audit", "fsm", runs, wrapper, own, on, status,
                       "the full audit (decision digests on, `consensus` off, the defaults). Paired: in FSMWorker's"
                       " process, each step's FSMWorker calls minus vLLM's worker calls inside them (super()), plus"
-                      " its forward pre-hook; median over steps, then over processes. Layer difference between"
-                      " processes (FSMWorker's layer minus the default worker's, both worker call minus"
-                      f" model-runner call): {own['fsm'] - own['default']:.1f} us; by call (medians): "
+                      " its forward pre-hook; the mean over every step of the window (the journal's renders"
+                      " in it), pooled over the processes; the median over steps, then over processes. Layer"
+                      " difference between processes (FSMWorker's layer minus the default worker's, both worker"
+                      f" call minus model-runner call; means): {own['fsm']['mean'] - own['default']['mean']:.1f} us;"
+                      " by call (means per step): "
                       + ", ".join(f"{name} {us:.1f} us" for name, us in split["fsm"].items())),
     ]
     for row in rows:

@@ -20,7 +20,10 @@ import orjson
 
 
 def write_real_run(run_dir: Path, *, dp: int = 4, pcp: int = 2, requests: int = 24,
-                   graphs: bool = True) -> None:
+                   graphs: bool = True, arrival_every: int = 1, max_num_reqs: int = 16,
+                   capture_sizes: tuple[int, ...] = (1, 2, 4, 8, 16), max_new_tokens: int = 12) -> None:
+    """`requests` of `max_new_tokens` arrive one every `arrival_every` steps (0: all at once), at
+    most `max_num_reqs` in a replica's batch; graphs captured at `capture_sizes` tokens."""
     from runner_fsm.config import GraphMode, ParallelLayout
     from runner_fsm.engine.api import run_engine
     from runner_fsm.engine.config import EngineConfig
@@ -33,8 +36,10 @@ def write_real_run(run_dir: Path, *, dp: int = 4, pcp: int = 2, requests: int = 
         make_random_model(models / "draft", DRAFT_SPEC, seed=12)
     cfg = EngineConfig(model_dir=str(models / "target"), draft_dir=str(models / "draft"), run_dir=str(run_dir),
                        layout=ParallelLayout(dp, pcp), num_speculative_tokens=1, collective_timeout_s=60,
-                       graph_mode=GraphMode.FULL_DECODE_ONLY if graphs else GraphMode.NONE)
-    work = synthetic_requests(requests, vocab_size=64, max_new_tokens=12, arrival_every=1)
+                       graph_mode=GraphMode.FULL_DECODE_ONLY if graphs else GraphMode.NONE,
+                       max_num_reqs=max_num_reqs, capture_sizes=capture_sizes)
+    work = synthetic_requests(requests, vocab_size=64, max_new_tokens=max_new_tokens,
+                              arrival_every=arrival_every)
     result = run_engine(cfg, work, timeout_s=600)
     if not result.ok:
         raise RuntimeError(f"the real run failed: {[r.error for r in result.ranks if r.error]}")
