@@ -84,6 +84,27 @@ def test_a_compact_log_reads_back_as_the_same_records_in_full(tmp_path):
     assert len(written) == 26
 
 
+def test_a_log_in_full_converts_a_compact_body_once_and_writes_it_alike(tmp_path):
+    """A log in full keeps each compact body's conversion (`records.plain_lines`: 4.5 us a
+    transition otherwise): the same body, written again, reads back as the same record, and a
+    body under another event is still refused. Mutations seen to fail this: the conversion
+    kept under the body alone (the graph record below is written); the kept body returned for
+    another body (the records differ)."""
+    body = b'{"tr":["finish","prefill","ready"]}'
+    with AuditLog(tmp_path, "run-c", 0, 0, 0) as log:
+        for step in (1, 2, 3):
+            log.transition(step, "decode", "ready", "decode", "ok")
+            log.rendered("transition", step, body)
+        log.transition(4, "prefill", "ready", "prefill", "refused")
+        with pytest.raises(ValueError, match="holds a transition body"):
+            log.rendered("graph", 4, body)
+    records = [strip_times(r) for r in read_records(log.path)]
+    assert [(r["step_id"], r["trigger"], r["src"], r["dst"], r["outcome"]) for r in records] == [
+        (step, *edge) for step in (1, 2, 3) for edge in (("decode", "ready", "decode", "ok"),
+                                                          ("finish", "prefill", "ready", "ok"))
+    ] + [(4, "prefill", "ready", "prefill", "refused")]
+
+
 def test_a_log_of_the_writer_before_reads_back_alike(tmp_path):
     """A forward's `ctx` and `batch` are lists now ([dummy, rows, digest(, step)]) and the
     dispatch inputs' chunking a number; the writer before wrote each identity as a dict less its

@@ -72,6 +72,11 @@ class RecordRenderer:
                       % (int(dp_rank), int(pcp_rank)))
         self._events: dict[str, bytes] = {}
 
+    # For a log written in full: `full_body(event, fields)` renders a compact body (bytes, or a
+    # rendered transition's (body, tail)) as the record's fields in full (`records.plain_lines`
+    # sets it). None: bytes are taken as rendered.
+    full_body = None
+
     def line(self, seq: int, t_ns: int, event: str, step_id: int | None,
              fields: Mapping[str, Any] | bytes) -> bytes:
         name = self._events.get(event)
@@ -88,12 +93,17 @@ class RecordRenderer:
         `seq`, joined by newlines, with `now` for a t_ns of None: `line`'s steps inline, one
         call for a whole batch (a vLLM step writes one record before its forward and two or
         three after it)."""
-        head, events, out = self._head, self._events, []
+        head, events, out, full = self._head, self._events, [], self.full_body
         for t_ns, event, step_id, fields in records:
             name = events.get(event)
             if name is None:
                 name = events[event] = dumps_record(event)
-            body = fields if type(fields) is bytes else dumps_record(fields)
+            if type(fields) is dict:  # the usual record: one check, as before `full_body`
+                body = dumps_record(fields)
+            elif full is not None and (type(fields) is bytes or type(fields) is tuple):
+                body = full(event, fields)
+            else:
+                body = fields if type(fields) is bytes else dumps_record(fields)
             line = head % (seq, t_ns or now, name, b"null" if step_id is None else b"%d" % step_id)
             out.append(line[:-1] + b"}" if len(body) == 2 else line + body[1:])
             seq += 1
