@@ -91,9 +91,8 @@ class _Records:
         """`extra`: what the collective carried, e.g. the `sent` and `agreed` of an agreement."""
         if stage not in COLLECTIVE_STAGES:
             raise ValueError(f"collective stage must be one of {COLLECTIVE_STAGES}, got {stage!r}")
-        reserved = extra.keys() & _RESERVED
-        if reserved:
-            raise ValueError(f"collective record: extra fields {sorted(reserved)} are reserved")
+        if not _RESERVED.isdisjoint(extra):  # over `extra`'s keys: `keys() & _RESERVED` went over all 27 names
+            raise ValueError(f"collective record: extra fields {sorted(extra.keys() & _RESERVED)} are reserved")
         self._emit("collective", step_id, {"group": group, "op": op, "phase": phase, "shapes": shapes,
                                            "pg_seq": pg_seq, "stage": stage, **extra})
 
@@ -104,9 +103,8 @@ class _Records:
     def graph(self, step_id: int | None, action: str, **extra: Any) -> None:
         if action not in GRAPH_ACTIONS:
             raise ValueError(f"graph action must be one of {GRAPH_ACTIONS}, got {action!r}")
-        reserved = extra.keys() & _RESERVED
-        if reserved:
-            raise ValueError(f"graph record: extra fields {sorted(reserved)} are reserved")
+        if not _RESERVED.isdisjoint(extra):  # over `extra`'s keys: `keys() & _RESERVED` went over all 27 names
+            raise ValueError(f"graph record: extra fields {sorted(extra.keys() & _RESERVED)} are reserved")
         self._emit("graph", step_id, {"action": action, **extra})
 
     def fault(self, step_id: int | None, error: str | BaseException, message: str) -> None:
