@@ -108,9 +108,8 @@ _SENT_VALUES, _AGREED_VALUES = itemgetter(*SENT_FIELDS), itemgetter(*AGREED_FIEL
 
 
 def _dispatch(value: Any, step: Any, phase: Any, fields: tuple[str, ...], keys: frozenset) -> Any:
-    """`sent`/`agreed` as their list (see the module docstring; a tuple, which renders as the
-    same list), or None to keep it as it is. The values by one `itemgetter` call: a list built
-    name by name cost a microsecond more per agreement, an embedded step's two records."""
+    """`sent`/`agreed` as their list (a tuple: the same JSON), or None to keep it as it is; by one
+    `itemgetter` call (name by name cost a microsecond more an agreement)."""
     if type(value) is not dict or value.keys() != keys:
         return None
     out = _SENT_VALUES(value) if fields is SENT_FIELDS else _AGREED_VALUES(value)
@@ -230,9 +229,7 @@ class CompactRenderer:
             head = {"d": [group, op, phase, pg_seq, fields["shapes"]]}
         if len(fields) == 6:  # nothing of its own (most of a vLLM step's): no more to look at
             return dumps_record(head)
-        # Each rule below asked only where its field is there, the common fields dropped from one
-        # copy: every collective of an embedded step has fields of its own, and the generic loops
-        # (a comprehension, a loop over the two dispatch fields) cost ~1 us a record. Same bytes.
+        # Each rule asked only where its field is there (generic loops cost ~1 us a record)
         fields = fields.copy()
         del fields["group"], fields["op"], fields["phase"], fields["shapes"], fields["pg_seq"], fields["stage"]
         if "sent" in fields:
@@ -271,11 +268,8 @@ _BODIES: dict[tuple, bytes] = {}  # (trigger, src, dst, outcome) -> `transition_
 
 def _transition(fields: dict) -> tuple[bytes, bytes]:
     """A transition record's fields as (body, tail), as `CompactRenderer.transition` takes them:
-    the tail holds a step's decisions on its `finish` (and any other field of its own).
-
-    An embedded step's `finish` comes here as a dict, every step: its body is rendered once per
-    edge, and a digest alone (nothing changed, most steps) by `%d`, as `decisions_tail` does,
-    instead of two dicts and two encoder calls (~2 us a step). Same bytes."""
+    the tail holds a step's decisions on its `finish` (and any other field of its own). A body
+    is rendered once per edge, a digest alone by `%d` as `decisions_tail` does (~2 us a step)."""
     key = (fields["trigger"], fields["src"], fields["dst"], fields["outcome"])
     body = _BODIES.get(key)
     if body is None:
@@ -318,11 +312,8 @@ def _decided(fields: dict) -> dict:
 
 
 def _buffers(buffers: dict, names: tuple | None) -> dict:
-    """`buf` (and `p0`, `v`) of a buffers record (see the module docstring).
-
-    The lowest ptr and the shared version in one loop, and the entry of a buffer with a digest
-    and nothing else (the embedded engine's, eight a step) a tuple, which renders as the same
-    list: three generator expressions and a `_buffer` call per buffer cost ~3 us a record."""
+    """`buf` (and `p0`, `v`) of a buffers record (see the module docstring): plain loops, and a
+    buffer with a digest alone as a tuple (the same JSON; generators cost ~3 us a record)."""
     fps = list(buffers.values())
     listed = names is not None and tuple(buffers) == names
     base = None
