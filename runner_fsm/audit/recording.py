@@ -18,7 +18,7 @@ from runner_fsm.audit.render import fingerprint_fields
 HEADER_FIELDS = ("schema", "run_id", "seq", "t_ns", "dp_rank", "pcp_rank", "event", "step_id")
 _RESERVED = frozenset(HEADER_FIELDS) | compact.KEYS
 COLLECTIVE_STAGES = ("enqueue", "done")
-GRAPH_ACTIONS = ("capture", "replay")
+GRAPH_ACTIONS = ("capture", "replay", "warmup")  # warmup: a whole step vLLM runs before capture
 # `job`: the job's shape, the first record of a log (`audit.shape`); `stop`: a stop request the rank
 # received (a signal, the engine's shutdown call), written the moment it arrives (`stop_signals`);
 # `injected`: an injected fault acting (`faults`); `gate`: whether the drafter runs this step,

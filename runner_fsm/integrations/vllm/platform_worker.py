@@ -2,7 +2,9 @@
 
 The same choice vLLM's platforms make for `worker_cls="auto"` (`check_and_update_config`):
 CPU `vllm.v1.worker.cpu_worker.CPUWorker`, CUDA/ROCm `vllm.v1.worker.gpu_worker.Worker`,
-Ascend NPU vllm-ascend's `NPUWorker` (imported only there, never installed elsewhere).
+Ascend NPU vllm-ascend's `NPUWorker` (imported only there, never installed elsewhere). A
+platform that names its own `auto_worker_cls` (the device emulation's, `emulation/platform.py`)
+is taken at its word.
 """
 
 from __future__ import annotations
@@ -43,6 +45,8 @@ def platform_worker_path(device_type: str) -> str:
 
 
 def platform_worker_cls() -> type:
-    path = platform_worker_path(platform_device_type())
+    from vllm.platforms import current_platform
+
+    path = getattr(current_platform, "auto_worker_cls", None) or platform_worker_path(platform_device_type())
     module, _, name = path.rpartition(".")
     return getattr(importlib.import_module(module), name)

@@ -35,9 +35,9 @@ from typing import Any
 
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.segments import flight_entries
-from runner_fsm.audit.shape import job_shape_fields
-from runner_fsm.integrations.vllm.common import inject, schema
-from runner_fsm.integrations.vllm.cpu import collectives as cpu_collectives, rope as cpu_rope
+from runner_fsm.integrations.vllm import startup
+from runner_fsm.integrations.vllm.common import schema
+from runner_fsm.integrations.vllm.cpu import rope as cpu_rope
 from runner_fsm.integrations.vllm.dp.support import DPSupport
 from runner_fsm.integrations.vllm.engine_stops import WorkerStops
 from runner_fsm.integrations.vllm.flight import WorkerFlight, groups as flight_groups, start as start_flight_recorder
@@ -45,10 +45,10 @@ from runner_fsm.integrations.vllm.options import WorkerOptions
 from runner_fsm.integrations.vllm.recording.forwards import forward_context, hook_forward
 from runner_fsm.integrations.vllm.recording.journal import Journal, step_entry
 from runner_fsm.integrations.vllm.recording.probe import InputProbe
-from runner_fsm.integrations.vllm.recording.recorder import ReplicaRecorder
+from runner_fsm.integrations.vllm.recording.recorder import CAPTURE_STEP, ReplicaRecorder
 from runner_fsm.integrations.vllm.recording.step_kinds import StepKinds
-from runner_fsm.integrations.vllm.replica_check import ReplicaCheck, logged_groups
-from runner_fsm.integrations.vllm.rundir import agree_run, place_in_groups, rank_place
+from runner_fsm.integrations.vllm.replica_check import ReplicaCheck
+from runner_fsm.integrations.vllm.rundir import agree_run, rank_place
 from runner_fsm.integrations.vllm.runners import RunnerAdapter, adapter_for
 
 
@@ -94,7 +94,7 @@ class FSMWorkerMixin:
         run = agree_run(opts.run_dir, opts.run_id)  # over the whole job, every node
         run_dir = run.run_dir
         audit = AuditLog(run_dir, run.run_id, self.global_rank, self.dp_rank, self.pcp_rank,
-                         shape=self._job_shape(run.hosts), max_log_bytes=opts.max_log_bytes,
+                         shape=startup.job_record(self, run.hosts), max_log_bytes=opts.max_log_bytes,
                          pinned_steps=opts.pinned_steps, compress_segments=opts.compress_logs)
         self.run_dir = run_dir
         self.flight = WorkerFlight(run_dir, self.global_rank, flight_groups(self.parallel_config, self.runner_adapter))
@@ -106,44 +106,6 @@ class FSMWorkerMixin:
         self.stops = WorkerStops(lambda name, detail: rec.audit.stop(rec.step_id, "signal", name, detail=detail))
         self.stops.install()
         self.install_extensions()
-
-    def _job_shape(self, hosts: dict[str, list[int]]) -> dict:
-        """The log's first record: the job's shape (every dimension, this rank's coordinates,
-        its groups as vLLM built them, every rank's host), the runner and its adapter, the vLLM
-        version, and what the worker supplies that the installed vLLM lacks here."""
-        place = self.place
-        supplied = []
-        if place.sizes.dp > 1 and str(self.device_config.device_type) == "cpu":
-            cpu_collectives.install()  # DP with an MoE model needs them; a vLLM that has them keeps its own
-            supplied += [f"CpuCommunicator.{name}" for name in cpu_collectives.supplied()]
-        self.supplies_pp_buffers = self.runner_adapter.lacks_pp_buffers(self.vllm_config)
-        if self.supplies_pp_buffers:
-            supplied.append("GPUModelRunner.intermediate_tensors (a later pipeline stage, eager on the CPU)")
-        # vLLM's DP agreement and its naive DP MoE exchange both run over the DP group: the
-        # ranks at this rank's (pp, pcp, tp) coordinates in every replica.
-        groups = {name: ranks for name, ranks in place_in_groups(place).items()
-                  if len(ranks) > 1 or name in ("dp", "expert")}
-        groups.update(logged_groups(place, self.fsm_options.consensus))  # the online check's, if any
-        changed = {}
-        if str(self.device_config.device_type) == "cpu":
-            # Not opt-in: a start-up self-test decides (DESIGN section 10). The verdict opens the
-            # log; a defective op is replaced in the MLA layers once the model exists (load_model).
-            self.rope_verdict = cpu_rope.self_test()
-            changed["cpu_rope"] = {"defective": self.rope_verdict.defective, "self_test": self.rope_verdict.describe(),
-                                   "action": ("a stride-safe rotary replaces the CPU op in MLA layers"
-                                              if self.rope_verdict.defective else "none: vLLM's own op kept")}
-        if self.fsm_options.fast_pcp_layout:  # opt-in: a change of vLLM behaviour (DESIGN section 10)
-            changed["fast_pcp_layout"] = self.runner_adapter.install_fast_pcp_layout()
-        if self.drafting:  # not opt-in: installed only where vLLM's own draft path is known to fail
-            changed["draft_dp_sync"] = self.runner_adapter.install_draft_dp_sync(place.sizes.dp, place.sizes.pcp)
-            changed["num_speculative_tokens"] = int(self.vllm_config.speculative_config.num_speculative_tokens)
-        if self.fsm_options.inject:  # what the run is meant to test (replay: `injection_not_fired`)
-            changed["inject"] = [str(inject.parse(self.fsm_options.inject))]
-        sizes, coords = place.sizes, place.coords
-        return job_shape_fields(sizes.dp, sizes.pcp, coords.dp, coords.pcp, tp_size=sizes.tp, tp_rank=coords.tp,
-                                pp_size=sizes.pp, pp_rank=coords.pp, dcp_size=place.dcp_size, groups=groups,
-                                hosts=hosts, vllm=schema.installed_version(), **self.runner_adapter.describe(),
-                                supplied=supplied, **changed)
 
     def install_extensions(self) -> None:
         """Where extra collectives and interceptions are installed (vLLM's groups exist now,
@@ -171,16 +133,28 @@ class FSMWorkerMixin:
 
     def determine_available_memory(self) -> int:
         self.recorder.start_capture()  # warm-up and profiling forwards run from here
-        return super().determine_available_memory()
+        try:
+            return super().determine_available_memory()
+        except BaseException as error:
+            self._fault(error)  # under `capturing`: a start-up failure is a fault like any other
+            raise
 
     def compile_or_warm_up_model(self):
-        schema.check_runner(self.runner_adapter, kv_cache=True)  # the KV cache exists now
-        self.runner_adapter.attach_kv()
-        self.check_lean_hook()
-        if self.supplies_pp_buffers:
-            self.runner_adapter.supply_pp_buffers()
         self.recorder.start_capture()
-        times = super().compile_or_warm_up_model()
+        try:
+            schema.check_runner(self.runner_adapter, kv_cache=True)  # the KV cache exists now
+            adapter = self.runner_adapter
+            adapter.attach_kv()
+            # The graph manager's own calls: each capture, and each replay (no module hook runs in one)
+            adapter.attach_graphs(lambda desc: self._graph_forward(desc, True),
+                                  lambda desc: self._graph_forward(desc, False))
+            self.check_lean_hook()
+            if self.supplies_pp_buffers:
+                adapter.supply_pp_buffers()
+            times = super().compile_or_warm_up_model()  # JIT warm-up steps, graph captures
+        except BaseException as error:
+            self._fault(error)
+            raise
         self.recorder.end_capture()
         return times
 
@@ -192,6 +166,8 @@ class FSMWorkerMixin:
             self.step_kinds.forget(so)
             return super().execute_model(so)
         rec = self.recorder
+        if rec.step_id == CAPTURE_STEP:  # vLLM's JIT warm-up: whole steps before capture, not steps of the run
+            return self._warm_up_step(so)
         kind = self.step_kinds.of(so)
         rec.begin_step(kind, None, so.num_scheduled_tokens, entry=step_entry(so, rec.step_id, kind))
         dp_support = self.dp_support
@@ -207,6 +183,20 @@ class FSMWorkerMixin:
         except BaseException as error:
             if dp_support is not None:  # first, while the step is open: peers waiting in
                 dp_support.abort(error)  # its DP agreement stop too, naming this replica
+            self._fault(error)
+            raise
+
+    def _warm_up_step(self, so: Any):
+        """A whole step vLLM runs through the worker while it warms up (MRV2's `warmup_kernels`,
+        FlashInfer's and vLLM-Ascend's warm-ups): recorded under `capturing` as a `graph` record
+        of action `warmup`; its forwards are not evidence (the pre-hook skips them outside a
+        step); a failure is a `fault` there."""
+        rec = self.recorder
+        rec.start_capture()
+        rec.audit.graph(CAPTURE_STEP, "warmup", num_tokens=int(so.total_num_scheduled_tokens))
+        try:
+            return super().execute_model(so)
+        except BaseException as error:
             self._fault(error)
             raise
 
@@ -289,6 +279,18 @@ class FSMWorkerMixin:
                 rec.audit.buffers(rec.step_id, "dummy" if self._dummy else "real", fingerprints)
                 logged = True
         rec.on_forward(taken, copied, self._dummy, mode, desc, dp_counts, logged)
+
+    def _graph_forward(self, desc: Any, capturing: bool) -> None:
+        """A FULL graph captured (after the manager's capture, once per descriptor) or about to
+        be replayed (before the manager's replay), named by the graph manager's own call: its
+        descriptor, and with fingerprints the persistent inputs it reads, taken outside the
+        graph (hashed on the device, read back after the step)."""
+        rec = self.recorder
+        key = (desc.num_tokens, desc.num_reqs, desc.uniform_token_count is not None)  # as forward_context's
+        taken, copied = None, ()
+        if rec.fingerprints:
+            taken, copied = self.probe.take(self.runner_adapter.graph_inputs(desc, capturing), {})
+        rec.on_forward(taken, copied, self._dummy, "FULL", key, None)
 
     def _fault(self, error: BaseException) -> None:
         """An error inside a step: logged, the replica `faulted`, the Flight Recorder dumped."""

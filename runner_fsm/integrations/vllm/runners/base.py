@@ -117,6 +117,15 @@ class RunnerAdapter:
     def attach_kv(self) -> None:
         """Once the KV cache exists (what vLLM builds with it, e.g. MRV2's PCP manager)."""
 
+    def attach_graphs(self, captured: Callable[[Any], None], replaying: Callable[[Any], None]) -> None:
+        """Where the runner's graph manager captures and replays FULL graphs from Python calls of
+        its own: `captured(desc)` after each capture, `replaying(desc)` before each replay. V1
+        replays through `CUDAGraphWrapper.__call__`, which the forward hook sees: nothing here."""
+
+    def graph_inputs(self, desc: Any, capturing: bool) -> ForwardInputs:
+        """The persistent inputs a graph of descriptor `desc` reads (see `attach_graphs`)."""
+        raise NotImplementedError
+
     def pcp_evidence(self) -> tuple[dict | None, dict] | None:
         """(PCP buffers' fingerprints, {ctx, batch}) of the forward about to run, where the
         runner partitions batches over PCP ranks itself; None otherwise."""

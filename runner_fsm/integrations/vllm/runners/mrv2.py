@@ -34,10 +34,11 @@ NO_STEP = -1
 class MRV2Runner(RunnerAdapter):
     name = "mrv2"
     CLASSES = ("vllm.v1.worker.gpu.model_runner.GPUModelRunner",)
-    ATTRS = ("model", "max_num_reqs", "input_buffers.input_ids", "input_buffers.positions",
+    ATTRS = ("model", "max_num_reqs", "cudagraph_manager", "input_buffers.input_ids", "input_buffers.positions",
              "input_buffers.query_start_loc", "input_buffers.seq_lens", "prepare_attn", "prepare_dummy_attn",
              "_dummy_run", "execute_model", "speculator", "pcp_manager", "req_states.draft_tokens")
-    KV_ATTRS = ("block_tables.input_block_tables", "block_tables.slot_mappings")
+    KV_ATTRS = ("block_tables.input_block_tables", "block_tables.slot_mappings", "cudagraph_manager.capture",
+                "cudagraph_manager.run_fullgraph", "cudagraph_manager.graphs")
     READS = {"runner": ("parallel_config", "pcp_manager_cls"),
              "speculator": ("propose", "num_speculative_steps", "model")}
     DP_ROWS = len(mrv2_dp.MRV2_ROWS)
@@ -128,6 +129,34 @@ class MRV2Runner(RunnerAdapter):
         # The views begin the runner's own persistent buffers (no PCP): the probe keeps its views
         # of those across steps and reads the rows this forward reads.
         return new_inputs(ForwardInputs, (persistent, self._persistent, num_tokens, num_reqs, self.writes))
+
+    # -- graphs (`CudaGraphManager` in `gpu/cudagraph_utils.py`): replays run no module hook
+
+    def attach_graphs(self, captured: Callable[[Any], None], replaying: Callable[[Any], None]) -> None:
+        manager = getattr(self.runner, "cudagraph_manager", None)
+        if manager is None:  # made with the KV cache; none where graphs are off
+            return
+
+        def capture(original, args, kwargs):
+            out = original(*args, **kwargs)
+            for desc in manager.graphs:  # every graph it holds now, in capture order
+                captured(desc)
+            return out
+
+        def run_fullgraph(original, args, kwargs):
+            replaying(args[0] if args else kwargs["desc"])
+            return original(*args, **kwargs)
+        wrap_method(manager, "capture", capture)
+        wrap_method(manager, "run_fullgraph", run_fullgraph)
+
+    def graph_inputs(self, desc: Any, capturing: bool) -> ForwardInputs:
+        """At a capture the persistent buffers' first rows of the descriptor's size; before a
+        replay what this step prepared (as `forward_inputs`)."""
+        if not capturing and self._prepared is not None:
+            return self.forward_inputs({}, dummy=False, capturing=False)
+        num_tokens = int(desc.num_tokens)
+        num_reqs = int(desc.num_reqs or min(num_tokens, self.runner.max_num_reqs))
+        return ForwardInputs(self._persistent_set(), self._persistent, num_tokens, num_reqs, self.writes)
 
     def _persistent_set(self) -> tuple[torch.Tensor, ...]:
         """The runner's persistent buffers in NAMES order (one tuple, made once)."""
