@@ -102,3 +102,8 @@ def pid_writing(path: Path) -> int | None:
                 except OSError:
                     pass
     return None
+
+
+def graph_records(run_dir, action: str, rank: int = 0) -> list[dict]:
+    """The rank's `graph` records of `action` ("capture", "replay", "warmup")."""
+    return [r for r in records(run_dir, rank) if r["event"] == "graph" and r["action"] == action]

@@ -153,12 +153,16 @@ def install() -> dict:
         from runner_fsm.integrations.vllm.common.errors import VLLMSchemaError
 
         raise VLLMSchemaError("the device emulation needs names this vLLM lacks: " + ", ".join(missing))
-    cls = graph_class()
-    # Only this module's view of torch changes: `torch.cuda` elsewhere stays torch's own.
-    module.torch = _Namespace(torch, cuda=_Namespace(torch.cuda, CUDAGraph=cls, graph=capture_into))
+    # Only this module's view of torch changes: `torch.cuda` elsewhere stays torch's own. The
+    # graph class is looked up at each graph made (`graph_class`), as the environment names it.
+    module.torch = _Namespace(torch, cuda=_Namespace(torch.cuda, CUDAGraph=new_graph, graph=capture_into))
     manager.capture = _binding(manager.capture)
     cpu_attention.install()
-    return {"graphs": "installed", "graph_class": _class_name(cls)}
+    return {"graphs": "installed", "graph_class": _class_name(graph_class())}
+
+
+def new_graph(*args: Any, **kwargs: Any) -> Any:
+    return graph_class()(*args, **kwargs)
 
 
 def _class_name(cls: type) -> str:

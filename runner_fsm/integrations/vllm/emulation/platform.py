@@ -12,8 +12,11 @@ What `CpuPlatform.check_and_update_config` turns off, and what this class gives 
 | `worker_cls="auto"`: `CPUWorker`                     | `EmulatedDeviceWorker` (warm-up and capture)        |
 | no graph pool                                        | a token pool (`graph_pool_handle`)                  |
 
-PIECEWISE graphs need torch.compile; they are not emulated. `enforce_eager=True` keeps its
-meaning (no graphs, no JIT warm-up), as on a device.
+PIECEWISE graphs need torch.compile; they are not emulated. Graphs are emulated for Model
+Runner V2 (vLLM's default where Triton works, the CUDA default); the V1 runner's graphs
+(`CUDAGraphWrapper`, which keeps weak references to its outputs) are not: under V1 the
+emulation runs eager, with async scheduling. `enforce_eager=True` keeps its meaning (no graphs,
+no JIT warm-up), as on a device.
 """
 
 from __future__ import annotations
@@ -52,7 +55,9 @@ class EmulatedDevicePlatform(CpuPlatform):
         if auto_worker:
             parallel.worker_cls = WORKER
         compilation.mode = CompilationMode.NONE
-        if compilation.cudagraph_mode != CUDAGraphMode.NONE and sizes:
+        if not vllm_config.use_v2_model_runner:  # V1's graph wrapper is not emulated (above)
+            compilation.cudagraph_mode = CUDAGraphMode.NONE
+        elif compilation.cudagraph_mode != CUDAGraphMode.NONE and sizes:
             compilation.cudagraph_mode = CUDAGraphMode.FULL_DECODE_ONLY
             compilation.cudagraph_capture_sizes = sizes
             compilation.max_cudagraph_capture_size = max(sizes)

@@ -1,0 +1,208 @@
+"""FSMWorker in the configuration GPU and NPU users run, emulated on vLLM's CPU platform
+(`make test-vllm-device`: RUNNER_FSM_EMULATE_DEVICE=1 on the MRV2 leg's environment).
+
+vLLM's CUDA default, put back by the emulation: Model Runner V2, its JIT warm-up through the
+worker's `execute_model`, FULL_DECODE_ONLY graphs of sizes 1/2/4/8 (a replay reruns the captured
+forward over the same buffers with every module hook off, as a device runs no Python) and async
+scheduling. Each test fails on a worker that refuses the warm-up (`capturing -> prefill`), that
+records graphs from its forward hook only (no hook runs in a replay), or whose start-up failures
+leave no `fault` record.
+"""
+
+from __future__ import annotations
+
+import pytest
+from vllm_checks import assert_replays_sound, graph_records, records, transitions
+from vllm_device_graphs import MinimalGraph
+
+import vllm_harness as h
+
+pytestmark = [pytest.mark.vllm, pytest.mark.device]
+
+SIZES = [1, 2, 4, 8]
+GREEDY = h.mixed_workload(num=10, seed=1)  # 10 requests > max_num_seqs=8; a 90-token prompt chunked
+SEEDED = [h.Req(f"s{i}", tuple(range(5 + i, 12 + 2 * i)), 6, seed=100 + i) for i in range(5)]
+
+
+@pytest.fixture(autouse=True)
+def _emulated(request):
+    """The leg runs on the emulated platform, or fails: never the CPU platform unseen."""
+    from vllm.platforms import current_platform
+
+    assert getattr(current_platform, "emulated_device", False), (
+        "the device tests need RUNNER_FSM_EMULATE_DEVICE=1 before vLLM starts: run `make test-vllm-device`")
+
+
+def _kwargs(model_dir: str, *, worker: str | None = h.FSM_WORKER, run_dir=None, eager: bool = False, **extra):
+    kw = h.llm_kwargs(model_dir, worker=worker, run_dir=run_dir, **extra)
+    kw["enforce_eager"] = eager
+    if not eager:
+        kw["compilation_config"] = {"cudagraph_capture_sizes": SIZES}
+    return kw
+
+
+def _tokens(**kwargs) -> dict[str, list[int]]:
+    with h.open_llm(**kwargs) as llm:
+        greedy, _ = h.generate(llm, GREEDY)
+        seeded, _ = h.generate(llm, SEEDED)
+    return {**greedy, **seeded}
+
+
+def _assert_graph_evidence(run_dir) -> tuple[int, int]:
+    """Every replay after a `buffers` record of its step (reason `replay`), the captures of
+    every size, the warm-up's steps under `capturing`; replay sound. (replays, decode steps)."""
+    recs = records(run_dir)
+    job = recs[0]
+    emulation = job["device_emulation"]
+    assert (emulation["cudagraph_mode"], emulation["capture_sizes"]) == ("FULL_DECODE_ONLY", SIZES)
+    assert emulation["jit_warmup"] and emulation["async_scheduling"], emulation
+    warmups = graph_records(run_dir, "warmup")
+    assert warmups and all(r["step_id"] == -1 for r in warmups), warmups
+    assert sorted(r["num_tokens"] for r in graph_records(run_dir, "capture")) == SIZES
+    last_buffers = None
+    replays = 0
+    for r in recs:
+        if r["event"] == "buffers":
+            last_buffers = r
+        elif r["event"] == "graph" and r["action"] == "replay":
+            replays += 1
+            assert last_buffers is not None and last_buffers["step_id"] == r["step_id"] \
+                and last_buffers["reason"] == "replay", (r, last_buffers)
+    decode_steps = transitions(run_dir).count("decode")
+    assert_replays_sound(run_dir)
+    return replays, decode_steps
+
+
+def test_cuda_default_starts_and_gives_eager_tokens(vllm_models, tmp_path):
+    """FSMWorker in the emulated CUDA default: the same tokens as vLLM's default worker there
+    and as the eager run; at least half the decode steps replay a graph, each after its inputs'
+    fingerprint. Fails on main before Part 26 (`StepRefused: 'prefill' is not allowed in state
+    'capturing'` at the first warm-up step), and with `_warm_up_step` removed."""
+    model = vllm_models["llama"]
+    ours = _tokens(**_kwargs(model, run_dir=str(tmp_path / "fsm")))
+    default = _tokens(**_kwargs(model, worker=None))
+    eager = _tokens(**_kwargs(model, worker=None, eager=True))
+    assert ours == default == eager
+    replays, decode_steps = _assert_graph_evidence(tmp_path / "fsm")
+    assert decode_steps and replays * 2 >= decode_steps, (replays, decode_steps)
+
+
+def test_replay_records_come_from_the_graph_manager(vllm_models, tmp_path, monkeypatch):
+    """With the emulation's graph class swapped for a minimal stand-in, the log holds one replay
+    record per replay that ran: the records come from vLLM's graph manager calls (as on a
+    device), not from the emulation. Fails with `MRV2Runner.attach_graphs` a no-op (no replay
+    records, no capture records)."""
+    monkeypatch.setenv("RUNNER_FSM_EMULATED_GRAPH", "vllm_device_graphs:MinimalGraph")
+    MinimalGraph.replays = 0
+    model = vllm_models["mixtral"]
+    ours = _tokens(**_kwargs(model, run_dir=str(tmp_path / "fsm")))
+    assert records(tmp_path / "fsm")[0]["device_emulation"]["graph_class"] == "vllm_device_graphs.MinimalGraph"
+    replays, _ = _assert_graph_evidence(tmp_path / "fsm")
+    assert replays == MinimalGraph.replays > 0
+    monkeypatch.delenv("RUNNER_FSM_EMULATED_GRAPH")
+    assert ours == _tokens(**_kwargs(model, worker=None, eager=True))
+
+
+@pytest.mark.parametrize("where", ["warmup", "capture"])
+def test_start_up_failure_is_a_fault_under_capturing(vllm_models, tmp_path, monkeypatch, where):
+    """A failure in the JIT warm-up's second step, or in a graph capture, leaves a `fault`
+    record at step -1 and the replica `faulted` from `capturing`; replay names it. Fails with
+    the try/except of `compile_or_warm_up_model` removed (a bare raise: no fault record)."""
+    import vllm.v1.worker.gpu.warmup as warmup
+
+    if where == "warmup":
+        real = warmup.warmup_kernels
+
+        def failing_warmup(runner, execute_model, sample_tokens):
+            calls = []
+
+            def execute(scheduler_output):
+                calls.append(1)
+                if len(calls) == 2:
+                    raise RuntimeError("injected warm-up failure")
+                return execute_model(scheduler_output)
+            return real(runner, execute, sample_tokens)
+        monkeypatch.setattr(warmup, "warmup_kernels", failing_warmup)
+    else:
+        monkeypatch.setenv("RUNNER_FSM_EMULATED_GRAPH", "vllm_device_graphs:FailingGraph")
+    run_dir = tmp_path / where
+    with pytest.raises(Exception):
+        with h.open_llm(**_kwargs(vllm_models["llama"], run_dir=str(run_dir))):
+            pass
+    recs = records(run_dir)
+    faults = [r for r in recs if r["event"] == "fault"]
+    assert faults and faults[0]["step_id"] == -1 and f"injected {where.replace('warmup', 'warm-up')} failure" \
+        in faults[0]["message"], faults
+    moved = [(r["src"], r["dst"]) for r in recs if r["event"] == "transition" and r["trigger"] == "fault"]
+    assert moved == [("capturing", "faulted")], moved
+    assert [r["num_tokens"] for r in graph_records(run_dir, "warmup")][:1] == [16] or where == "capture"
+
+    from runner_fsm.replay.judge import replay
+
+    report = replay(run_dir)
+    assert not report.sound
+    first = report.verdicts[0]
+    assert (first.kind, first.step, first.replica) == ("fault", -1, 0), report.format()
+
+
+class _HostSyncs:
+    """Counts the calls that make a device host wait: `item`, `tolist`, `.cpu()`, `nonzero` (a
+    TorchFunctionMode sees every tensor method called from Python) and `synchronize`."""
+
+    NAMES = ("item", "tolist", "cpu", "nonzero", "synchronize")
+
+    def __init__(self, monkeypatch):
+        from collections import Counter
+
+        import torch
+        from torch.overrides import TorchFunctionMode
+
+        self.counts = Counter()
+        counts = self.counts
+        self.active = False  # counted inside `with self:` only (start-up and shutdown synchronise too)
+        syncs = self
+
+        class Mode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                name = getattr(func, "__name__", "")
+                if name in _HostSyncs.NAMES and syncs.active:
+                    counts[name] += 1
+                return func(*args, **(kwargs or {}))
+        self.mode = Mode()
+        for owner in (torch.cuda, torch.accelerator):
+            real = owner.synchronize
+
+            def synchronize(*args, _real=real, **kwargs):
+                if syncs.active:
+                    counts["synchronize"] += 1
+                return _real(*args, **kwargs) if torch.cuda.is_available() else None
+            monkeypatch.setattr(owner, "synchronize", synchronize)
+
+    def __enter__(self):
+        self.active = True
+        self.mode.__enter__()
+        return self
+
+    def __exit__(self, *exc):
+        self.active = False
+        return self.mode.__exit__(*exc)
+
+
+def test_no_host_synchronisation_added_per_step(vllm_models, tmp_path, monkeypatch):
+    """The calls that synchronise a device with its host, counted over the same greedy
+    workload (decode steps replaying graphs), are as many under FSMWorker (audit `full`:
+    every forward fingerprinted) as under vLLM's default worker. Fails with a `.tolist()` or
+    `.item()` of a fingerprint per forward (e.g. `probe.resolve` called in `_graph_forward`)."""
+    model = vllm_models["llama"]
+    counted = {}
+    for name, worker in (("default", None), ("fsm", h.FSM_WORKER)):
+        syncs = _HostSyncs(monkeypatch)
+        run_dir = tmp_path / name
+        with h.open_llm(**_kwargs(model, worker=worker, run_dir=str(run_dir) if worker else None)) as llm:
+            with syncs:
+                tokens, _ = h.generate(llm, GREEDY)
+        counted[name] = (dict(syncs.counts), tokens)
+        monkeypatch.undo()
+    assert counted["fsm"] == counted["default"], counted
+    replays, decode_steps = _assert_graph_evidence(tmp_path / "fsm")
+    assert replays * 2 >= decode_steps > 0
