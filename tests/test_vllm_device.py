@@ -206,3 +206,36 @@ def test_no_host_synchronisation_added_per_step(vllm_models, tmp_path, monkeypat
     assert counted["fsm"] == counted["default"], counted
     replays, decode_steps = _assert_graph_evidence(tmp_path / "fsm")
     assert replays * 2 >= decode_steps > 0
+
+
+def test_idle_replica_replays_graphs_under_dp(tmp_path):
+    """DP=2 (Mixtral, one process per replica): replica 1 runs out of work and runs idle dummy
+    steps that replay a FULL graph, each after a `buffers` record of its step, as replica 0's
+    decode steps do; each agreement logs every replica's requested graph mode and vLLM's agreed
+    one (FULL, every count padded to the graph); tokens equal DP=1 eager on vLLM's own worker.
+    Fails with `graph_decision` left out (the agreement then logs eager for a step that replayed)."""
+    import vllm_dp_cases as c
+
+    from runner_fsm.integrations.vllm.offline_dp import Job
+
+    models = c.make_models(tmp_path / "models")
+    run_dir = tmp_path / "run"
+    graphs = {"enforce_eager": False, "compilation_config": {"cudagraph_capture_sizes": SIZES}}
+    dp2 = c.run([Job({**c.kwargs(models, "mixtral", drafting=False, run_dir=str(run_dir)), **graphs}, c.PER_RANK)],
+                2, tmp_path)
+    dp1 = c.run([Job(c.kwargs(models, "mixtral", drafting=False, worker=None), [c.ALL])], 1, tmp_path)
+    assert dp2.codes == [0, 0] and dp1.codes == [0], (dp2.logs[-1][-3000:], dp1.logs[-1][-3000:])
+    merged = {rid: toks for per_rank in dp2.outputs[0] for rid, toks in per_rank.items()}
+    assert merged == dp1.outputs[0][0]
+    assert_replays_sound(run_dir)
+    for rank, kind in ((0, "decode"), (1, "idle")):
+        recs = records(run_dir, rank)
+        steps = [r["step_id"] for r in recs if r["event"] == "transition" and r["trigger"] == kind]
+        replayed = {r["step_id"] for r in graph_records(run_dir, "replay", rank) if r["dummy"] == (kind == "idle")}
+        assert len(steps) >= 5 and set(steps) <= replayed, (rank, steps, replayed)
+        buffers = {r["step_id"] for r in recs if r["event"] == "buffers" and r["reason"] == "replay"}
+        assert replayed <= buffers
+        agreed = {r["step_id"]: r["agreed"] for r in recs if r["event"] == "collective" and "agreed" in r}
+        for step in steps:
+            assert agreed[step]["graph_mode"] == 2 and agreed[step]["requested_graph_modes"] == [2, 2], agreed[step]
+            assert len(set(agreed[step]["num_tokens_across_dp"])) == 1, agreed[step]

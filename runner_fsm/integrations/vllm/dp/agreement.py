@@ -135,7 +135,7 @@ class AgreementTap:
         return dp.DRAFT_PREFILL if self.draft_syncs == 1 else dp.DRAFT_DECODE
 
     def exchange(self, tensor: torch.Tensor, group, *, device="cpu", num_tokens_row: int, graph_row: int,
-                 log_column: bool = True) -> torch.Tensor:
+                 log_column: bool = True, decide=None) -> torch.Tensor:
         """All-reduce vLLM's `tensor` (this rank's column filled) with the agreement rows below
         it, check them, and return vLLM's rows summed (a new tensor on `device`).
 
@@ -144,7 +144,9 @@ class AgreementTap:
         record's own step, phase, pg_seq, kind and an ok status (a desync, an abort), and
         `kind: dummy` for an idle replica's step; (`done`) the agreed state. The gathered
         columns and vLLM's decision from them are no evidence of their own (the agreed state
-        and each rank's column are), so they stay out of the log."""
+        and each rank's column are), so they stay out of the log. `decide(vllm_rows)`: the
+        runner's own graph decision (requested and agreed graph mode, padded counts), which
+        replaces the rule's in the `done` record where the runner gives one."""
         self.follow()
         phase = self.phase or (self.phase_source() if self.phase_source is not None else dp.TARGET)
         rows = AgreementRows(self.step_id, phase, self.seq, self.kind, self._status)
@@ -173,8 +175,10 @@ class AgreementTap:
         vllm_rows = gathered[:n]
         agreed = check_columns(gathered[n:], vllm_rows[num_tokens_row], vllm_rows[graph_row],
                                last_phase=self.last_phase)  # raises alike everywhere
-        self._record(logged, rows, "done", [[n + len(AGREEMENT_ROWS), self.dp_size]],
-                     agreed=dataclasses.asdict(agreed))
+        fields = dataclasses.asdict(agreed)
+        if decide is not None:
+            fields.update(decide(vllm_rows))
+        self._record(logged, rows, "done", [[n + len(AGREEMENT_ROWS), self.dp_size]], agreed=fields)
         return carried[:n].clone()
 
     def abort(self, status: int, group, *, vllm_rows: int, device="cpu") -> bool:

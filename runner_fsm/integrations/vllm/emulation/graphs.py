@@ -35,7 +35,7 @@ from runner_fsm.integrations.vllm.emulation import cpu_attention
 GRAPH_ENV = "RUNNER_FSM_EMULATED_GRAPH"
 MANAGER_MODULE = "vllm.v1.worker.gpu.cudagraph_utils"
 # What `install` replaces or wraps, checked against the installed vLLM first.
-NAMES = (f"{MANAGER_MODULE}.torch", f"{MANAGER_MODULE}.CudaGraphManager.capture",
+NAMES = (f"{MANAGER_MODULE}.torch", f"{MANAGER_MODULE}.graph_capture", f"{MANAGER_MODULE}.CudaGraphManager.capture",
          f"{MANAGER_MODULE}.CudaGraphManager.run_fullgraph", cpu_attention.BUILDER + ".build")
 
 _capturing = threading.local()  # .graph: the graph whose capture is open on this thread
@@ -102,6 +102,17 @@ def capture_into(graph: Any, *_args: Any, **_kwargs: Any) -> Iterator[None]:
         _capturing.graph = None
 
 
+@contextlib.contextmanager
+def graph_capture(device: torch.device) -> Iterator[Any]:
+    """vLLM's `parallel_state.graph_capture` without its communicators' capture modes: it puts
+    each group's device communicator (custom all-reduce, ...) into graph mode and asserts a CUDA
+    or XPU one, where the CPU's (gloo, shared memory) have no such mode. The context it yields
+    (the capture stream) is the same."""
+    from vllm.distributed.parallel_state import GraphCaptureContext
+
+    yield GraphCaptureContext(torch.cuda.Stream(device=device))
+
+
 def graph_class() -> type:
     spec = os.environ.get(GRAPH_ENV, "")
     if not spec:
@@ -156,6 +167,7 @@ def install() -> dict:
     # Only this module's view of torch changes: `torch.cuda` elsewhere stays torch's own. The
     # graph class is looked up at each graph made (`graph_class`), as the environment names it.
     module.torch = _Namespace(torch, cuda=_Namespace(torch.cuda, CUDAGraph=new_graph, graph=capture_into))
+    module.graph_capture = graph_capture
     manager.capture = _binding(manager.capture)
     cpu_attention.install()
     return {"graphs": "installed", "graph_class": _class_name(graph_class())}

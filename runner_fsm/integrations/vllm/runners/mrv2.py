@@ -177,7 +177,8 @@ class MRV2Runner(RunnerAdapter):
             tap.follow()
             return dp.TARGET if self.prepared_step != tap.step_id else tap.draft_phase()
         tap.phase_source = phase
-        undo_sync = mrv2_dp.install(tap)
+        manager = lambda: getattr(self.runner, "cudagraph_manager", None)  # noqa: E731 - made with the KV cache
+        undo_sync = mrv2_dp.install(tap, mrv2_dp.graph_decision(manager, tap.dp_rank))
 
         def undo() -> None:
             undo_sync()
