@@ -239,3 +239,24 @@ def test_idle_replica_replays_graphs_under_dp(tmp_path):
         for step in steps:
             assert agreed[step]["graph_mode"] == 2 and agreed[step]["requested_graph_modes"] == [2, 2], agreed[step]
             assert len(set(agreed[step]["num_tokens_across_dp"])) == 1, agreed[step]
+
+
+def test_any_warm_up_through_execute_model_is_recorded_as_warm_up(vllm_models, tmp_path, monkeypatch):
+    """FlashInfer's attention warm-up (`kernel_warmup` -> `mixed_batch_attention_warmup`) calls the
+    worker's `execute_model` with a mixed prefill+decode batch, whatever `enable_jit_warmup`
+    says; here vLLM's own function runs where the JIT warm-up would (a CPU stand-in for the CUDA
+    worker's call). Its steps are `warmup` records under `capturing` (2 tokens, then a mixed
+    16), the run starts and gives the eager tokens, sound. Fails if the worker takes a warm-up
+    step for a step of the run (refused in `capturing`)."""
+    import vllm.v1.worker.gpu.warmup as warmup
+    from vllm.model_executor.warmup.attention_warmup import mixed_batch_attention_warmup
+
+    def attention_warmup_only(runner, execute_model, sample_tokens):
+        mixed_batch_attention_warmup(execute_model.__self__, 16)  # the worker: FSMWorker
+    monkeypatch.setattr(warmup, "warmup_kernels", attention_warmup_only)
+    model = vllm_models["llama"]
+    ours = _tokens(**_kwargs(model, run_dir=str(tmp_path / "fsm")))
+    assert [r["num_tokens"] for r in graph_records(tmp_path / "fsm", "warmup")] == [2, 16]
+    assert records(tmp_path / "fsm")[0]["device_emulation"]["jit_warmup"]
+    assert_replays_sound(tmp_path / "fsm")
+    assert ours == _tokens(**_kwargs(model, worker=None, eager=True))
