@@ -260,3 +260,66 @@ def test_any_warm_up_through_execute_model_is_recorded_as_warm_up(vllm_models, t
     assert records(tmp_path / "fsm")[0]["device_emulation"]["jit_warmup"]
     assert_replays_sound(tmp_path / "fsm")
     assert ours == _tokens(**_kwargs(model, worker=None, eager=True))
+
+
+def test_mla_under_pcp_warms_up_through_the_worker(tmp_path):
+    """A tiny DeepSeek-V2 (MLA + MoE) at PCP=2 in the emulated device configuration: vLLM's JIT
+    warm-up runs through FSMWorker on both PCP ranks (recorded as warm-up), async scheduling,
+    and the tokens equal Hugging Face's greedy ones; replay sound. vLLM itself turns graphs off
+    here (its CPU MLA backend declares no graph support, found when the KV cache is made, after
+    the job record names the configured mode): no capture and no replay is logged."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from test_vllm_mla_pcp import NEW_TOKENS, PROMPTS
+    from vllm_checks import hf_greedy
+
+    from runner_fsm.testing.vllm_models import make_model
+
+    model = make_model(tmp_path / "deepseek_v2", "deepseek_v2", seed=3)
+    run_dir = tmp_path / "pcp2"
+    llm = {"enforce_eager": False, "compilation_config": {"cudagraph_capture_sizes": SIZES}}
+    spec = {"model": model, "prompts": PROMPTS, "new_tokens": NEW_TOKENS,
+            "runs": [{"name": "pcp2", "pcp": 2, "run_dir": str(run_dir), "options": None, "llm": llm}]}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+    child = subprocess.run([sys.executable, str(Path(__file__).parent / "vllm_mla_child.py"), json.dumps(spec)],
+                           capture_output=True, text=True, env=env, timeout=1200)
+    assert child.returncode == 0, child.stdout[-3000:] + child.stderr[-4000:]
+    result = json.loads(next(line for line in child.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert result["pcp2"]["tokens"] == hf_greedy(model, PROMPTS, NEW_TOKENS)
+    for rank in (0, 1):
+        emulation = records(run_dir, rank)[0]["device_emulation"]
+        assert emulation["jit_warmup"] and emulation["async_scheduling"], emulation
+        assert graph_records(run_dir, "warmup", rank), rank
+        assert graph_records(run_dir, "capture", rank) == graph_records(run_dir, "replay", rank) == []
+    assert_replays_sound(run_dir)
+
+
+def test_mtp_under_dp_and_pcp_in_the_device_configuration(tmp_path):
+    """The project's own case, DP=2 x PCP=2 with MTP drafts (four processes), in the emulated
+    device configuration: the JIT warm-up runs through FSMWorker on every rank (warm-up records),
+    async scheduling; the tokens equal Hugging Face's greedy ones; replay sound. (vLLM turns
+    graphs off for MLA on the CPU, as in the test above.)"""
+    import vllm_dp_cases as c
+    from vllm_checks import hf_greedy
+
+    from runner_fsm.integrations.vllm.offline_dp import Job
+    from runner_fsm.testing.vllm_models import MLA_BLOCK_SIZE, make_mtp_model
+
+    model = make_mtp_model(tmp_path / "mtp_moe", moe=True, seed=3)
+    run_dir = tmp_path / "run"
+    kw = h.llm_kwargs(model, run_dir=str(run_dir), block_size=MLA_BLOCK_SIZE, max_num_batched_tokens=256,
+                      prefill_context_parallel_size=2, speculative_config={"method": "mtp", "num_speculative_tokens": 1},
+                      runner_fsm={"collective_timeout_s": 60}, enforce_eager=False,
+                      compilation_config={"cudagraph_capture_sizes": SIZES})
+    result = c.run([Job(kw, c.PER_RANK)], 2, tmp_path, timeout_s=900, env={"VLLM_CPU_OMP_THREADS_BIND": "0|1|0|1"})
+    assert result.codes == [0, 0], result.logs[-1][-4000:]
+    merged = {rid: toks for per_rank in result.outputs[0] for rid, toks in per_rank.items()}
+    assert merged == {rid: hf_greedy(model, {rid: list(prompt)}, n)[rid] for rid, prompt, n in c.ALL}
+    for rank in range(4):
+        assert graph_records(run_dir, "warmup", rank), rank
+        assert records(run_dir, rank)[0]["device_emulation"]["async_scheduling"]
+    assert_replays_sound(run_dir)

@@ -3,7 +3,7 @@ after another in this process (imports paid once), greedy with logprobs.
 
     python tests/vllm_mla_child.py SPEC_JSON   (environment: MRV2, see the test)
 SPEC: {"model": dir, "prompts": {name: ids}, "new_tokens": n, "runs": [{"name", "pcp", "run_dir",
-"options"}]}. Prints `RESULT {name: {"tokens": {...}, "logprobs": {...}}}`.
+"options", "llm"?}]} (`llm`: more `LLM(...)` arguments, e.g. the device tests' graphs). Prints `RESULT {name: {"tokens": {...}, "logprobs": {...}}}`.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ def main(spec: dict) -> dict:
     for run in spec["runs"]:
         kwargs = h.llm_kwargs(spec["model"], run_dir=run["run_dir"], block_size=MLA_BLOCK_SIZE,
                               max_num_batched_tokens=256, prefill_context_parallel_size=run["pcp"],
-                              enable_prefix_caching=False, runner_fsm=run.get("options"))
+                              enable_prefix_caching=False, runner_fsm=run.get("options"), **run.get("llm", {}))
         with h.open_llm(**kwargs) as llm:
             outs = llm.generate([{"prompt_token_ids": spec["prompts"][n]} for n in names], params, use_tqdm=False)
         out[run["name"]] = {
