@@ -30,12 +30,14 @@ per-forward buffers records). Outputs of all runs must be equal. OMP_NUM_THREADS
 more threads than free cores make spin-waiting OpenMP times swing on a shared machine).
 
     .venv-vllm/bin/python benchmarks/bench_vllm_worker.py [--requests 32] [--max-new 32] [--repeats 2]
-        [--runner v1|mrv2]
+        [--runner v1|mrv2|device]
 
 `--tp 2`: both workers at tensor_parallel_size 2 (vLLM's `mp` executor, one process per TP rank,
 `VLLM_CPU_OMP_THREADS_BIND=0|1`): throughput only, with the full audit (the timers of step 2
 and 3 live in one worker process).
 
+`--runner device` is MRV2 in the device configuration the project emulates on the CPU
+(RUNNER_FSM_EMULATE_DEVICE=1: graphs, JIT warm-up, async scheduling; docs/vllm.md).
 `--runner mrv2`: vLLM's Model Runner V2 for both workers, as the MRV2 test leg runs it on this
 CPU (VLLM_USE_V2_MODEL_RUNNER=1, Triton's interpreter for MRV2's kernels, the stand-in backend
 of tests/mrv2_site): the interpreter slows vLLM's own step, not the wrapper's, so the ratio is
@@ -217,10 +219,13 @@ def _child(args) -> None:
     requests = _workload(args.vocab, args.requests, args.max_new, args.seed)
     warmup = _workload(args.vocab, 4, 4, args.seed + 1)
     run_dir = str(Path(args.out).with_suffix("")) + "-run"
+    graphs = {}
+    if os.environ.get("RUNNER_FSM_EMULATE_DEVICE") == "1":  # `--runner device`
+        graphs = {"enforce_eager": False, "compilation_config": {"cudagraph_capture_sizes": [1, 2, 4, 8, 16]}}
     kwargs = h.llm_kwargs(args.model_dir, worker=worker, run_dir=run_dir if worker else None,
                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.budget,
                           max_model_len=512, kv_cache_memory_bytes=256 << 20, runner_fsm=options,
-                          tensor_parallel_size=args.tp)
+                          tensor_parallel_size=args.tp, **graphs)
     with h.open_llm(**kwargs) as llm:
         h.generate(llm, warmup)
         cpu = time.process_time()
@@ -268,9 +273,11 @@ def _measure(args, worker: str, out: Path) -> dict:
     if args.tp > 1:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(r % (os.cpu_count() or 1)) for r in range(args.tp))
     paths = [str(REPO)]
-    if args.runner == "mrv2":
+    if args.runner in ("mrv2", "device"):
         env.update(VLLM_USE_V2_MODEL_RUNNER="1", TRITON_INTERPRET="1")
         paths.append(str(REPO / "tests" / "mrv2_site"))
+        if args.runner == "device":  # the device configuration, emulated (docs/vllm.md)
+            env["RUNNER_FSM_EMULATE_DEVICE"] = "1"
     else:
         env["VLLM_USE_V2_MODEL_RUNNER"] = "0"
     env["PYTHONPATH"] = os.pathsep.join(paths + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
@@ -359,7 +366,9 @@ def main() -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--threads", type=int, default=1, help="OMP_NUM_THREADS for both workers")
     p.add_argument("--vocab", type=int, default=512)
-    p.add_argument("--runner", default="v1", choices=("v1", "mrv2"), help="vLLM's model runner for both workers")
+    p.add_argument("--runner", default="v1", choices=("v1", "mrv2", "device"),
+                   help="vLLM's model runner for both workers; device: MRV2 in the emulated device configuration"
+                        " (JIT warm-up, FULL_DECODE_ONLY graphs of 1-16 tokens, async scheduling)")
     p.add_argument("--tp", type=int, default=1, help="tensor_parallel_size for both workers (throughput only)")
     p.add_argument("--child", choices=("default", "fsm", "fsm-transitions"), help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
@@ -457,9 +466,13 @@ def main() -> None:
         "outputs_equal": same, "work_dir": str(work),
     }
     shape = f"random {args.arch}, hidden {args.hidden}, {args.layers} layers"
-    on = "" if args.runner == "v1" else " (MRV2)"
-    if args.runner == "mrv2":
+    on = {"v1": "", "mrv2": " (MRV2)", "device": " (MRV2, device configuration emulated)"}[args.runner]
+    if args.runner in ("mrv2", "device"):
         shape += "; Model Runner V2 under Triton's interpreter (vLLM's own step slowed, not the wrapper's)"
+    if args.runner == "device":
+        shape += ("; the device configuration emulated on the CPU (JIT warm-up, FULL_DECODE_ONLY graphs of 1-16"
+                  " tokens replayed by rerunning the captured forward, async scheduling); a replay's records are"
+                  " taken inside vLLM's run_fullgraph call, counted in vLLM's layer here, not in the own time")
     status = "error" if not same else None
     rows = [
         dict(name="FSMWorker in vLLM vs default CPU worker" + on, figure=f"FSMWorker {tokens / wall['fsm']:,.0f} tok/s",

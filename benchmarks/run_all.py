@@ -72,6 +72,7 @@ SUITE = {
     "replay": None,  # hook: benchmarks/bench_replay.py (owned elsewhere)
     "vllm": None,  # hook: benchmarks/bench_vllm_worker.py with .venv-vllm (owned elsewhere)
     "vllm-mrv2": None,  # the same on vLLM's Model Runner V2 (Triton's interpreter on the CPU)
+    "vllm-device": None,  # the same in the device configuration, emulated (MRV2, graphs, JIT warm-up, async)
     "vllm-tp2": None,  # FSMWorker vs vLLM's default worker at tensor_parallel_size 2 (V1, a Mixtral)
     "vllm-mtp": None,  # hook: benchmarks/bench_vllm_mtp.py, MTP under DP=2 x PCP=2 vs DP=1 x PCP=2 (MRV2)
 }
@@ -161,7 +162,8 @@ def _replay_rows(quick: bool, extra: list[str]) -> list[Row]:
 
 def _vllm_rows(quick: bool, extra: list[str], runner: str = "v1", tp: int = 1) -> list[Row]:
     script, python = HERE / "bench_vllm_worker.py", REPO / ".venv-vllm" / "bin" / "python"
-    name = "FSMWorker in vLLM vs default CPU worker" + ("" if runner == "v1" else " (MRV2)") + \
+    name = "FSMWorker in vLLM vs default CPU worker" + {"v1": "", "mrv2": " (MRV2)", "device": (
+        " (MRV2, device configuration emulated)")}[runner] + \
         (f", TP={tp}" if tp > 1 else "")
     if not python.exists() or not script.exists():
         missing = ".venv-vllm" if not python.exists() else "benchmarks/bench_vllm_worker.py"
@@ -171,7 +173,7 @@ def _vllm_rows(quick: bool, extra: list[str], runner: str = "v1", tp: int = 1) -
     # three is a run that happened, not the mean of two. MRV2 runs its kernels in Triton's
     # interpreter here: a smaller workload keeps it to a few minutes.
     cmd = [str(python), str(script), "--repeats", "3", "--runner", runner]
-    if runner == "mrv2":
+    if runner in ("mrv2", "device"):
         cmd += ["--requests", "16", "--max-new", "16"]
     if tp > 1:  # two worker processes per measurement: a MoE model, a workload of about a minute
         cmd += ["--tp", str(tp), "--arch", "mixtral"]
@@ -209,8 +211,8 @@ def run(names: list[str], quick: bool) -> tuple[list[Row], list[str], bool]:
         try:
             if name == "replay":
                 got = _replay_rows(quick, extra)
-            elif name in ("vllm", "vllm-mrv2", "vllm-tp2"):
-                got = _vllm_rows(quick, extra, runner="mrv2" if name == "vllm-mrv2" else "v1",
+            elif name in ("vllm", "vllm-mrv2", "vllm-device", "vllm-tp2"):
+                got = _vllm_rows(quick, extra, runner={"vllm-mrv2": "mrv2", "vllm-device": "device"}.get(name, "v1"),
                                  tp=2 if name == "vllm-tp2" else 1)
             elif name == "vllm-mtp":
                 got = _vllm_mtp_rows(extra)
@@ -220,7 +222,8 @@ def run(names: list[str], quick: bool) -> tuple[list[Row], list[str], bool]:
             traceback.print_exc()
             ok = False
             got = [Row(name, "-", "-", "-", "-", "error", note=f"{type(exc).__name__}: {exc}".splitlines()[0][:300])]
-        ok = ok and all(r.status != "error" for r in got if name not in ("replay", "vllm", "vllm-mrv2", "vllm-tp2", "vllm-mtp"))
+        ok = ok and all(r.status != "error" for r in got
+                        if name not in ("replay", "vllm", "vllm-mrv2", "vllm-device", "vllm-tp2", "vllm-mtp"))
         rows.extend(got)
         print(f"[bench] {name} done in {time.perf_counter() - start:.1f} s", file=sys.stderr, flush=True)
     return rows, extra, ok

@@ -9,7 +9,8 @@ of its calls to the worker becomes transitions of the replica (DESIGN section 10
 | `init_device`                     | audit log + journal opened; `install_extensions()`        |
 | `load_model`                      | runner schema check; forward pre-hook on `runner.model`   |
 | `determine_available_memory`      | `capture` (warm-up and profiling run in `capturing`)      |
-| `compile_or_warm_up_model`        | ... `captured`: the replica is `ready`, steps count from 0 |
+| `compile_or_warm_up_model`        | JIT warm-up steps (`warmup`), graph captures; `captured`   |
+|                                   | (the replica is `ready`, steps count from 0)              |
 | `execute_model` (tokens > 0)      | `prefill` if any request prefills, else `decode`          |
 | `sample_tokens`                   | sampled tokens noted; `draft` if the drafter ran; `finish`|
 | `execute_dummy_batch`             | `idle`, vLLM's dummy run [+ `draft`], `finish`            |
@@ -18,6 +19,10 @@ of its calls to the worker becomes transitions of the replica (DESIGN section 10
 
 SIGINT and SIGTERM are recorded (`stop`) the moment they reach the worker's process, by
 handlers chained in front of vLLM's own (`stop_signals`), which then run as before.
+
+A failure at any point of start-up is a `fault` record, then vLLM sees the error. Graph
+captures and replays on Model Runner V2 are recorded from its graph manager's own calls
+(`RunnerAdapter.attach_graphs`): on a device a replay runs no Python, so no hook sees it.
 
 A step with zero scheduled tokens runs no forward and joins no DP collective in vLLM; it is
 no step here either. Before every target forward, real or dummy, the pre-hook fingerprints
@@ -114,7 +119,11 @@ class FSMWorkerMixin:
         self.replica_check = ReplicaCheck.for_worker(self)  # TP/PCP/PP peers: gate, rank faults, consensus
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        super().load_model(*args, **kwargs)
+        try:
+            super().load_model(*args, **kwargs)
+        except BaseException as error:
+            self._fault(error)  # a start-up failure is a fault record, as at every later point
+            raise
         adapter = self.runner_adapter
         if self.rope_verdict is not None and self.rope_verdict.defective:
             self.rope_installed = cpu_rope.install_stride_safe_rope(adapter.model(), self.rope_verdict)
