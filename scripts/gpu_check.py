@@ -9,6 +9,8 @@ On a CUDA machine (PyTorch only; the project's other dependencies as wheels, doc
    while replica 0 decodes, so replica 1 replays a graph after a dummy; outputs equal to DP=1
    eager; then the same run with `skip-buffer-refresh` at the first such dummy step must fail
    with StaleBufferError on replica 1.
+3. Where vLLM is installed, FSMWorker in vLLM's CUDA default (`gpu_check_vllm.py`; with `--cpu`,
+   in the project's emulation of it).
 Every check prints PASS or FAIL; exit 0 only when every check passed. `--cpu` runs the same
 on the CPU (static graph back-end, gloo) so CI can run the script itself.
 
@@ -18,6 +20,7 @@ on the CPU (static graph back-end, gloo) so CI can run the script itself.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import statistics
 import sys
 import tempfile
@@ -221,6 +224,12 @@ def main() -> int:
         reference = dp1(model_dir, root, device)
         if device == "cpu" or check("two CUDA devices for DP=2 over NCCL", gpus >= 2, f"{gpus} found"):
             dp2(model_dir, root, device, reference)
+        if importlib.util.find_spec("vllm") is None:  # not a failure: the engine's checks need no vLLM
+            print("NOT RUN  vLLM path: vLLM is not installed here (scripts/gpu_check_vllm.py)", flush=True)
+        else:  # FSMWorker in vLLM's CUDA default; with --cpu, in the project's emulation of it
+            from gpu_check_vllm import vllm_path
+
+            vllm_path(device == "cpu", str(root / "vllm"), check)
     failed = [name for name, ok, _ in RESULTS if not ok]
     print(f"{len(RESULTS) - len(failed)}/{len(RESULTS)} checks passed in {time.monotonic() - start:.0f} s"
           + (f"; failed: {failed}" if failed else ""))
