@@ -264,7 +264,8 @@ def test_any_warm_up_through_execute_model_is_recorded_as_warm_up(vllm_models, t
 
 def test_mla_under_pcp_warms_up_through_the_worker(tmp_path):
     """A tiny DeepSeek-V2 (MLA + MoE) at PCP=2 in the emulated device configuration: vLLM's JIT
-    warm-up runs through FSMWorker on both PCP ranks (recorded as warm-up), async scheduling,
+    warm-up runs through FSMWorker on both PCP ranks (recorded as warm-up), async scheduling with
+    vLLM's multiprocess executor (two worker processes),
     and the tokens equal Hugging Face's greedy ones; replay sound. vLLM itself turns graphs off
     here (its CPU MLA backend declares no graph support, found when the KV cache is made, after
     the job record names the configured mode): no capture and no replay is logged."""
@@ -293,6 +294,7 @@ def test_mla_under_pcp_warms_up_through_the_worker(tmp_path):
     for rank in (0, 1):
         emulation = records(run_dir, rank)[0]["device_emulation"]
         assert emulation["jit_warmup"] and emulation["async_scheduling"], emulation
+        assert emulation["executor"] == "mp", emulation  # async scheduling with the multiprocess executor
         assert graph_records(run_dir, "warmup", rank), rank
         assert graph_records(run_dir, "capture", rank) == graph_records(run_dir, "replay", rank) == []
     assert_replays_sound(run_dir)

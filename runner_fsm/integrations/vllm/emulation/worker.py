@@ -61,6 +61,7 @@ class EmulatedDeviceWorker(CPUWorker):
                 "capture_sizes": list(config.compilation_config.cudagraph_capture_sizes or []),
                 "jit_warmup": bool(config.kernel_config.enable_jit_warmup),
                 "async_scheduling": bool(config.scheduler_config.async_scheduling),
+                "executor": str(config.parallel_config.distributed_executor_backend),
                 "graphs_emulated_on": "mrv2" if self.use_v2_model_runner else "none (V1 runs eager here)",
                 "interpreter_warmup": "no top-k/top-p, no grammar bitmask" if interpreted() else "as on a device",
                 "not_reproduced": "host code frozen by a real capture beyond the CPU attention split,"
