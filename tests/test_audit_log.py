@@ -139,7 +139,7 @@ def test_numpy_and_torch_values_serialise(log):
 
 @pytest.mark.parametrize("bad_call", [
     lambda log: log.collective(0, "dp", "all_reduce", 1, [], 0, "started"),
-    lambda log: log.graph(0, "warmup"),
+    lambda log: log.graph(0, "rewind"),
     lambda log: log.graph(0, "replay", seq=99),
     lambda log: log.graph(0, "replay", blob=object()),
 ])

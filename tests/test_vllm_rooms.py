@@ -23,7 +23,7 @@ RUNNER_MODULES = ("vllm.v1.worker.dp_utils", "vllm.v1.worker.gpu.dp_utils", "vll
                   "vllm.v1.worker.gpu.spec_decode")
 # Rooms from the bottom up: a module imports its own room and the rooms below it, never above.
 # `runners` and `cpu` sit side by side (neither imports the other), as do `dp` and `recording`.
-LAYERS = {"common": 0, "base": 0, "runners": 1, "cpu": 1, "dp": 2, "recording": 2, "top": 3}
+LAYERS = {"common": 0, "base": 0, "runners": 1, "cpu": 1, "emulation": 1, "dp": 2, "recording": 2, "top": 3}
 BASE = {"options"}  # beside common/: the worker's options
 
 
@@ -77,7 +77,10 @@ def runner_imports(path: Path) -> list[tuple[int, str]]:
     return found
 
 
-OUTSIDE = [p for p in _modules() if "runners" not in p.relative_to(PACKAGE).parts]
+# `emulation/` stands in for the device (vLLM's platform side), not for the worker: it calls vLLM's
+# runner and graph manager as vLLM's CUDA worker does, checks those names itself when it installs
+# (`emulation.graphs.check`), and the worker never imports it.
+OUTSIDE = [p for p in _modules() if not {"runners", "emulation"} & set(p.relative_to(PACKAGE).parts)]
 INSIDE = _modules(PACKAGE / "runners")
 
 
@@ -185,7 +188,9 @@ def test_the_pcp_managers_names_are_checked_once_the_kv_cache_exists(drop):
     from runner_fsm.integrations.vllm.runners.mrv2 import MRV2Runner
 
     tables = SimpleNamespace(input_block_tables=[0], slot_mappings=[0])
-    adapter = MRV2Runner(SimpleNamespace(block_tables=tables, pcp_manager=_Manager(drop)))
+    graphs = SimpleNamespace(capture=None, run_fullgraph=None, graphs={})  # the graph manager's calls
+    adapter = MRV2Runner(SimpleNamespace(block_tables=tables, cudagraph_manager=graphs, pcp_manager=_Manager(drop)))
     expected = [] if drop is None else [f"_Manager.{drop} is missing (mrv2 runner's PCP manager)"]
     assert adapter.problems(kv_cache=True) == expected
-    assert MRV2Runner(SimpleNamespace(block_tables=tables, pcp_manager=None)).problems(kv_cache=True) == []
+    assert MRV2Runner(SimpleNamespace(block_tables=tables, cudagraph_manager=graphs,
+                                      pcp_manager=None)).problems(kv_cache=True) == []
