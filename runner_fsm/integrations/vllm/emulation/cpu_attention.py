@@ -23,6 +23,7 @@ import threading
 from typing import Any, Callable, Iterator
 
 BUILDER = "vllm.v1.attention.backends.cpu_attn.CPUAttentionMetadataBuilder"
+MLA_BACKEND = "vllm.v1.attention.backends.mla.cpu_mla.CPUMLABackend"
 _collecting = threading.local()  # .built: the refreshers of metadata built by the forward being made
 
 
@@ -58,7 +59,19 @@ def install() -> str:
     build_and_keep._runner_fsm_emulation = True
     builder.build = build_and_keep
     builder._cudagraph_support = AttentionCGSupport.UNIFORM_BATCH
+    _install_mla()
     return "installed"
+
+
+def _install_mla() -> None:
+    from vllm.v1.attention.backend import AttentionCGSupport
+    from vllm.v1.attention.backends.mla.cpu_mla import CPUMLABackend
+
+    common = CPUMLABackend.get_builder_cls()
+    graphed = type(f"Emulated{common.__name__}", (common,), {
+        "_cudagraph_support": AttentionCGSupport.UNIFORM_SINGLE_TOKEN_DECODE, "__module__": __name__,
+        "__doc__": "vLLM's MLA builder, for the CPU MLA backend in the device emulation (see the module)."})
+    CPUMLABackend.get_builder_cls = staticmethod(lambda: graphed)
 
 
 def _refresher(builder: Any, metadata: Any, num_reqs: int) -> Callable[[], None]:

@@ -36,7 +36,8 @@ GRAPH_ENV = "RUNNER_FSM_EMULATED_GRAPH"
 MANAGER_MODULE = "vllm.v1.worker.gpu.cudagraph_utils"
 # What `install` replaces or wraps, checked against the installed vLLM first.
 NAMES = (f"{MANAGER_MODULE}.torch", f"{MANAGER_MODULE}.graph_capture", f"{MANAGER_MODULE}.CudaGraphManager.capture",
-         f"{MANAGER_MODULE}.CudaGraphManager.run_fullgraph", cpu_attention.BUILDER + ".build")
+         f"{MANAGER_MODULE}.CudaGraphManager.run_fullgraph", cpu_attention.BUILDER + ".build",
+         cpu_attention.MLA_BACKEND + ".get_builder_cls")
 
 _capturing = threading.local()  # .graph: the graph whose capture is open on this thread
 _silenced: list[torch.nn.Module] = []  # the models whose hooks are off during a replay

@@ -156,6 +156,13 @@ class MRV2Runner(RunnerAdapter):
             return self.forward_inputs({}, dummy=False, capturing=False)
         num_tokens = int(desc.num_tokens)
         num_reqs = int(desc.num_reqs or min(num_tokens, self.runner.max_num_reqs))
+        manager = self.runner.pcp_manager
+        if manager is not None:  # a PCP graph reads the PCP manager's buffers, as its capture staged them
+            bufs, size = manager.input_buffers, int(manager.pcp_world_size)
+            views = (bufs.input_ids[:num_tokens], bufs.positions[:num_tokens],
+                     manager._gathered_kv_slot_mappings[0, :num_tokens * size], bufs.query_start_loc[:num_reqs + 1],
+                     bufs.seq_lens[:num_reqs], self.runner.block_tables.input_block_tables[0][:num_reqs])
+            return ForwardInputs(desc, lambda: dict(zip(NAMES, views)), num_tokens, num_reqs, self.writes)
         return ForwardInputs(self._persistent_set(), self._persistent, num_tokens, num_reqs, self.writes)
 
     def _persistent_set(self) -> tuple[torch.Tensor, ...]:
