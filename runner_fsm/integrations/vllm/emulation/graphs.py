@@ -26,6 +26,7 @@ import functools
 import importlib
 import os
 import threading
+import weakref
 from typing import Any, Callable, Iterator
 
 import torch
@@ -40,7 +41,8 @@ NAMES = (f"{MANAGER_MODULE}.torch", f"{MANAGER_MODULE}.graph_capture", f"{MANAGE
          cpu_attention.MLA_BACKEND + ".get_builder_cls")
 
 _capturing = threading.local()  # .graph: the graph whose capture is open on this thread
-_silenced: list[torch.nn.Module] = []  # the models whose hooks are off during a replay
+# The models whose hooks are off during a replay; weak, so a closed engine's model is not kept.
+_silenced: weakref.WeakSet = weakref.WeakSet()
 
 
 class EmulatedGraph:
@@ -89,8 +91,7 @@ def hooks_off() -> Iterator[None]:
 
 def silence(model: torch.nn.Module) -> None:
     """`model`'s hooks are off inside every replay (the emulated worker's model, before capture)."""
-    if not any(m is model for m in _silenced):
-        _silenced.append(model)
+    _silenced.add(model)
 
 
 @contextlib.contextmanager
