@@ -73,8 +73,10 @@ class EmulatedGraph:
 
 @contextlib.contextmanager
 def hooks_off() -> Iterator[None]:
-    """Every forward hook of the silenced models off, as in a device replay (torch reads a
-    module's hook dicts on each call; emptied, its call runs the forward alone)."""
+    """Every forward hook of the silenced models off, as in a device replay. torch has no public
+    way to suspend a module's hooks; it reads the module's hook dicts (`_forward_pre_hooks`,
+    `_forward_hooks`, in every torch 2.x) on each call, so emptied for the replay and put back
+    after, its call runs the forward alone."""
     saved = []
     try:
         for model in _silenced:
@@ -161,10 +163,17 @@ def install() -> dict:
     manager = module.CudaGraphManager
     if getattr(manager.capture, "_runner_fsm_emulation", False):
         return {"graphs": "installed", "graph_class": _class_name(graph_class())}
+    # It replaces names inside vLLM (no public hook makes a CPU graph): only on the vLLM it was
+    # written and checked against, each name present.
+    from runner_fsm.integrations.vllm.common.errors import VLLMSchemaError
+    from runner_fsm.integrations.vllm.common.schema import WRITTEN_AGAINST, installed_version
+
+    version = installed_version()
+    if version.split(".")[:2] != WRITTEN_AGAINST.split(".")[:2]:
+        raise VLLMSchemaError(f"the device emulation was written against vLLM {WRITTEN_AGAINST}; vLLM {version}"
+                              " is installed: unset RUNNER_FSM_EMULATE_DEVICE")
     missing = check()
     if missing:
-        from runner_fsm.integrations.vllm.common.errors import VLLMSchemaError
-
         raise VLLMSchemaError("the device emulation needs names this vLLM lacks: " + ", ".join(missing))
     # Only this module's view of torch changes: `torch.cuda` elsewhere stays torch's own. The
     # graph class is looked up at each graph made (`graph_class`), as the environment names it.
