@@ -25,14 +25,17 @@ MRV2_ROWS = ("num_tokens", "cg_mode", "uniform_token_count", "max_query_len", "a
 def graph_decision(manager, dp_rank: int) -> Callable[[list[list[int]]], dict]:
     """vLLM's own graph decision from the summed rows, as `sync_cudagraph_and_dp_padding` makes
     it (vLLM 0.32, no microbatching: the CPU and the emulation run without DBO): every replica's
-    requested mode (`requested_graph_modes`, vLLM's `CUDAGraphMode` values); eager for all when
+    requested mode where one asked for a graph (`requested_graph_modes`, vLLM's `CUDAGraphMode`
+    values); eager for all when
     one asks eager ("if any rank wants to run eager, all ranks run eager"), else the descriptor
     `manager().dispatch` gives for the largest count, every replica padded to its size. Logged as
     the agreement's `graph_mode` and `num_tokens_across_dp` (the project's rule, which knows no
     capture sizes, would say eager and unpadded)."""
     def decide(rows: list[list[int]]) -> dict:
         tokens, modes, uniform, max_query = rows[0], rows[1], rows[2], rows[3]
-        out = {"requested_graph_modes": modes}
+        # Every replica's request, where one asked for a graph (else eager says it all, and the
+        # record keeps its compact form)
+        out = {"requested_graph_modes": modes} if max(modes) else {}
         graphs = manager()
         if not any(tokens) or min(modes) == 0 or graphs is None:
             return {**out, "graph_mode": dp.GRAPH_EAGER}
