@@ -26,8 +26,8 @@ def graph_decision(manager, dp_rank: int) -> Callable[[list[list[int]]], dict]:
     """vLLM's own graph decision from the summed rows, as `sync_cudagraph_and_dp_padding` makes
     it (vLLM 0.32, no microbatching: the CPU and the emulation run without DBO): every replica's
     requested mode where one asked for a graph (`requested_graph_modes`, vLLM's `CUDAGraphMode`
-    values); eager for all when
-    one asks eager ("if any rank wants to run eager, all ranks run eager"), else the descriptor
+    values); eager for all when one asks eager ("if any rank wants to run eager, all ranks run
+    eager"), else the descriptor
     `manager().dispatch` gives for the largest count, every replica padded to its size. Logged as
     the agreement's `graph_mode` and `num_tokens_across_dp` (the project's rule, which knows no
     capture sizes, would say eager and unpadded)."""
