@@ -212,3 +212,49 @@ def test_a_window_seeks_into_a_compact_log_as_into_one_in_full(tmp_path):
     assert [(v.kind, v.replica, v.step, v.line) for v in compact.verdicts] != [] and \
         [(v.kind, v.step) for v in plain.verdicts] == [(v.kind, v.step) for v in compact.verdicts]
     assert compact.summary.records < plain.summary.records * 1.1
+
+
+def _without_times(path) -> list[bytes]:
+    import re
+
+    return [re.sub(rb'"t(_ns)?":\d+,', b"", line) for line in path.read_bytes().splitlines()]
+
+
+def test_buffer_fingerprints_write_the_bytes_of_their_fields(tmp_path):
+    """The embedded engine's buffers (BufferFingerprints, `render.Fingerprints`) are written from
+    the tuples: the same bytes as their fields (`fingerprint_fields`) handed over as dicts, in
+    full and compact, "=" across both kinds; and a `sent`, `inputs` or identity with as many keys
+    as its fields but another one is kept as it is. Mutations seen to fail this: a shared version
+    left in each entry; the digest written where it is None; "=" only between two of one kind."""
+    from runner_fsm.audit.render import fingerprint_fields
+    from runner_fsm.pcp.fingerprint import BufferFingerprint as FP
+
+    steps = [{"a": FP(4096, (64,), 7, 5), "b": FP(1024, (8, 4), 7, None)},  # shared version
+             {"a": FP(4096, (64,), 7, 5), "b": FP(1024, (8, 4), 8, 0)},  # versions differ
+             {"b": FP(1024, (8, 4), 8, 0), "a": FP(4096, (64,), 7, 5)},  # not in the job's order
+             {"a": FP(4096, (64,), 7, 5)}]  # one buffer: as fields
+
+    def write(log, as_fields: bool) -> None:
+        for step, fps in enumerate(steps):
+            given = [{name: fingerprint_fields(fp) for name, fp in fps.items()} if as_fields else fps] * 2
+            log.buffers(step, "real", given[0])
+            log.buffers(step, "replay", {name: fingerprint_fields(fp) for name, fp in fps.items()})  # "="
+            log.buffers(step, "replay", given[1])  # "=" again
+        log.collective(9, "dp", "all_reduce", 1, [[7, 2]], 1, "enqueue",
+                       sent={**{k: v for k, v in SENT.items() if k != "status"}, "vllm": 1},
+                       inputs={"decode": 5, "prefill": [9], "pcp": 2, "decodes": "ceil"})
+        log.collective(9, "expert", "forward", 1, [[5]], 3, "enqueue", ctx={"step": 9, "dummy": False, "rows": 5,
+                                                                            "other": 1}, batch=dict(IDENTITY))
+
+    for shape in (None, job_shape_fields(1, 1, 0, 0, buffer_names=["a", "b"])):
+        paths = []
+        for as_fields in (True, False):
+            with AuditLog(tmp_path / f"{shape is None}-{as_fields}", "run-f", 0, 0, 0, shape=shape) as log:
+                write(log, as_fields)
+            paths.append(log.path)
+        fields, tuples = (_without_times(path) for path in paths)
+        assert fields == tuples and len(tuples) == 14 + (shape is not None)
+        if shape is not None:
+            assert tuples[2].endswith(b'"buf":"="}') and tuples[3].endswith(b'"buf":"="}')
+            assert tuples[1].endswith(b'"buf":[[3072,[64],5],[0,[8,4]]],"p0":1024,"v":7}')
+            assert b'"sent":{' in tuples[13] and b'"inputs":{' in tuples[13] and b'"ctx":{' in tuples[14]

@@ -13,7 +13,7 @@ from typing import Any
 
 from runner_fsm.audit import compact
 from runner_fsm.audit.decisions import DECISIONS_FIELD, DIGEST_FIELD, GATE_EVENT, GATE_FIELD
-from runner_fsm.audit.render import fingerprint_fields
+from runner_fsm.audit.render import snapshot
 
 HEADER_FIELDS = ("schema", "run_id", "seq", "t_ns", "dp_rank", "pcp_rank", "event", "step_id")
 _RESERVED = frozenset(HEADER_FIELDS) | compact.KEYS
@@ -97,8 +97,7 @@ class _Records:
                                            "pg_seq": pg_seq, "stage": stage, **extra})
 
     def buffers(self, step_id: int | None, reason: str, fingerprints: Mapping[str, Any]) -> None:
-        snapshot = {str(name): fingerprint_fields(fp) for name, fp in fingerprints.items()}
-        self._emit("buffers", step_id, {"reason": reason, "buffers": snapshot})
+        self._emit("buffers", step_id, {"reason": reason, "buffers": snapshot(fingerprints)})
 
     def graph(self, step_id: int | None, action: str, **extra: Any) -> None:
         if action not in GRAPH_ACTIONS:
