@@ -17,9 +17,9 @@ one differs. The same digests are what the online check exchanges.
 
 from __future__ import annotations
 
-import dataclasses
 import zlib
 from collections.abc import Mapping, Sequence
+from typing import NamedTuple
 
 import orjson
 
@@ -43,9 +43,11 @@ GATE_EVENT, GATE_FIELD = "gate", "draft"
 DIGEST_MASK = 0xFFFFFFFF
 
 
-@dataclasses.dataclass(frozen=True)
-class StepDecisions:
-    """One rank's decisions in one step; identical on every TP and PCP rank of its replica."""
+class StepDecisions(NamedTuple):
+    """One rank's decisions in one step; identical on every TP and PCP rank of its replica.
+
+    A NamedTuple rather than a frozen dataclass: one is built every embedded step, and a frozen
+    dataclass's `__init__` (one `object.__setattr__` per field) cost several times as much."""
 
     real: bool  # a real batch (False: a dummy)
     batch: int  # `batch_identity` of the scheduled batch; 0 for a dummy

@@ -38,6 +38,6 @@ class DraftStep:
                                                step_id=self.step_id, phase=dp.DRAFT_DECODE,
                                                shapes=[(step.num_rows,)])
         forwards = 0 if skip or agreed.all_idle else k - self.fault_due("draft-count-mismatch")
-        self.decided = self.decided and dataclasses.replace(self.decided, draft=forwards)
+        self.decided = self.decided and self.decided._replace(draft=forwards)
         if batch is not None:
             self.output = dataclasses.replace(self.output, drafts=drafter.proposals())
