@@ -85,7 +85,13 @@ def vllm_path(emulate: bool, out: str | None, check) -> None:
 
 
 def main() -> int:
-    from gpu_check import RESULTS, check  # scripts/: the PASS/FAIL lines of the GPU check
+    failed = []
+
+    def check(name: str, ok: bool, detail: str = "") -> bool:  # the GPU check's PASS/FAIL line
+        print(f"{'PASS' if ok else 'FAIL'}  {name}{': ' + detail if detail else ''}", flush=True)
+        if not ok:
+            failed.append(name)
+        return bool(ok)
 
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--emulate", action="store_true", help="the CPU dry run, in the project's emulation")
@@ -96,9 +102,8 @@ def main() -> int:
         child(args.child[0], args.child[1] or None)
         return 0
     vllm_path(args.emulate, args.out, check)
-    return 1 if any(not ok for _, ok, _ in RESULTS) else 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).parent))
     sys.exit(main())
