@@ -150,8 +150,9 @@ class MRV2Runner(RunnerAdapter):
         wrap_method(manager, "run_fullgraph", run_fullgraph)
 
     def graph_inputs(self, desc: Any, capturing: bool) -> ForwardInputs:
-        """At a capture the persistent buffers' first rows of the descriptor's size; before a
-        replay what this step prepared (as `forward_inputs`)."""
+        """At a capture the persistent buffers' first rows of the descriptor's size (under PCP the
+        PCP manager's, as the capture staged them: the views its replays read); before a replay
+        what this step prepared (as `forward_inputs`)."""
         if not capturing and self._prepared is not None:
             return self.forward_inputs({}, dummy=False, capturing=False)
         num_tokens = int(desc.num_tokens)
