@@ -104,12 +104,14 @@ def transition_body(trigger: str, src: str, dst: str, outcome: str) -> bytes:
 # keys are its keys exactly (a KeyError otherwise), without comparing its keys to a set (~0.3 us)
 _SENT_VALUES = itemgetter(*SENT_FIELDS, "step_id", "phase")
 _AGREED_VALUES = itemgetter(*AGREED_FIELDS, "step_id", "phase")
+_DISPATCH_KEYS = len(SENT_FIELDS) + 2  # the values and step_id, phase: as many for `agreed`
+assert len(AGREED_FIELDS) == len(SENT_FIELDS)
 
 
 def _dispatch(value: Any, step: Any, phase: Any, values: itemgetter) -> Any:
     """`sent`/`agreed` (`values`: `_SENT_VALUES` or `_AGREED_VALUES`) as their list (a tuple: the
     same JSON), or None to keep it as it is (name by name cost a microsecond more an agreement)."""
-    if type(value) is not dict or len(value) != 7:
+    if type(value) is not dict or len(value) != _DISPATCH_KEYS:
         return None
     try:
         out = values(value)

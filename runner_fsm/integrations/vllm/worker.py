@@ -35,8 +35,9 @@ of the platform's worker (`platform_worker`), so vLLM's own `worker_cls="auto"` 
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from typing import Any
+from typing import Any, Iterator
 
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.segments import flight_entries
@@ -119,38 +120,32 @@ class FSMWorkerMixin:
         self.replica_check = ReplicaCheck.for_worker(self)  # TP/PCP/PP peers: gate, rank faults, consensus
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
-        try:
+        with self._faults_recorded():
             super().load_model(*args, **kwargs)
-        except BaseException as error:
-            self._fault(error)  # a start-up failure is a fault record, as at every later point
-            raise
-        adapter = self.runner_adapter
-        if self.rope_verdict is not None and self.rope_verdict.defective:
-            self.rope_installed = cpu_rope.install_stride_safe_rope(adapter.model(), self.rope_verdict)
-        schema.check_runner(adapter)
-        rec = self.recorder
-        hook = self.forward_hook()
-        # The runner's input preparations are observed where something reads them: the probe
-        # (staleness stamps), the PCP evidence, the DP support and the peers' check (MRV2's roles)
-        inputs = not self._lean_hook or self.dp_support is not None or self.replica_check is not None
-        adapter.attach(step_of=lambda: rec.step_id if rec.in_step else -1, inputs=inputs)
-        hook_forward(adapter.model(), hook)
-        if self.dp_support is not None:
-            self.dp_support.attach(adapter)
-        if self.replica_check is not None:
-            self.replica_check.attach(adapter)  # and, after each step's end, its consensus check
+            adapter = self.runner_adapter
+            if self.rope_verdict is not None and self.rope_verdict.defective:
+                self.rope_installed = cpu_rope.install_stride_safe_rope(adapter.model(), self.rope_verdict)
+            schema.check_runner(adapter)
+            rec = self.recorder
+            hook = self.forward_hook()
+            # The runner's input preparations are observed where something reads them: the probe
+            # (staleness stamps), the PCP evidence, the DP support and the peers' check (MRV2's roles)
+            inputs = not self._lean_hook or self.dp_support is not None or self.replica_check is not None
+            adapter.attach(step_of=lambda: rec.step_id if rec.in_step else -1, inputs=inputs)
+            hook_forward(adapter.model(), hook)
+            if self.dp_support is not None:
+                self.dp_support.attach(adapter)
+            if self.replica_check is not None:
+                self.replica_check.attach(adapter)  # and, after each step's end, its consensus check
 
     def determine_available_memory(self) -> int:
         self.recorder.start_capture()  # warm-up and profiling forwards run from here
-        try:
+        with self._faults_recorded():
             return super().determine_available_memory()
-        except BaseException as error:
-            self._fault(error)  # under `capturing`: a start-up failure is a fault like any other
-            raise
 
     def compile_or_warm_up_model(self):
         self.recorder.start_capture()
-        try:
+        with self._faults_recorded():
             schema.check_runner(self.runner_adapter, kv_cache=True)  # the KV cache exists now
             adapter = self.runner_adapter
             adapter.attach_kv()
@@ -161,9 +156,6 @@ class FSMWorkerMixin:
             if self.supplies_pp_buffers:
                 adapter.supply_pp_buffers()
             times = super().compile_or_warm_up_model()  # JIT warm-up steps, graph captures
-        except BaseException as error:
-            self._fault(error)
-            raise
         self.recorder.end_capture()
         return times
 
@@ -203,11 +195,8 @@ class FSMWorkerMixin:
         rec = self.recorder
         rec.start_capture()
         rec.audit.graph(CAPTURE_STEP, "warmup", num_tokens=int(so.total_num_scheduled_tokens))
-        try:
+        with self._faults_recorded():
             return super().execute_model(so)
-        except BaseException as error:
-            self._fault(error)
-            raise
 
     def sample_tokens(self, grammar_output: Any):
         rec = self.recorder
@@ -300,6 +289,16 @@ class FSMWorkerMixin:
         if rec.fingerprints:
             taken, copied = self.probe.take(self.runner_adapter.graph_inputs(desc, capturing), {})
         rec.on_forward(taken, copied, self._dummy, "FULL", key, None)
+
+    @contextlib.contextmanager
+    def _faults_recorded(self) -> Iterator[None]:
+        """Start-up and warm-up: a failure inside is a `fault` record, then raised to vLLM unchanged
+        (the per-step paths inline the same: a context manager's frames would cost every step)."""
+        try:
+            yield
+        except BaseException as error:
+            self._fault(error)
+            raise
 
     def _fault(self, error: BaseException) -> None:
         """An error inside a step: logged, the replica `faulted`, the Flight Recorder dumped."""
