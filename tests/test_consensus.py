@@ -93,12 +93,29 @@ def test_a_rank_in_the_other_graph_mode_is_named(tmp_path, replica, rank):
     assert "decided graph=" in report.verdicts[0].detail
 
 
-def test_two_ranks_say_that_they_differ_not_who_is_wrong(tmp_path):
-    """PCP=2: no majority; both ranks are named. Mutation: naming the second rank alone -> fails."""
-    run = write_run(tmp_path, SynthSpec(dp_size=2, pcp_size=2, decisions=True), [Defect("rank_graph_mode", 1, 5, 0)])
+@pytest.mark.parametrize("replica,rank", [(1, 0), (0, 1)])
+def test_two_ranks_name_the_one_that_ran_eager_beside_a_replay(tmp_path, replica, rank):
+    """PCP=2, no majority: the rank that ran eager the batch its peer replayed as a graph of G
+    rows, though it had captured a graph of G rows, is named (its PCP rank 0 in one replica, 1
+    in the other). Evidence missing: without the capture records, both ranks are named, "no
+    majority". Mutation: `_eager_beside_a_replay` ignoring the captured sizes -> the stripped
+    case still names one rank."""
+    run = write_run(tmp_path / "run", SynthSpec(dp_size=2, pcp_size=2, decisions=True),
+                    [Defect("rank_graph_mode", replica, 5, rank)])
     report = replay(run)
-    assert _verdicts(run) == [("replica_divergence", 1, 5, (2, 3))], report.format()
-    assert "no majority" in report.verdicts[0].detail
+    assert _verdicts(run) == [("replica_divergence", replica, 5, (replica * 2 + rank,))], report.format()
+    assert "decided graph=0" in report.verdicts[0].detail and "captured a graph" in report.verdicts[0].detail
+
+    def without_captures(records):
+        return [r for r in records if not (r["event"] == "buffers" and r["reason"] == "capture")
+                and not (r["event"] == "graph" and r["action"] == "capture")]
+    for path in run.glob("rank-*.jsonl"):
+        rewrite_in_full(path, without_captures)
+    report = replay(run)
+    pair = (replica * 2, replica * 2 + 1)
+    assert [(v.kind, v.replica, v.step, v.ranks) for v in report.verdicts
+            if v.kind == "replica_divergence"] == [("replica_divergence", replica, 5, pair)], report.format()
+    assert "no majority" in [v for v in report.verdicts if v.kind == "replica_divergence"][0].detail
 
 
 def test_sampled_tokens_of_pcp_peers_are_pcp_divergence(tmp_path):

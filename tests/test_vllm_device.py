@@ -309,10 +309,15 @@ def test_mla_under_pcp_warms_up_through_the_worker(tmp_path):
 
 def test_mtp_under_dp_and_pcp_in_the_device_configuration(tmp_path):
     """The project's own case, DP=2 x PCP=2 with MTP drafts (four processes), in the emulated
-    device configuration: the JIT warm-up runs through FSMWorker on every rank (warm-up records),
-    async scheduling; the tokens equal Hugging Face's greedy ones; replay sound. The emulated
-    CPU MLA backend captures single-token decode graphs only, so with MTP (two query tokens a
-    request) vLLM runs these decode steps eager, as on a CUDA backend of that support."""
+    device configuration, replica 1 idle while replica 0 decodes: the JIT warm-up runs through
+    FSMWorker on every rank (warm-up records), async scheduling; the tokens equal Hugging Face's
+    greedy ones; replay sound (no `graph_mode_demoted`).
+
+    Whether vLLM demotes every replica when one idles (Part 31): not here. The idle replica's
+    dummy asks for the busy replica's uniform token count (2: one token and one draft a request),
+    so the counts agree; and the emulated CPU MLA backend captures single-token decode graphs
+    only, so the busy replica asks for eager itself at every MTP decode step (vLLM's own column
+    in its agreement: cg_mode 0), as on a CUDA backend of that support: no graph to lose."""
     import vllm_dp_cases as c
     from vllm_checks import hf_greedy
 
@@ -332,4 +337,15 @@ def test_mtp_under_dp_and_pcp_in_the_device_configuration(tmp_path):
     for rank in range(4):
         assert graph_records(run_dir, "warmup", rank), rank
         assert records(run_dir, rank)[0]["device_emulation"]["async_scheduling"]
-    assert_replays_sound(run_dir)
+    report = assert_replays_sound(run_dir)
+    assert not [v for v in report.verdicts if v.kind == "graph_mode_demoted"]
+    # what each replica asked of vLLM's target DP sync, by step: (kind, vLLM's column)
+    asked = [{r["step_id"]: (r.get("kind", "real"), r["sent"]["vllm"]) for r in records(run_dir, rank)
+              if r["event"] == "collective" and r["group"] == "dp" and r["stage"] == "enqueue" and r["phase"] == 1}
+             for rank in (0, 2)]  # PCP rank 0 of replica 0, of replica 1
+    idle = [step for step, (kind, _) in asked[1].items() if kind == "dummy"]
+    assert len(idle) >= 5, asked[1]
+    for step in idle:
+        busy, dummy = asked[0][step][1], asked[1][step][1]  # [num_tokens, cg_mode, uniform count, ...]
+        assert asked[0][step][0] == "real" and busy[2] == dummy[2] == 2, (step, busy, dummy)
+        assert busy[1] == 0, (step, busy)  # the busy replica asked for eager itself

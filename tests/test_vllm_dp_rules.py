@@ -100,3 +100,53 @@ def test_an_injection_that_fired_is_silent():
     injector.saw(2, "decode")
     assert not injector.due("desync", 1) and injector.never_fired(3) is not None
     assert injector.due("desync", 2) and injector.never_fired(3) is None
+
+
+def test_graph_kinds_parse_and_go_to_the_graph_faults():
+    """The graph-replay kinds parse (rank-graph-mode needs its rank), are owned by `GraphFaults`
+    alone (neither the DP support's nor the replica check's injector holds them), and one that
+    never met a replay says so. Mutation: `_dp_injection` keeping graph kinds -> fails."""
+    from runner_fsm.integrations.vllm.dp.support import _dp_injection
+
+    assert inject.parse("skip-input-refresh@replica=1,step=4").kind == "skip-input-refresh"
+    assert inject.parse("rank-graph-mode@replica=0,step=3,rank=1").rank == 1
+    assert inject.parse("demote-graph-mode@replica=2,step=8").replica == 2
+    with pytest.raises(ConfigError, match="add ,rank=K"):
+        inject.parse("rank-graph-mode@replica=0,step=3")
+    assert _dp_injection("skip-input-refresh@replica=1,step=4") is None
+    assert _dp_injection("rank-graph-mode@replica=0,step=3,rank=1") is None
+    assert _dp_injection("demote-graph-mode@replica=1,step=8").kind == "demote-graph-mode"
+    for replica in (0, 1):
+        injector = inject.VLLMInjector(inject.parse(f"skip-input-refresh@replica={replica},step=4"), replica)
+        injector.saw(4, "prefill")
+        assert injector.never_fired(6) == (f"inject skip-input-refresh@replica={replica},step=4 never fired: replica"
+                                           f" {replica} ran step 4 (prefill) without a graph replay, where"
+                                           " skip-input-refresh acts")
+    demote = inject.VLLMInjector(inject.parse("demote-graph-mode@replica=1,step=8"), 1)
+    demote.saw(8, "decode")
+    assert "was not idle at step 8" in demote.never_fired(9)
+
+
+def test_graph_faults_refuse_a_runner_without_a_graph_manager():
+    """V1 replays no graph from Python calls of its own: the fault is a start-up ConfigError,
+    not a run that tests nothing. Mutation: `attach` without the check -> no error."""
+    from types import SimpleNamespace
+
+    from runner_fsm.integrations.vllm.graph_faults import GraphFaults
+    from runner_fsm.integrations.vllm.runners.v1 import V1Runner
+
+    faults = GraphFaults(inject.parse("skip-input-refresh@replica=0,step=4"), SimpleNamespace(), dp_rank=0, rank=0)
+    with pytest.raises(ConfigError, match="skip-input-refresh acts where a graph manager replays"):
+        faults.attach(V1Runner(object()))
+
+
+def test_vllm_agreement_columns_are_proposals():
+    """What a vLLM replica proposed to its target agreement, for `graph_mode_demoted`: vLLM's own
+    column (num_tokens, cg_mode, ...) where no `graph_mode` is logged, an idle replica's dummy as
+    no work. Evidence missing (no column): no mode, so no replica is judged a demoter."""
+    from runner_fsm.replay.scan_collectives import _proposed
+
+    assert _proposed({"kind": "dummy"}, {"num_tokens": 1, "vllm": [1, 0, 1, 1, 0, 1]}, 8) == (0, 0, 8)
+    assert _proposed({}, {"num_tokens": 4, "vllm": [4, 2, 1, 1, 0, 4]}, 8) == (4, 2, 8)
+    assert _proposed({}, {"num_tokens": 4, "graph_mode": 2}, 8) == (4, 2, 8)  # the embedded engine's
+    assert _proposed({"kind": "dummy"}, {"num_tokens": 1}, 8) == (1, None, 8)

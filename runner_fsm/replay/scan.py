@@ -197,7 +197,8 @@ class RankScanner(CollectiveReader):
             self._uncounted = self.records - 1  # this record is the first one counted
         current = self.current
         if current is None:
-            self.current = StepBuilder(step if isinstance(step, int) else -1, self._line, self._resumed)
+            self.current = StepBuilder(step if isinstance(step, int) else -1, self._line, self._resumed,
+                                       self.buffers.captured)
             self._resumed = False
             return None
         if step == current.step or step is None:
@@ -205,7 +206,7 @@ class RankScanner(CollectiveReader):
         if not isinstance(step, int) or step < current.step:
             self._verdict("gap", f"step_id goes back from {current.step} to {step!r}: records out of order")
             return None
-        self.current = StepBuilder(step, self._line, self._resumed)
+        self.current = StepBuilder(step, self._line, self._resumed, self.buffers.captured)
         self._resumed = False
         self.buffers.new_step()
         return current.seal(self.info.global_rank, self._signatures)

@@ -72,7 +72,7 @@ class CollectiveReader(LogIntegrity):
             self._forward_evidence(record)
         elif group == "dp":
             if phase == 1 and isinstance(sent, dict):  # TARGET: what it proposed, with its graphs
-                step.proposed = (sent.get("num_tokens"), sent.get("graph_mode"), self.buffers.largest_capture())
+                step.proposed = _proposed(record, sent, self.buffers.largest_capture())
             if "inputs" in record:
                 self._dispatch_evidence(record["inputs"], sent)
             elif isinstance(sent, dict) and sent.get("status"):
@@ -132,3 +132,16 @@ class CollectiveReader(LogIntegrity):
         problem = dispatch_problem(inputs, told)
         if problem is not None:
             self._verdict("dispatch_mismatch", f"replica {self.info.dp_rank} {problem}")
+
+
+def _proposed(record, sent: dict, captured) -> tuple:
+    """(num_tokens, graph_mode, largest graph captured) a replica proposed to its target agreement.
+    The vLLM worker logs vLLM's own column instead of a graph mode (`sent.vllm`: num_tokens, then
+    its `CUDAGraphMode` value, whose NONE and FULL are the rule's eager and FULL), and an idle
+    replica's dummy step as `kind: dummy`: a dummy batch is no work, whatever rows it pads to."""
+    mode = sent.get("graph_mode")
+    column = sent.get("vllm")
+    if mode is None and isinstance(column, list) and len(column) > 1:
+        tokens = 0 if record.get("kind") == "dummy" else sent.get("num_tokens")
+        return tokens, column[1], captured
+    return sent.get("num_tokens"), mode, captured

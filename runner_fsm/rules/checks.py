@@ -170,6 +170,7 @@ class BufferTracker:
     def __init__(self) -> None:
         self._captured: dict = {}  # graph size -> snapshot logged at its capture
         self._largest: int | None = None  # the largest int size in it (asked every step, set at a capture)
+        self.captured: frozenset = frozenset()  # its int sizes (set at a capture)
         self._capture_size = None
         self.forget_steps()
 
@@ -218,7 +219,8 @@ class BufferTracker:
             self._step_dummy = True
         elif reason == "capture":
             self._captured[size if size is not None else self._capture_size] = snapshot
-            self._largest = max((size for size in self._captured if isinstance(size, int)), default=None)
+            self.captured = frozenset(size for size in self._captured if isinstance(size, int))
+            self._largest = max(self.captured, default=None)
         self._current = snapshot
         return problems
 

@@ -105,6 +105,8 @@ class ReplicaConsensus:
             if odd is not None and found is None:
                 decision = first_difference(stages[pp][odd].decided[1], stages[pp][reference].decided[1], FIELDS)
                 found = (odd, reference, decision, majority)
+                if not majority:
+                    found = _eager_beside_a_replay(stages[pp][odd], stages[pp][reference]) or found
         if found is None and len(stages) > 1:
             found = self._across_stages(stages, references)
         if found is None:
@@ -143,6 +145,8 @@ class ReplicaConsensus:
                 f"decided {name}={mine} where {infos[reference].rank_text()} decided {name}={theirs}"
                 if name is not None else f"logged another decision digest than {infos[reference].rank_text()}"
                 " (the decision that differs was logged before the steps read)")
+        if name == "graph" and mine == 0 and len(summaries) == 2:  # named by `_eager_beside_a_replay`
+            what += f" (it ran eager the batch its peer replayed, though it had captured that graph, {theirs} rows, itself)"
         whose = "" if majority else " (no majority among its ranks: which one is wrong is not known)"
         self.emit(Verdict("replica_divergence", replica, step,
                           f"replica {replica}, {infos[odd].rank_text()} {what} at step {step}{whose};"
@@ -174,6 +178,22 @@ class ReplicaConsensus:
                           " replica eager" + (f" (idle replicas proposing eager: {', '.join(map(str, demoters))})"
                                               if len(demoters) > 1 else ""),
                           tuple(proposals[r][3] for r in demoters)))
+
+
+def _eager_beside_a_replay(a: RankStep, b: RankStep):
+    """Where no majority says which of two ranks is wrong: the one that ran eager the batch its peer
+    replayed as a graph of G rows, though it had captured a graph of G rows itself (a rank's graph
+    decision is vLLM's dispatch over the batch, and every decision before it matched), is (odd,
+    reference, ("graph", 0, G), True). None where that evidence is not there."""
+    mine, theirs = a.decided[1] or {}, b.decided[1] or {}
+    if any(mine.get(name) != theirs.get(name) for name in ("real", "batch", "dispatch")):
+        return None  # another batch: not the same dispatch
+    for eager, replayed in ((a, b), (b, a)):
+        size = (replayed.decided[1] or {}).get("graph")
+        if (eager.decided[1] or {}).get("graph") == 0 and isinstance(size, int) and size > 0 \
+                and size in eager.decided[4]:
+            return eager.rank, replayed.rank, ("graph", 0, size), True
+    return None
 
 
 def _pcp_peers(a, b) -> bool:

@@ -28,10 +28,11 @@ class StepBuilder:
     """The step a scanner is reading; sealed into a `RankStep` when the next one starts."""
 
     __slots__ = ("step", "line", "keys", "first_pg", "open", "agreed", "fault", "kind", "drafted", "output",
-                 "faulted", "aborted", "resumed", "digest", "decisions", "proposed", "gate")
+                 "faulted", "aborted", "resumed", "digest", "decisions", "proposed", "gate", "captured")
 
-    def __init__(self, step: int, line: int, resumed: bool = False):
+    def __init__(self, step: int, line: int, resumed: bool = False, captured: frozenset = frozenset()):
         self.step, self.line = step, line
+        self.captured = captured  # the graph sizes this rank had captured (`BufferTracker.captured`)
         self.resumed = resumed  # the log jumped to this step (a seek, a rotation gap)
         self.keys: dict[str, list[tuple]] = {}  # group -> (op, phase, shapes) in issue order
         self.first_pg: dict[str, int] = {}  # group -> pg_seq of its first collective this step
@@ -69,7 +70,7 @@ class StepBuilder:
         return RankStep(rank, self.step, self.line, signature, first_pg, open_ or None, self.agreed,
                         self.fault, self.kind, self.drafted, ended, hung, timed_out, self.output,
                         self.faulted, self.aborted, self.resumed,
-                        (self.digest, self.decisions, self.proposed, self.gate))
+                        (self.digest, self.decisions, self.proposed, self.gate, self.captured))
 
 
 class RankStep:
@@ -81,7 +82,7 @@ class RankStep:
 
     def __init__(self, rank, step, line, signature, first_pg, open_, agreed, fault, kind, drafted,
                  ended, hang, hang_timed_out, output=None, faulted=False, aborted=False, resumed=False,
-                 decided=(None, None, None, None)):
+                 decided=(None, None, None, None, frozenset())):
         self.rank, self.step, self.line = rank, step, line
         self.signature = signature  # ((group, ((op, phase, shapes), ...)), ...) in issue order
         self.first_pg = first_pg  # per group of the signature: pg_seq of its first collective
@@ -97,7 +98,7 @@ class RankStep:
         self.resumed = resumed  # its log jumped to this step (a seek, steps rotated away before it)
         # what `rules.consensus` compares across the replica's ranks: (decision digest or None,
         # decisions as known or None, (num_tokens, graph_mode, largest graph captured) of its
-        # target agreement or None, drafter steps its gate let run or None)
+        # target agreement or None, drafter steps its gate let run or None, graph sizes it had captured)
         self.decided = decided
 
     def __reduce__(self):

@@ -74,8 +74,8 @@ class ReplicaCheck:
             return None
         opts = worker.fsm_options
         injection = inject.parse(opts.inject) if opts.inject else None
-        if injection is not None and injection.kind not in inject.RANK_KINDS:
-            injection = None  # the DP support's (`dp/support.py`)
+        if injection is not None and (injection.kind not in inject.RANK_KINDS or injection.kind in inject.GRAPH_KINDS):
+            injection = None  # the DP support's (`dp/support.py`) or a graph replay's (`graph_faults`)
         return cls(worker.recorder, place=place, injection=injection, consensus=opts.consensus,
                    timeout_s=opts.collective_timeout_s)
 

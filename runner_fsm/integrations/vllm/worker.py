@@ -46,6 +46,7 @@ from runner_fsm.integrations.vllm.common import schema
 from runner_fsm.integrations.vllm.cpu import rope as cpu_rope
 from runner_fsm.integrations.vllm.dp.support import DPSupport
 from runner_fsm.integrations.vllm.engine_stops import WorkerStops
+from runner_fsm.integrations.vllm.graph_faults import GraphFaults
 from runner_fsm.integrations.vllm.flight import WorkerFlight, groups as flight_groups, start as start_flight_recorder
 from runner_fsm.integrations.vllm.options import WorkerOptions
 from runner_fsm.integrations.vllm.recording.forwards import forward_context, hook_forward
@@ -64,6 +65,7 @@ class FSMWorkerMixin:
     recorder: ReplicaRecorder | None = None
     dp_support: DPSupport | None = None
     replica_check: ReplicaCheck | None = None
+    graph_faults: GraphFaults | None = None
     runner_adapter: RunnerAdapter | None = None
     rope_verdict: cpu_rope.RopeSelfTest | None = None  # the CPU rotary op's self-test (CPU only)
     rope_installed: str | None = None  # what install_stride_safe_rope did (None: nothing)
@@ -118,6 +120,7 @@ class FSMWorkerMixin:
         the model does not yet). Nothing in a single replica."""
         self.dp_support = DPSupport.for_worker(self)  # DP: agreement rows, watchdog, faults
         self.replica_check = ReplicaCheck.for_worker(self)  # TP/PCP/PP peers: gate, rank faults, consensus
+        self.graph_faults = GraphFaults.for_worker(self)  # an injected fault at a graph replay
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         with self._faults_recorded():
@@ -152,6 +155,8 @@ class FSMWorkerMixin:
             # The graph manager's own calls: each capture, and each replay (no module hook runs in one)
             adapter.attach_graphs(lambda desc: self._graph_forward(desc, True),
                                   lambda desc: self._graph_forward(desc, False))
+            if self.graph_faults is not None:
+                self.graph_faults.attach(adapter)
             self.check_lean_hook()
             if self.supplies_pp_buffers:
                 adapter.supply_pp_buffers()
@@ -174,6 +179,8 @@ class FSMWorkerMixin:
         dp_support = self.dp_support
         if dp_support is not None:
             dp_support.injector.saw(rec.step_id, kind)
+        if self.graph_faults is not None:
+            self.graph_faults.began(rec.step_id, kind)
         try:
             if dp_support is not None:
                 dp_support.before_step(so)  # scheduled drafts vs. proposals
@@ -222,6 +229,8 @@ class FSMWorkerMixin:
         rec.begin_step("idle")
         if self.dp_support is not None:
             self.dp_support.injector.saw(rec.step_id, "idle")
+        if self.graph_faults is not None:
+            self.graph_faults.began(rec.step_id, "idle")
         self._dummy = True
         try:
             super().execute_dummy_batch()
@@ -286,6 +295,8 @@ class FSMWorkerMixin:
         rec = self.recorder
         key = (desc.num_tokens, desc.num_reqs, desc.uniform_token_count is not None)  # as forward_context's
         taken, copied = None, ()
+        if not capturing and self.graph_faults is not None:
+            self.graph_faults.before_replay()  # skip-input-refresh: the step's inputs undone
         if rec.fingerprints:
             taken, copied = self.probe.take(self.runner_adapter.graph_inputs(desc, capturing), {})
         rec.on_forward(taken, copied, self._dummy, "FULL", key, None)
@@ -329,6 +340,8 @@ class FSMWorkerMixin:
                 unfired = self.dp_support.injector.never_fired(rec.step_id - 1)
         if self.replica_check is not None and rec is not None:
             unfired = unfired or self.replica_check.never_fired(rec.step_id - 1)
+        if self.graph_faults is not None and rec is not None:
+            unfired = unfired or self.graph_faults.never_fired(rec.step_id - 1)
         self.flight.dump("end")  # while vLLM's groups still exist
         try:
             if unfired is not None:  # the run tested nothing; replay says so from the logs too

@@ -29,8 +29,16 @@ KINDS = (
     # One rank of the replica (`KIND@replica=R,step=S,rank=K`, K its rank within the replica in
     # vLLM's order), `replica_check`:
     "tp-skip-draft",  # rank K's drafter gate alone says no for the step (vLLM #49027)
+    # A FULL graph's replay (`graph_faults`; MRV2's graph manager, e.g. under the device emulation):
+    "skip-input-refresh",  # the replay reads the inputs the step before left: its own were never written there
+    "rank-graph-mode",  # rank K runs the step eager while its peers replay (SGLang #31566, #37933)
+    # The DP sync (`dp/support.py`): the idle replica asks for eager, so every replica runs eager
+    # (vllm-ascend #15347); `graph_mode_demoted` in replay.
+    "demote-graph-mode",
 )
-RANK_KINDS = frozenset({"tp-skip-draft"})
+RANK_KINDS = frozenset({"tp-skip-draft", "rank-graph-mode"})
+# Kinds that act at a graph replay (`graph_faults.GraphFaults` owns them, whatever the job's shape).
+GRAPH_KINDS = frozenset({"skip-input-refresh", "rank-graph-mode"})
 
 
 def parse(text: str) -> Injection:
@@ -47,7 +55,7 @@ def parse(text: str) -> Injection:
 
 # Kinds that act on the idle replica's dummy step only.
 DUMMY_ONLY = frozenset({"skip-dummy-forward", "skip-draft-sync", "draft-steps-mismatch", "stale-pcp-context",
-                        "skip-buffer-refresh"})
+                        "skip-buffer-refresh", "demote-graph-mode"})
 
 
 class VLLMInjector:
@@ -92,6 +100,8 @@ class VLLMInjector:
         elif i.kind in DUMMY_ONLY and self.seen != "idle":
             why = (f"replica {i.replica} was not idle at step {i.step} (it ran a {self.seen} step);"
                    f" {i.kind} acts on a dummy step")
+        elif i.kind in GRAPH_KINDS:
+            why = f"replica {i.replica} ran step {i.step} ({self.seen}) without a graph replay, where {i.kind} acts"
         else:
             why = f"replica {i.replica} ran step {i.step} ({self.seen}) without reaching where {i.kind} acts"
         return f"inject {i} never fired: {why}"

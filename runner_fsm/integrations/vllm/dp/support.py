@@ -84,9 +84,10 @@ class DPSupport:
                             draft.register_forward_hook(self._after_forward)]
         if self.injector.injection is not None:
             adapter.install_faults(skip_dummy_forward=self._skip_dummy_forward,
-                                   skip_draft_sync=lambda: self._draft_fault("skip-draft-sync"),
-                                   draft_steps_mismatch=lambda: self._draft_fault("draft-steps-mismatch"),
-                                   pcp_fault=self._pcp_fault)
+                                   skip_draft_sync=lambda: self._dummy_fault("skip-draft-sync"),
+                                   draft_steps_mismatch=lambda: self._dummy_fault("draft-steps-mismatch"),
+                                   pcp_fault=self._pcp_fault,
+                                   demote_graph_mode=lambda: self._dummy_fault("demote-graph-mode"))
 
     def _position(self) -> tuple[int, bool]:
         rec = self.recorder
@@ -182,8 +183,9 @@ class DPSupport:
         tap = self.tap
         return tap.kind == agreement.KIND_DUMMY and self.injector.due("skip-dummy-forward", tap.step_id)
 
-    def _draft_fault(self, kind: str) -> bool:
-        """Asked where the idle replica's drafter would run its dummy pass (and its syncs)."""
+    def _dummy_fault(self, kind: str) -> bool:
+        """Asked where the idle replica's drafter would run its dummy pass (and its syncs), and
+        in its target DP sync (demote-graph-mode)."""
         tap = self.tap
         tap.follow()
         return tap.kind == agreement.KIND_DUMMY and self.injector.due(kind, tap.step_id)
@@ -197,6 +199,7 @@ class DPSupport:
 
 
 def _dp_injection(text: str | None):
-    """The injection the DP support acts on: not one of a rank's (`replica_check`'s)."""
+    """The injection the DP support acts on: not one of a rank's (`replica_check`'s) nor one of a
+    graph replay's (`graph_faults`)."""
     injection = inject.parse(text) if text else None
-    return None if injection is None or injection.kind in inject.RANK_KINDS else injection
+    return None if injection is None or injection.kind in inject.RANK_KINDS | inject.GRAPH_KINDS else injection

@@ -69,6 +69,7 @@ class RunnerAdapter:
     # not checked at load time (read only where a feature needs them), listed so every name an
     # adapter reads is in its tables (tests/test_vllm_rooms.py).
     READS: dict[str, tuple[str, ...]] = {}
+    GRAPH_MANAGER = False  # FULL graphs picked, captured and replayed by Python calls of its own (`attach_graphs`)
     DP_ROWS = 0  # rows of vLLM's own DP sync tensor (the agreement rows follow them)
     # Where the runner partitions batches over PCP ranks itself: its evidence (`runners/pcp/evidence.py`
     # reads it; the worker's forward hook skips that call while this is None).
@@ -126,6 +127,22 @@ class RunnerAdapter:
         """The persistent inputs a graph of descriptor `desc` reads (see `attach_graphs`)."""
         raise NotImplementedError
 
+    # -- graph faults (`graph_faults`): where the runner's graph manager replays from Python
+
+    def hold_replay_inputs(self) -> tuple:
+        """(the write stamp, copies of every persistent buffer a graph replay reads), as they are now."""
+        raise NotImplementedError(f"the {self.name} runner replays no graph from Python calls of its own")
+
+    def restore_replay_inputs(self, held: tuple) -> None:
+        """Write back what `hold_replay_inputs` held: the buffers then hold that preparation's
+        bytes, so the write stamp is that preparation's again (the probe reads it as `version`)."""
+        raise NotImplementedError(f"the {self.name} runner replays no graph from Python calls of its own")
+
+    def install_graph_veto(self, veto: Callable[[], bool]) -> None:
+        """Ask `veto()` where the graph manager picked a FULL graph for a step's target forward:
+        True runs that forward eager instead (as if no graph fit the batch)."""
+        raise NotImplementedError(f"the {self.name} runner picks no graph from Python calls of its own")
+
     def pcp_evidence(self) -> tuple[dict | None, dict] | None:
         """(PCP buffers' fingerprints, {ctx, batch}) of the forward about to run, where the
         runner partitions batches over PCP ranks itself; None otherwise."""
@@ -146,7 +163,8 @@ class RunnerAdapter:
 
     def install_faults(self, *, skip_dummy_forward: Callable[[], bool], skip_draft_sync: Callable[[], bool],
                        draft_steps_mismatch: Callable[[], bool] | None = None,
-                       pcp_fault: Callable[[str], bool] | None = None) -> None:
+                       pcp_fault: Callable[[str], bool] | None = None,
+                       demote_graph_mode: Callable[[], bool] | None = None) -> None:
         raise NotImplementedError
 
     def draft_model(self) -> torch.nn.Module | None:

@@ -18,6 +18,7 @@ reuses the target's agreement, so its forwards are recorded as collectives inste
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable
 
@@ -38,10 +39,11 @@ class MRV2Runner(RunnerAdapter):
              "input_buffers.query_start_loc", "input_buffers.seq_lens", "prepare_attn", "prepare_dummy_attn",
              "_dummy_run", "execute_model", "speculator", "pcp_manager", "req_states.draft_tokens")
     KV_ATTRS = ("block_tables.input_block_tables", "block_tables.slot_mappings", "cudagraph_manager.capture",
-                "cudagraph_manager.run_fullgraph", "cudagraph_manager.graphs")
+                "cudagraph_manager.run_fullgraph", "cudagraph_manager.graphs", "cudagraph_manager.dispatch")
     READS = {"runner": ("parallel_config", "pcp_manager_cls"),
              "speculator": ("propose", "num_speculative_steps", "model")}
     DP_ROWS = len(mrv2_dp.MRV2_ROWS)
+    GRAPH_MANAGER = True
     # Speculators whose forwards join no DP sync (they reuse the target's agreement).
     SYNC_FREE_SPECULATORS = ("vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator.StandaloneARSpeculator",)
 
@@ -54,6 +56,7 @@ class MRV2Runner(RunnerAdapter):
         self._base_ptrs: list[int] = []  # their addresses
         self.pcp = None  # PCPEvidence under PCP, once the KV cache exists (`attach_kv`)
         self._pcp_fault: Callable[[str], bool] | None = None
+        self._demote: Callable[[], bool] | None = None  # demote-graph-mode (`install_faults`)
         self._fast_pcp_layout = False  # install it on the PCP manager once that exists (`attach_kv`)
 
     def attach(self, step_of: Callable[[], int] | None = None, inputs: bool = True) -> None:
@@ -166,6 +169,41 @@ class MRV2Runner(RunnerAdapter):
             return ForwardInputs(desc, lambda: dict(zip(NAMES, views)), num_tokens, num_reqs, self.writes)
         return ForwardInputs(self._persistent_set(), self._persistent, num_tokens, num_reqs, self.writes)
 
+    def _replay_buffers(self) -> tuple[torch.Tensor, ...]:
+        """Every persistent buffer a FULL graph reads: the runner's, and under PCP the PCP manager's."""
+        buffers = self._persistent_set()
+        manager = self.runner.pcp_manager
+        if manager is not None:
+            bufs = manager.input_buffers
+            buffers += (bufs.input_ids, bufs.positions, bufs.query_start_loc, bufs.seq_lens,
+                        manager._gathered_kv_slot_mappings)
+        return buffers
+
+    def hold_replay_inputs(self) -> tuple:
+        return self.writes, tuple(buf.clone() for buf in self._replay_buffers())
+
+    def restore_replay_inputs(self, held: tuple) -> None:
+        stamp, copies = held
+        for buf, copy in zip(self._replay_buffers(), copies):
+            buf.copy_(copy)
+        self.writes = stamp
+
+    def install_graph_veto(self, veto: Callable[[], bool]) -> None:
+        manager = self.runner.cudagraph_manager
+
+        def dispatch(original, args, kwargs):
+            desc = original(*args, **kwargs)
+            # The step's target forward only (its inputs not prepared yet: a drafter's graphs
+            # have a manager of their own), where a FULL graph fits
+            if desc.cg_mode.name == "FULL" and self.prepared_step != self._step_of() and veto():
+                bound = inspect.signature(original).bind(*args, **kwargs)
+                desc = dataclasses.replace(desc, cg_mode=type(desc.cg_mode).NONE,
+                                           num_tokens=bound.arguments["num_tokens"],
+                                           num_reqs=bound.arguments["num_reqs"], uniform_token_count=None,
+                                           max_query_len=None)  # what `dispatch` gives where no graph fits
+            return desc
+        wrap_method(manager, "dispatch", dispatch)
+
     def _persistent_set(self) -> tuple[torch.Tensor, ...]:
         """The runner's persistent buffers in NAMES order (one tuple, made once)."""
         if self._bases is None:
@@ -186,7 +224,13 @@ class MRV2Runner(RunnerAdapter):
             return dp.TARGET if self.prepared_step != tap.step_id else tap.draft_phase()
         tap.phase_source = phase
         manager = lambda: getattr(self.runner, "cudagraph_manager", None)  # noqa: E731 - made with the KV cache
-        undo_sync = mrv2_dp.install(tap, mrv2_dp.graph_decision(manager, tap.dp_rank))
+
+        def eager_vote() -> bool:  # demote-graph-mode: asked in each DP sync, acts in the target's
+            if self._demote is None:
+                return False
+            tap.follow()
+            return self.prepared_step != tap.step_id and self._demote()
+        undo_sync = mrv2_dp.install(tap, mrv2_dp.graph_decision(manager, tap.dp_rank), eager_vote)
 
         def undo() -> None:
             undo_sync()
@@ -202,9 +246,11 @@ class MRV2Runner(RunnerAdapter):
 
     def install_faults(self, *, skip_dummy_forward: Callable[[], bool], skip_draft_sync: Callable[[], bool],
                        draft_steps_mismatch: Callable[[], bool] | None = None,
-                       pcp_fault: Callable[[str], bool] | None = None) -> None:
+                       pcp_fault: Callable[[str], bool] | None = None,
+                       demote_graph_mode: Callable[[], bool] | None = None) -> None:
         runner = self.runner
         self._pcp_fault = pcp_fault  # the PCP manager's faults act there (`runners/pcp/evidence.py`), once it exists
+        self._demote = demote_graph_mode  # asked in the target DP sync (`install_dp`)
 
         def prepare_unless_skipped(prepare, args, kwargs):
             out = prepare(*args, **kwargs)  # past the dummy's DP agreement, before its forward

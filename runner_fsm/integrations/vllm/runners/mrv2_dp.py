@@ -52,14 +52,17 @@ def graph_decision(manager, dp_rank: int) -> Callable[[list[list[int]]], dict]:
 class _CarryingDist:
     """`torch.distributed` as MRV2's dp_utils sees it, with the agreement in its all_reduce."""
 
-    def __init__(self, tap, decide=None):  # `dp.agreement.AgreementTap`, `graph_decision`
+    def __init__(self, tap, decide=None, eager_vote=None):  # `dp.agreement.AgreementTap`, `graph_decision`
         self._tap = tap
         self._decide = decide
+        self._eager_vote = eager_vote  # () -> True: this replica asks for eager (demote-graph-mode)
 
     def all_reduce(self, tensor: torch.Tensor, op=torch.distributed.ReduceOp.SUM, group=None, async_op=False):
         if tensor.dim() != 2 or tensor.shape[0] != len(MRV2_ROWS) or op != torch.distributed.ReduceOp.SUM \
                 or async_op:
             return torch.distributed.all_reduce(tensor, op=op, group=group, async_op=async_op)
+        if self._eager_vote is not None and self._eager_vote():
+            tensor[1, self._tap.dp_rank] = 0  # vLLM's cg_mode row: CUDAGraphMode.NONE, "run eager"
         summed = self._tap.exchange(tensor, group, device=tensor.device, num_tokens_row=0, graph_row=1,
                                     decide=self._decide)
         tensor.copy_(summed)
@@ -69,14 +72,15 @@ class _CarryingDist:
         return getattr(torch.distributed, name)
 
 
-def install(tap, decide=None) -> Callable[[], None]:
-    """Route MRV2's DP sync collective through `tap` (`decide`: `graph_decision`); returns the undo."""
+def install(tap, decide=None, eager_vote=None) -> Callable[[], None]:
+    """Route MRV2's DP sync collective through `tap` (`decide`: `graph_decision`; `eager_vote()`:
+    whether this replica asks for eager in this sync, an injected fault); returns the undo."""
     from vllm.v1.worker.gpu import dp_utils
 
     if dp_utils.dist is not torch.distributed:
         raise RuntimeError(f"vllm.v1.worker.gpu.dp_utils.dist is {dp_utils.dist!r}, not torch.distributed:"
                            " another interception is installed")
-    dp_utils.dist = _CarryingDist(tap, decide)
+    dp_utils.dist = _CarryingDist(tap, decide, eager_vote)
 
     def undo() -> None:
         dp_utils.dist = torch.distributed

@@ -94,7 +94,8 @@ class V1Runner(RunnerAdapter):
 
     def install_faults(self, *, skip_dummy_forward: Callable[[], bool], skip_draft_sync: Callable[[], bool],
                        draft_steps_mismatch: Callable[[], bool] | None = None,
-                       pcp_fault: Callable[[str], bool] | None = None) -> None:
+                       pcp_fault: Callable[[str], bool] | None = None,
+                       demote_graph_mode: Callable[[], bool] | None = None) -> None:
         runner = self.runner
 
         def determine_then_maybe_skip(determine, args, kwargs):
