@@ -104,7 +104,7 @@ def test_two_ranks_name_the_one_that_ran_eager_beside_a_replay(tmp_path, replica
                     [Defect("rank_graph_mode", replica, 5, rank)])
     report = replay(run)
     assert _verdicts(run) == [("replica_divergence", replica, 5, (replica * 2 + rank,))], report.format()
-    assert "decided graph=0" in report.verdicts[0].detail and "captured a graph" in report.verdicts[0].detail
+    assert "decided graph=0" in report.verdicts[0].detail and "had captured that graph" in report.verdicts[0].detail
 
     def without_captures(records):
         return [r for r in records if not (r["event"] == "buffers" and r["reason"] == "capture")

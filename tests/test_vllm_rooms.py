@@ -188,7 +188,7 @@ def test_the_pcp_managers_names_are_checked_once_the_kv_cache_exists(drop):
     from runner_fsm.integrations.vllm.runners.mrv2 import MRV2Runner
 
     tables = SimpleNamespace(input_block_tables=[0], slot_mappings=[0])
-    graphs = SimpleNamespace(capture=None, run_fullgraph=None, graphs={})  # the graph manager's calls
+    graphs = SimpleNamespace(capture=None, run_fullgraph=None, graphs={}, dispatch=None)  # the graph manager's calls
     adapter = MRV2Runner(SimpleNamespace(block_tables=tables, cudagraph_manager=graphs, pcp_manager=_Manager(drop)))
     expected = [] if drop is None else [f"_Manager.{drop} is missing (mrv2 runner's PCP manager)"]
     assert adapter.problems(kv_cache=True) == expected

@@ -66,6 +66,7 @@ class FSMWorkerMixin:
     dp_support: DPSupport | None = None
     replica_check: ReplicaCheck | None = None
     graph_faults: GraphFaults | None = None
+    _fault_owners: tuple = ()  # those above that hold an injection acting in a step (`began`)
     runner_adapter: RunnerAdapter | None = None
     rope_verdict: cpu_rope.RopeSelfTest | None = None  # the CPU rotary op's self-test (CPU only)
     rope_installed: str | None = None  # what install_stride_safe_rope did (None: nothing)
@@ -121,6 +122,7 @@ class FSMWorkerMixin:
         self.dp_support = DPSupport.for_worker(self)  # DP: agreement rows, watchdog, faults
         self.replica_check = ReplicaCheck.for_worker(self)  # TP/PCP/PP peers: gate, rank faults, consensus
         self.graph_faults = GraphFaults.for_worker(self)  # an injected fault at a graph replay
+        self._fault_owners = tuple(owner for owner in (self.dp_support, self.graph_faults) if owner is not None)
 
     def load_model(self, *args: Any, **kwargs: Any) -> None:
         with self._faults_recorded():
@@ -177,10 +179,8 @@ class FSMWorkerMixin:
         kind = self.step_kinds.of(so)
         rec.begin_step(kind, None, so.num_scheduled_tokens, entry=step_entry(so, rec.step_id, kind))
         dp_support = self.dp_support
-        if dp_support is not None:
-            dp_support.injector.saw(rec.step_id, kind)
-        if self.graph_faults is not None:
-            self.graph_faults.began(rec.step_id, kind)
+        for faults in self._fault_owners:  # the injections' owners: what this step is, for "never fired"
+            faults.began(rec.step_id, kind)
         try:
             if dp_support is not None:
                 dp_support.before_step(so)  # scheduled drafts vs. proposals
@@ -227,10 +227,8 @@ class FSMWorkerMixin:
     def execute_dummy_batch(self) -> None:
         rec = self.recorder
         rec.begin_step("idle")
-        if self.dp_support is not None:
-            self.dp_support.injector.saw(rec.step_id, "idle")
-        if self.graph_faults is not None:
-            self.graph_faults.began(rec.step_id, "idle")
+        for faults in self._fault_owners:
+            faults.began(rec.step_id, "idle")
         self._dummy = True
         try:
             super().execute_dummy_batch()
@@ -250,22 +248,19 @@ class FSMWorkerMixin:
         return drafts
 
     def forward_hook(self):
-        """The forward pre-hook `load_model` registers: the recorder's own where no forward is
-        fingerprinted (`audit=transitions`) and no PCP evidence is read (a single PCP rank),
-        else `_before_forward`."""
+        """The forward pre-hook `load_model` registers: the recorder's own where no forward is fingerprinted
+        (`audit=transitions`) and no PCP evidence is read (a single PCP rank), else `_before_forward`."""
         self._lean_hook = not self.recorder.fingerprints and self.place.sizes.pcp == 1
         return self.recorder.forward_hook if self._lean_hook else self._before_forward
 
     def check_lean_hook(self) -> None:
-        """Once the KV cache exists: a runner that built PCP evidence under the recorder's hook
-        (which reads none) stops the worker, rather than its evidence going unread."""
+        """Once the KV cache exists: PCP evidence built under the recorder's hook (which reads none) stops the worker."""
         if self._lean_hook and self.runner_adapter.pcp is not None:
             raise RuntimeError(f"FSMWorker: the {self.runner_adapter.name} runner built PCP evidence with"
                                " prefill_context_parallel_size 1; the recorder's forward hook reads none")
 
     def _before_forward(self, _module: Any, _args: tuple, args: dict) -> None:
-        """The forward pre-hook (torch's signature: module, positional args, keyword args):
-        fingerprints of the inputs this forward reads."""
+        """The forward pre-hook (module, positional args, keyword args): the fingerprints of its inputs."""
         rec = self.recorder
         capturing = rec.kind is None  # not `rec.in_step`: a property is one more call per forward
         mode, desc, dp_counts = forward_context()
@@ -288,17 +283,15 @@ class FSMWorkerMixin:
         rec.on_forward(taken, copied, self._dummy, mode, desc, dp_counts, logged)
 
     def _graph_forward(self, desc: Any, capturing: bool) -> None:
-        """A FULL graph captured (after the manager's capture, once per descriptor) or about to
-        be replayed (before the manager's replay), named by the graph manager's own call: its
-        descriptor, and with fingerprints the persistent inputs it reads, taken outside the
-        graph (hashed on the device, read back after the step)."""
+        """A FULL graph captured (after the manager's capture, once per descriptor) or about to be
+        replayed (before the manager's replay), named by the graph manager's own call: its descriptor,
+        and with fingerprints the inputs it reads, taken outside the graph (read back after the step)."""
         rec = self.recorder
         key = (desc.num_tokens, desc.num_reqs, desc.uniform_token_count is not None)  # as forward_context's
-        taken, copied = None, ()
         if not capturing and self.graph_faults is not None:
             self.graph_faults.before_replay()  # skip-input-refresh: the step's inputs undone
-        if rec.fingerprints:
-            taken, copied = self.probe.take(self.runner_adapter.graph_inputs(desc, capturing), {})
+        taken, copied = self.probe.take(self.runner_adapter.graph_inputs(desc, capturing), {}) \
+            if rec.fingerprints else (None, ())
         rec.on_forward(taken, copied, self._dummy, "FULL", key, None)
 
     @contextlib.contextmanager
@@ -333,15 +326,10 @@ class FSMWorkerMixin:
             rec.audit.stop(rec.step_id, "shutdown", detail="vLLM shut the worker down")
         if self.stops is not None:
             self.stops.restore()
-        unfired = None
         if self.dp_support is not None:
             self.dp_support.close()
-            if rec is not None:
-                unfired = self.dp_support.injector.never_fired(rec.step_id - 1)
-        if self.replica_check is not None and rec is not None:
-            unfired = unfired or self.replica_check.never_fired(rec.step_id - 1)
-        if self.graph_faults is not None and rec is not None:
-            unfired = unfired or self.graph_faults.never_fired(rec.step_id - 1)
+        unfired = next(filter(None, (owner.never_fired(rec.step_id - 1) for owner in (
+            self.dp_support, self.replica_check, self.graph_faults) if owner is not None and rec is not None)), None)
         self.flight.dump("end")  # while vLLM's groups still exist
         try:
             if unfired is not None:  # the run tested nothing; replay says so from the logs too

@@ -117,6 +117,13 @@ class DPSupport:
         """What `take_draft_token_ids` hands vLLM (of the step that just ended)."""
         self.drafts.proposed(self.recorder.step_id - 1, drafts.req_ids, drafts.draft_token_ids)
 
+    def began(self, step_id: int, kind: str) -> None:
+        """This replica's step `step_id` began as a `kind` step (prefill, decode, idle)."""
+        self.injector.saw(step_id, kind)
+
+    def never_fired(self, last_step: int) -> str | None:
+        return self.injector.never_fired(last_step)
+
     def close(self) -> None:
         self.watchdog.stop()
         for hook in self._hooks:
