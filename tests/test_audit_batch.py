@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -149,3 +150,51 @@ def test_rendered_lines_are_the_lines_of_each_record():
                                                         render.line(11, 99, "graph", None, b'{"action":"replay"}'),
                                                         render.line(12, 7, "buffers", 4, b"{}")])
     assert render.lines(0, records[:1], 1) == render.line(0, 5, "transition", 3, {"trigger": "finish"})
+
+
+def test_compact_times_read_back_exactly_over_100k_steps(tmp_path):
+    """A compact log's times come back within a microsecond of the times written, at the last of
+    100,000 steps as at the first: each step's gap is written in whole microseconds from the
+    time a reader rebuilds, not from the writer's exact clock (which let a reader fall up to a
+    microsecond behind per step: 0.1 s here). Mutation: `_head` keeping the exact time -> the
+    last step reads back ~50 ms early."""
+    from runner_fsm.audit.expand import Expander
+
+    t0 = 1_000_000_000_123
+    job = {"t_ns": t0, "seq": 0, "schema": 2, "run_id": "r", "dp_rank": 0, "pcp_rank": 0}
+    renderer, expand = CompactRenderer(t0), Expander(job)
+    body = b'{"tr":["decode","ready","decode"]}'
+    worst = 0
+    for step in range(100_000):
+        written = t0 + step * 1_234_567 + 499  # sub-microsecond parts, as a monotonic clock has
+        line = renderer.transition(step + 1, step, written, body)
+        record = expand(json.loads(line))
+        assert 0 <= written - record["t_ns"] < 1000, (step, written, record["t_ns"])
+        worst = max(worst, written - record["t_ns"])
+    assert worst > 0  # the gaps were rounded: the test saw sub-microsecond parts
+
+
+def test_a_deferred_record_written_by_another_thread_leaves_no_blank_line(tmp_path):
+    """Two threads flush the records queued for a signal handler (`write_in_handler`): the one
+    that gets the lock second finds the queue empty and writes nothing. It wrote an empty line
+    (a "blank line inside the audit log" for every reader) when the compressor's thread said a
+    failure while a step's write flushed the queue. Mutation: `_write_deferred` without its
+    `records and` -> a blank line."""
+    log = AuditLog(tmp_path, "run-d", 0, 0, 0)
+    log.transition(1, "decode", "ready", "decode", "ok")
+    log._deferred.append((0, "stop", 1, {"source": "shutdown", "signal": None, "detail": ""}))
+    log._lock.acquire()  # a write in progress: the other thread saw the queue and waits for the lock
+    waiting = threading.Thread(target=log._write_deferred, kwargs={"wait_s": 5.0})
+    waiting.start()
+    time.sleep(0.2)
+    # the write in progress flushes the queue before it lets go (as `_write_all`'s `finally` does)
+    records = [log._deferred.popleft()]
+    log._logger.msg(log._render_lines(log.lane.seq, records, time.monotonic_ns()))
+    log.lane.seq += 1
+    log._lock.release()
+    waiting.join()
+    log.transition(1, "finish", "decode", "ready", "ok")
+    log.close()
+    lines = log.path.read_bytes().split(b"\n")
+    assert b"" not in lines[:-1], lines
+    assert [r["event"] for r in read_records(log.path)] == ["transition", "stop", "transition"]

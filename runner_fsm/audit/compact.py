@@ -12,7 +12,9 @@ the time base. Every other record says only what is its own, in short keys:
   included); the records after it are seq q+1, q+2, ... (a lost line shows at the next step's
   `q`). `t`: microseconds, on a step's first record since the previous step's first record (the
   segment's first step: since its `job` record, whose `t_ns` is absolute), on the others since
-  their step's first record. Times are read from a segment's start (`read_records`, the trace
+  their step's first record. Each step's time is the previous one's plus its whole microseconds,
+  for the writer as for a reader: a time reads back less than a microsecond early, however many
+  steps the segment holds. Times are read from a segment's start (`read_records`, the trace
   export); a replay that seeks into a segment does not need them.
 - the event, one key: `tr` a transition: its trigger alone when it went as the table says
   (outcome `ok`, from the previous transition's `dst` in this segment to the table's `dst`),
@@ -195,8 +197,11 @@ class CompactRenderer:
         """A record's header: step, seq and time on its step's first record, else the time."""
         lane = self.lane
         if step_id != lane.step or lane.step is _NEW_STEP:
-            lane.step, t0, lane.step_t = step_id, lane.step_t, t
-            return b'{"s":%b,"q":%d,"t":%d,' % (b"null" if step_id is None else b"%d" % step_id, seq, (t - t0) // 1000)
+            gap = (t - lane.step_t) // 1000
+            # The step's time as a reader rebuilds it (the previous one's plus whole microseconds):
+            # each record is then off by less than a microsecond, and no error adds up over steps.
+            lane.step, lane.step_t = step_id, lane.step_t + gap * 1000
+            return b'{"s":%b,"q":%d,"t":%d,' % (b"null" if step_id is None else b"%d" % step_id, seq, gap)
         return b'{"t":%d,' % ((t - lane.step_t) // 1000)
 
     def transition(self, seq: int, step_id, t: int, body: bytes, tail: bytes = b"") -> bytes:

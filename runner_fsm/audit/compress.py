@@ -15,10 +15,11 @@ import contextlib
 import gzip
 import os
 import queue
+import sys
 import threading
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, Callable
 
 from runner_fsm.audit import stepindex
 
@@ -63,6 +64,17 @@ def compress(path: Path, lock: threading.Lock | None = None) -> Path | None:
         return None
 
 
+def report_failure(log, path: Path, error: OSError) -> None:
+    """A closed segment of `log` (an `AuditLog`) could not be compressed and stays plain (a full
+    disk, say): a line on stderr and a `storage` record, which replay lists in its notes. From the
+    compressor's thread, written as a signal handler's record is: it waits for the log's lock a
+    moment at most (the holder may be waiting for this thread), else the next write takes it."""
+    what = f"{type(error).__name__}: {error}"
+    print(f"runner_fsm: {log.path.name}: compressing {path.name} failed ({what}); it stays plain",
+          file=sys.stderr, flush=True)
+    log.write_in_handler("storage", None, {"action": "compress", "file": path.name, "error": what})
+
+
 @contextlib.contextmanager
 def open_lines(path: Path, offset: int = 0) -> Iterator[BinaryIO]:
     """The segment's bytes as lines, from the byte `offset` of its plain text (in a compressed
@@ -90,7 +102,10 @@ class Compressor:
     """One thread that compresses the segments it is given, in order; a daemon: a process
     that ends leaves a segment plain (and perhaps a `.gz.tmp` beside it), never broken."""
 
-    def __init__(self) -> None:
+    def __init__(self, on_error: Callable[[Path, OSError], None] | None = None) -> None:
+        """`on_error(path, error)`: a segment could not be compressed (it stays plain), said by
+        the log that owns it; called from this thread."""
+        self._on_error = on_error
         self.lock = threading.Lock()  # held while a segment is deleted (`segments`) or put in place
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="runner-fsm-compress", daemon=True)
@@ -108,7 +123,10 @@ class Compressor:
             path = self._queue.get()
             try:
                 compress(path, self.lock)
-            except OSError:  # a full disk: the segment stays plain
-                pass
+            except OSError as error:  # a full disk: the segment stays plain, and the log says so
+                with contextlib.suppress(OSError):
+                    os.unlink(compressed(path).with_name(compressed(path).name + ".tmp"))
+                if self._on_error is not None:
+                    self._on_error(path, error)
             finally:
                 self._queue.task_done()

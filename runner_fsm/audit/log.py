@@ -31,7 +31,7 @@ from typing import Any
 
 import structlog
 
-from runner_fsm.audit import compact, step_lane
+from runner_fsm.audit import compact, compress, step_lane
 from runner_fsm.audit.mapped import MappedFile
 from runner_fsm.audit.recording import (_RESERVED, COLLECTIVE_STAGES, EVENTS, GRAPH_ACTIONS,  # noqa: F401
                                         HEADER_FIELDS, STOP_SOURCES, AuditBatch, _Records, _refuse_rendered)
@@ -114,8 +114,9 @@ class AuditLog(_Records):
         self.lane = step_lane.LaneState()
         self._holder: int | None = None  # the thread writing, while one is
         self._plain = RecordRenderer(SCHEMA_VERSION, self._run_id, self._dp_rank, self._pcp_rank)
-        self._segments = SegmentPolicy(Path(run_dir), global_rank, max_log_bytes, pinned_steps=pinned_steps,
-                                       compress=compress_segments) if max_log_bytes else None
+        segments = dict(pinned_steps=pinned_steps, compress=compress_segments,  # the compressor's errors:
+                        on_compress_error=lambda path, error: compress.report_failure(self, path, error))
+        self._segments = SegmentPolicy(Path(run_dir), global_rank, max_log_bytes, **segments) if max_log_bytes else None
         self._compact: compact.CompactRenderer | None = None
         if shape is None:
             self._open_file(self.path)
@@ -250,7 +251,7 @@ class AuditLog(_Records):
                 records = []
                 while deferred:  # popleft, not a copy: a handler may append meanwhile
                     records.append(deferred.popleft())
-                if not self._closed:
+                if records and not self._closed:  # another thread may have written them while this one waited
                     self._logger.msg(self._render_lines(self.lane.seq, records, time.monotonic_ns()))
                     self.lane.seq += len(records)
             finally:

@@ -23,7 +23,9 @@ GRAPH_ACTIONS = ("capture", "replay", "warmup")  # warmup: a whole step vLLM run
 # received (a signal, the engine's shutdown call), written the moment it arrives (`stop_signals`);
 # `injected`: an injected fault acting (`faults`); `gate`: whether the drafter runs this step,
 # written before it does (`decisions.GATE_EVENT`); the others as DESIGN section 7.
-EVENTS = frozenset({"job", "transition", "collective", "buffers", "graph", "fault", "stop", "injected", "gate"})
+# `storage`: the log's own files failed (a closed segment that could not be compressed stays plain).
+EVENTS = frozenset({"job", "transition", "collective", "buffers", "graph", "fault", "stop", "injected", "gate",
+                    "storage"})
 STOP_SOURCES = ("signal", "shutdown")
 # A transition's fields are a few names from small sets: each body is rendered once.
 _TRANSITION_BODIES: dict[tuple[str, str, str, str], bytes] = {}

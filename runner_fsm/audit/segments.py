@@ -121,8 +121,10 @@ class SegmentPolicy:
     """Which segments to keep at each switch (see the module docstring); does the deleting."""
 
     def __init__(self, run_dir: Path, global_rank: int, max_log_bytes: int, *,
-                 pinned_steps: int = DEFAULT_PINNED_STEPS, extra_files: tuple[Path, ...] = (), compress: bool = False):
-        """`compress`: closed segments (not segment 0) rewritten as gzip in a thread (`compress`)."""
+                 pinned_steps: int = DEFAULT_PINNED_STEPS, extra_files: tuple[Path, ...] = (), compress: bool = False,
+                 on_compress_error: Callable[[Path, OSError], None] | None = None):
+        """`compress`: closed segments (not segment 0) rewritten as gzip in a thread (`compress`);
+        `on_compress_error(path, error)`: one of them could not be (it stays plain)."""
         self.run_dir, self.global_rank = Path(run_dir), int(global_rank)
         self.cap = int(max_log_bytes)
         self.segment_bytes = segment_bytes(self.cap)
@@ -138,7 +140,7 @@ class SegmentPolicy:
         self.switches: list[Switch] = []  # the last few, for checks
         self.peak = 0  # the most the rank's files took at any switch (right before it: their fullest)
         self._companion_max = 0  # the largest a companion segment has been
-        self.compressor = Compressor() if compress else None
+        self.compressor = Compressor(on_compress_error) if compress else None
 
     def path(self, index: int) -> Path:
         return self.run_dir / segment_name("rank", self.global_rank, index)

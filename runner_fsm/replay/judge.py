@@ -93,8 +93,9 @@ def replay(run_dir: RunDirs | Run, *, timeline: Timeline | None = None,
     verdicts = list(job.verdicts) + result.verdicts + join_missed(result.missed) + check_injections(result.facts)
     verdicts, stop_note = settle_stops(verdicts, result.facts)
     sizes = layout_of(infos)
+    notes = job.notes + stop_note + tuple(result.facts.storage)
     summary = RunSummary(run.label, len(infos), sizes.dp, sizes.pcp, result.records,
-                         result.first_step, result.last_step, job.expected_ranks, job.notes + stop_note,
+                         result.first_step, result.last_step, job.expected_ranks, notes,
                          sizes.tp, sizes.pp, window, log_steps,
                          rotated_spans((rank, tuple(spans)) for rank, spans in result.rotated.items()))
     verdicts = drop_explained(join_mismatches(merge_same_findings(verdicts)))

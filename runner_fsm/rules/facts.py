@@ -73,6 +73,8 @@ class RunFacts:
     # (replica, step) -> the kind of step (prefill, decode, idle) its ranks ran, for each step an
     # injection names: what an injection that never fired found there
     kinds: dict[tuple[int, int], str | None] = dataclasses.field(default_factory=dict)
+    # what a rank's log said of its own files (`storage` records: a segment left uncompressed), in words
+    storage: list[str] = dataclasses.field(default_factory=list)
 
     def note(self, rank: int, record: dict, origin=None) -> None:
         """Keep what a `fault`, `stop`, `injected` or `job` record says (ValueError: malformed);
@@ -86,6 +88,9 @@ class RunFacts:
             self.hosts[rank] = record.get("host")
         elif event == "injected":
             self.fired.add((rank, step, str(record["injection"])))
+        elif event == "storage":
+            self.storage.append(f"rank {rank}'s log could not {record.get('action')} {record.get('file')}"
+                                f" ({record.get('error')}): it stays as it was, readable, over the log's cap")
         elif not (_is_int(seq) and _is_int(t_ns)):
             if event == "stop":
                 raise ValueError(f"seq {seq!r} and t_ns {t_ns!r} must be integers")
@@ -123,6 +128,7 @@ class RunFacts:
             out.injections.update(part.injections)
             out.fired |= part.fired
             out.kinds.update(part.kinds)
+            out.storage += [note for note in part.storage if note not in out.storage]  # ranges may both read one
         return out
 
 
