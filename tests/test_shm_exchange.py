@@ -86,3 +86,26 @@ def test_ranks_on_different_hosts_fall_back_to_gloo():
     Mutation: the host check on one rank only -> the ranks disagree on the transport and hang."""
     results = spawn(_other_hosts, ParallelLayout(1, 2), timeout_s=60)
     assert results == ["ConsensusExchange [[7, 0], [7, 1]]"] * 2
+
+
+@pytest.mark.parametrize("rank", [0, 2])
+def test_a_new_generation_beside_the_previous_rows_is_not_taken(rank):
+    """A CPU that reorders stores may show a reader the new generation g while the slot still
+    holds the row and crc written for g - 2 (the slot's previous use, same parity), which agree
+    with each other. With the generation inside the checksum the reader takes nothing and reads
+    again; then the whole write of g is taken. Mutation: the crc over the row alone -> the stale
+    row is returned."""
+    import numpy as np
+
+    from runner_fsm.agree.shm_exchange import slot_row, write_slot
+
+    slots = np.zeros((3, 2, 4 + 2), dtype=np.int64)
+    slot = slots[rank, 1]  # generations 5 and 7 share parity 1
+    write_slot(slot, 5, [5, 55, 555, 5555])
+    assert slot_row(slot, 5) == [5, 55, 555, 5555]
+    slot[0] = 7  # g = 7 visible before its row and crc
+    assert slot_row(slot, 7) is None
+    slot[2:] = [7, 77, 777, 7777]  # the row, its crc still g - 2's
+    assert slot_row(slot, 7) is None
+    write_slot(slot, 7, [7, 77, 777, 7777])
+    assert slot_row(slot, 7) == [7, 77, 777, 7777] and slot_row(slot, 5) is None

@@ -7,10 +7,12 @@ and PCP peers) usually share a host, and there a shared page does it in microsec
 passes its own per-step CPU messages within a node the same way (its shared-memory message
 queue). Where the ranks do not share a host, `replica_exchange` falls back to gloo.
 
-The segment holds, per rank, two slots (the exchange's parity): [generation, crc32 of the row,
-row...]. A rank writes its row, then its crc, then the generation last, and reads each peer's
-slot of this generation once the generation is there and the crc matches what it read (a torn
-read, on a machine that reorders stores, is read again). Two slots suffice: a rank cannot start
+The segment holds, per rank, two slots (the exchange's parity): [generation, crc32 of the
+generation and the row, row...]. A rank writes its row, then its crc, then the generation last,
+and reads each peer's slot of this generation once the generation is there and the crc matches
+that generation and the row it read. The generation is inside the checksum because a CPU that
+reorders stores (ARM, POWER) may show a reader the new generation beside the row and crc of the
+slot's previous use, two generations old, which agree with each other: read again, never taken. Two slots suffice: a rank cannot start
 generation g + 2 before every peer has written g + 1, which each writes only after reading g.
 A peer that never comes is named after `timeout_s` (`CollectiveTimeout`), with the generation
 it was last at: the check does not wait for ever.
@@ -77,10 +79,7 @@ class ShmExchange:
             raise ValueError(f"a row of {len(row)} integers where this exchange carries {self.width}")
         self._generation = generation = self._generation + 1
         parity = generation & 1
-        mine = self._slots[self.index, parity]
-        mine[2:] = row
-        mine[1] = zlib.crc32(mine[2:].tobytes())
-        mine[0] = generation  # last: a peer reads the row once it sees this
+        write_slot(self._slots[self.index, parity], generation, row)
         rows = []
         for peer in range(len(self._slots)):
             rows.append(list(row) if peer == self.index else self._read(peer, parity, generation))
@@ -90,10 +89,9 @@ class ShmExchange:
         slot = self._slots[peer, parity]
         spins, deadline = 0, None
         while True:
-            if slot[0] == generation:
-                values = slot[2:].copy()
-                if zlib.crc32(values.tobytes()) == slot[1] and slot[0] == generation:
-                    return values.tolist()
+            values = slot_row(slot, generation)
+            if values is not None:
+                return values
             spins += 1
             if spins % _SPINS == 0:
                 now = time.monotonic()
@@ -108,6 +106,28 @@ class ShmExchange:
     def close(self) -> None:
         self._slots = None
         self._map.close()
+
+
+def _checksum(generation: int, row: np.ndarray) -> int:
+    return zlib.crc32(row.tobytes(), zlib.crc32(generation.to_bytes(8, "little", signed=True)))
+
+
+def write_slot(slot: np.ndarray, generation: int, row) -> None:
+    """[generation, crc, row...]: the row, then its checksum (with the generation), the generation last."""
+    slot[2:] = row
+    slot[1] = _checksum(generation, slot[2:])
+    slot[0] = generation  # last: a peer reads the row once it sees this
+
+
+def slot_row(slot: np.ndarray, generation: int) -> list[int] | None:
+    """The row a peer wrote for `generation`, or None while the slot does not hold it whole (not
+    there yet, torn, or the previous use's row and crc beside the new generation)."""
+    if slot[0] != generation:
+        return None
+    crc, values = int(slot[1]), slot[2:].copy()
+    if crc != _checksum(generation, values) or slot[0] != generation:
+        return None
+    return values.tolist()
 
 
 def replica_exchange(group, width: int, timeout_s: float):
