@@ -1,8 +1,17 @@
 """Fixtures shared by the test files that run the real model end to end."""
 
 import os
+import signal
 
 import pytest
+
+# A launcher that ignores SIGINT (a background job of a non-interactive shell, nohup, many CI
+# runners) leaves it ignored in every process it starts; a process started from a terminal has
+# it as Python sets it. The suite runs as if started from a terminal: its own SIGINT is Python's
+# (`KeyboardInterrupt`), so every process it starts gets SIGINT's default action again (exec
+# resets a caught signal, never an ignored one), and the tests of Ctrl-C test what users meet.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Which vLLM model runner the `vllm` tests run on: `make test-vllm` runs them on V1, then again on
 # Model Runner V2 (`make test-vllm-mrv2`: VLLM_USE_V2_MODEL_RUNNER=1, Triton's interpreter and the

@@ -350,3 +350,25 @@ def _records(path) -> list[dict]:
         return list(read_records(path))
     except (OSError, ValueError):
         return []
+
+
+def test_a_sigint_the_launcher_ignored_stays_ignored_and_is_no_stop(tmp_path):
+    """Started with SIGINT ignored (nohup, a background job of a non-interactive shell), a process
+    keeps ignoring it, as Python does (no KeyboardInterrupt), and records no stop for it: nothing
+    stopped. SIGTERM, not ignored, is still recorded and still kills. Mutation: `install` chaining
+    in front of SIG_IGN -> a SIGINT stop record in a process that went on."""
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(PRELUDE + """
+    print(stops.install(), signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)
+    os.kill(os.getpid(), signal.SIGINT)
+    import time
+    time.sleep(0.2)
+    print("still alive", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    """))
+    out = subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=60,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert out.returncode == -signal.SIGTERM and out.stdout.split("\n")[:2] == ["True True", "still alive"], \
+        (out.returncode, out.stdout, out.stderr)
+    assert [r["signal"] for r in read_records(tmp_path / "run" / "rank-0.jsonl")] == ["SIGTERM"]

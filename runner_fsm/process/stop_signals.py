@@ -1,5 +1,6 @@
 """A stop request is a record: SIGINT and SIGTERM are written to the audit log the moment they
-arrive (DESIGN section 11, "A stop is a record").
+arrive (DESIGN section 11, "A stop is a record"). One the process ignores (its launcher's
+choice: nohup, a background job of a non-interactive shell) stays ignored and is no stop.
 
 `StopSignals(record).install()` puts a handler in front of the one already installed for each
 signal (vLLM's worker and engine-core handlers, Python's `KeyboardInterrupt`, the default
@@ -60,6 +61,8 @@ class StopSignals:
             previous = signal.getsignal(signum)
             if previous is None:  # installed from C: it could not be handed on, nor put back
                 continue
+            if previous is signal.SIG_IGN:  # the launcher ignores it (nohup, a background job): so
+                continue  # does the process, as Python leaves such a SIGINT alone; no stop to record
             signal.signal(signum, self._handle)
             self._previous[signum] = previous
             if self._early:
@@ -118,8 +121,9 @@ async def stops_on_loop(record: Callable[[str], None]) -> AsyncIterator[None]:
         yield
         return
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    heard = [signum for signum, handler in previous.items() if handler is not signal.SIG_IGN]  # as `install`
     try:
-        with anyio.open_signal_receiver(*STOP_SIGNALS) as arrivals:
+        with anyio.open_signal_receiver(*heard) as arrivals:
             stops = StopSignals(record, early=False)
             stops.install()  # in front of the receiver's handlers, which only wake the loop
             try:
