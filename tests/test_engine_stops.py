@@ -96,3 +96,69 @@ def test_the_package_declares_the_plugin_to_vllm():
     pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     plugins = pyproject["project"]["entry-points"]["vllm.general_plugins"]
     assert plugins == {"runner_fsm_stops": "runner_fsm.integrations.vllm.engine_stops:register"}
+
+
+def _failing_worker(run_dir: str, ready) -> None:
+    from runner_fsm.audit import AuditLog
+    from runner_fsm.integrations.vllm.engine_stops import WorkerStops
+
+    log = AuditLog(run_dir, "r", 0, 0, 0)
+    recorder = type("Recorder", (), {"audit": log, "step_id": 11})()  # what `WorkerStops.into` reads
+    stops = WorkerStops.into(recorder)
+    stops.install()
+    ready.put(stops.notice._registry is not None)
+    _idle(False, signal.SIGTERM)
+
+
+def _failing_engine(run_dir: str, ready, registered, worker_pid) -> None:
+    import logging
+
+    from runner_fsm.integrations.vllm.engine_stops import register
+
+    signal.signal(signal.SIGTERM, lambda *_: None)  # vLLM's engine-core handler, installed first
+    register()
+    context = multiprocessing.get_context("spawn")
+    worker = context.Process(target=_failing_worker, args=(run_dir, registered), name="VLLM::Worker_DP0")
+    worker.start()
+    worker_pid.value = worker.pid
+    assert registered.get(timeout=60)  # the worker registered: now the busy loop fails, as vLLM logs it
+    try:
+        raise RuntimeError("the scheduler failed at call 12")
+    except RuntimeError:
+        logging.getLogger("vllm.v1.engine.core").exception("EngineCore encountered a fatal error.")
+    ready.put("failed")
+    _idle(False, signal.SIGTERM)
+
+
+def test_an_engine_core_failure_reaches_its_workers_as_a_fault_before_the_teardown(tmp_path):
+    """The engine core fails (vLLM logs its fatal error with the exception), then vLLM tears it and
+    its workers down (SIGTERM, SIGKILL): the worker's log holds a `fault` naming the failure, then
+    the SIGTERM it was told of as a stop; replay reads the end as that failure (UNSOUND, the fault
+    named), never as a stop someone asked for. Mutation: no `_FailureHandler` -> only the SIGTERM,
+    replay SOUND."""
+    from runner_fsm.replay.judge import replay
+
+    context = multiprocessing.get_context("spawn")
+    ready, registered, worker_pid = context.Queue(), context.Queue(), context.Value("i", 0)
+    engine = context.Process(target=_failing_engine, args=(str(tmp_path), ready, registered, worker_pid),
+                             name="EngineCore_DP0")
+    engine.start()
+    try:
+        assert ready.get(timeout=60) == "failed"
+        time.sleep(0.3)
+        os.kill(engine.pid, signal.SIGTERM)  # vLLM's shutdown of the failed engine core
+        time.sleep(0.3)
+    finally:
+        for pid in (worker_pid.value, engine.pid):
+            if pid:
+                os.kill(pid, signal.SIGKILL)
+        engine.join(10)
+    records = list(read_records(tmp_path / "rank-0.jsonl"))
+    assert [(r["event"], r.get("error"), r.get("signal")) for r in records] == [
+        ("fault", "EngineCoreFailure", None), ("stop", None, "SIGTERM")], records
+    assert "RuntimeError: the scheduler failed at call 12" in records[0]["message"]
+    report = replay(tmp_path)
+    # the failure, then the end it led to (killed in the teardown): the SIGTERM after it explains nothing
+    assert not report.sound and [v.kind for v in report.verdicts] == ["fault", "unfinished"], report.format()
+    assert "the scheduler failed at call 12" in report.verdicts[0].detail
+    assert any("all follow a fault" in note for note in report.summary.notes), report.summary.notes

@@ -10,6 +10,13 @@ package's metadata) in every process it starts, its engine cores included (first
 `register()` chains a handler in front of vLLM's that hands NOTICE to every FSMWorker of this
 engine core, which records the stop in its own log (`WorkerNotice`), then runs vLLM's handler.
 
+An engine core that fails (an error in its busy loop: vLLM logs "EngineCore encountered a fatal
+error." with the exception, then tears its workers down) tells its workers the same way, before
+the teardown, and each records the failure as a `fault` (`ENGINE_FAILURE`): the SIGTERMs that
+follow are vLLM's shutdown of a failing job, which replay reads as no stop request. The failure is
+heard through a handler on vLLM's engine-core logger (`logging`'s public API; no vLLM code is
+patched): a vLLM that words the message otherwise is told apart by no failure record, as before.
+
 FSMWorker processes find their engine core through its environment: before vLLM starts them,
 `register()` publishes a directory (REGISTRY_ENV), and each worker started from there puts a
 file named after its pid in it. In any other process, or an engine core whose workers are
@@ -21,6 +28,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import multiprocessing
 import os
 import shutil
@@ -35,6 +43,9 @@ from runner_fsm.process.stop_signals import StopSignals
 NOTICE = signal.SIGWINCH  # ignored by default: a process that did not ask for it is untouched
 REGISTRY_ENV = "RUNNER_FSM_ENGINE_REGISTRY"
 _SIGNAL_FILE = "signal"  # the name of the signal the engine core received
+_FAILURE_FILE = "failure"  # what the engine core failed with
+ENGINE_FAILURE = "EngineCoreFailure"  # the `fault` record's error: vLLM's engine core failed
+_ENGINE_LOGGER, _FATAL = "vllm.v1.engine.core", "EngineCore encountered a fatal error"  # vLLM's words
 _PREFIX = "runner-fsm-engine-"  # + the engine core's pid
 
 
@@ -47,6 +58,7 @@ def register() -> None:
     atexit.register(shutil.rmtree, registry, ignore_errors=True)  # vLLM kills engine cores: see above
     os.environ[REGISTRY_ENV] = registry  # inherited by the worker processes vLLM starts from here
     StopSignals(lambda name: tell_workers(registry, name)).install()
+    logging.getLogger(_ENGINE_LOGGER).addHandler(_FailureHandler(registry))
 
 
 def _remove_stale_registries() -> None:
@@ -67,9 +79,28 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def tell_workers(registry: str, signal_name: str) -> None:
-    """Hand NOTICE to each FSMWorker registered in `registry` (from a signal handler)."""
-    (Path(registry) / _SIGNAL_FILE).write_text(signal_name)
+class _FailureHandler(logging.Handler):
+    """On vLLM's engine-core logger: its fatal error, told to the workers before the teardown."""
+
+    def __init__(self, registry: str):
+        super().__init__(logging.ERROR)
+        self._registry = registry
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.exc_info is None or not str(record.msg).startswith(_FATAL):
+            return
+        error = record.exc_info[1]
+        with contextlib.suppress(Exception):  # telling must never change how vLLM fails
+            tell_workers(self._registry, failure=f"{type(error).__name__}: {error}")
+
+
+def tell_workers(registry: str, signal_name: str | None = None, failure: str | None = None) -> None:
+    """Hand NOTICE to each FSMWorker registered in `registry` (from a signal handler), with the
+    signal the engine core received, or what it failed with."""
+    if failure is not None:
+        (Path(registry) / _FAILURE_FILE).write_text(failure)
+    else:
+        (Path(registry) / _SIGNAL_FILE).write_text(str(signal_name))
     for entry in os.scandir(registry):
         if entry.name.isdigit() and int(entry.name) != os.getpid():  # a worker inside: it heard the signal
             with contextlib.suppress(OSError):
@@ -79,8 +110,10 @@ def tell_workers(registry: str, signal_name: str) -> None:
 class WorkerNotice:
     """A worker's side: registered with its engine core, NOTICE recorded as the engine's stop."""
 
-    def __init__(self, record: Callable[[str], None]):
-        self._record = record
+    def __init__(self, record: Callable[[str], None], failed: Callable[[str], None] | None = None):
+        """`record(signal_name)`: the engine core's stop; `failed(message)`: its failure."""
+        self._record, self._failed = record, failed
+        self._failure_told = False  # once: the engine core's SIGTERM after its failure is a signal again
         self._registry = os.environ.get(REGISTRY_ENV)
         self._previous = None
         self._subscription = None  # heard from the watch thread too (`signal_watch`)
@@ -115,12 +148,20 @@ class WorkerNotice:
             self._told()
 
     def _told(self) -> None:
-        try:
-            name = Path(self._registry, _SIGNAL_FILE).read_text().strip() or None
-        except OSError:
-            name = None
+        failure = _read(Path(self._registry, _FAILURE_FILE))
         with contextlib.suppress(Exception):  # recording must never fail the worker
-            self._record(name)
+            if failure is not None and self._failed is not None and not self._failure_told:
+                self._failure_told = True
+                self._failed(failure)
+            else:
+                self._record(_read(Path(self._registry, _SIGNAL_FILE)))
+
+
+def _read(path: Path) -> str | None:
+    try:
+        return path.read_text().strip() or None
+    except OSError:
+        return None
 
 
 class WorkerStops:
@@ -129,9 +170,19 @@ class WorkerStops:
     engine core's NOTICE (`WorkerNotice`: vLLM kills a served engine core's workers before any
     signal reaches them). `restore()` at shutdown puts vLLM's handlers back."""
 
-    def __init__(self, record: Callable[[str, str], None]):
+    def __init__(self, record: Callable[[str, str], None], failed: Callable[[str], None] | None = None):
         self.signals = StopSignals(lambda name: record(name, ""))
-        self.notice = WorkerNotice(lambda name: record(name, "received by vLLM's engine core, which told this worker"))
+        self.notice = WorkerNotice(lambda name: record(name, "received by vLLM's engine core, which told this worker"),
+                                   failed)
+
+    @classmethod
+    def into(cls, recorder) -> "WorkerStops":
+        """Written to `recorder`'s log at any bytecode: a stop as a `stop` record, the engine core's
+        failure as a `fault` (`ENGINE_FAILURE`) at the step the worker is in."""
+        audit = recorder.audit
+        return cls(lambda name, detail: audit.stop(recorder.step_id, "signal", name, detail=detail),
+                   lambda message: audit.write_in_handler("fault", recorder.step_id, {
+                       "error": ENGINE_FAILURE, "message": f"vLLM's engine core failed ({message}) and told this worker"}))
 
     def install(self) -> None:
         self.signals.install()

@@ -112,7 +112,7 @@ class FSMWorkerMixin:
         self.recorder = ReplicaRecorder(audit, journal, fingerprints=opts.audit == "full")
         rec = self.recorder
         # vLLM installed its handlers first (the worker process's, the engine core's): ours go in front
-        self.stops = WorkerStops(lambda name, detail: rec.audit.stop(rec.step_id, "signal", name, detail=detail))
+        self.stops = WorkerStops.into(rec)  # a stop request as it arrives; the engine core's failure
         self.stops.install()
         self.install_extensions()
 
