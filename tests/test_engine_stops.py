@@ -61,7 +61,14 @@ def test_an_engine_core_s_sigterm_reaches_its_workers_log_before_the_kill(tmp_pa
     returning None (no watch: handlers only)."""
     import tempfile
 
-    stale = Path(tempfile.mkdtemp(prefix="runner-fsm-engine-4194303-"))  # an engine core long gone (pid_max)
+    from runner_fsm.integrations.vllm.engine_stops import _pid_namespace, process_start
+
+    ns, me = _pid_namespace(), os.getpid()
+    stale = Path(tempfile.mkdtemp(prefix=f"runner-fsm-engine-4194303-123-{ns}-"))  # gone (pid_max), this namespace
+    reused = Path(tempfile.mkdtemp(prefix=f"runner-fsm-engine-{me}-1-{ns}-"))  # its pid now another process's
+    kept = [Path(tempfile.mkdtemp(prefix=f"runner-fsm-engine-4194303-123-{int(ns or 0) + 1}-")),  # another namespace
+            Path(tempfile.mkdtemp(prefix=f"runner-fsm-engine-{me}-{process_start(me)}-{ns}-")),  # alive
+            Path(tempfile.mkdtemp(prefix="runner-fsm-engine-4194303-"))]  # a name of another form
     context = multiprocessing.get_context("spawn")
     ready, worker_pid = context.Queue(), context.Value("i", 0)
     engine = context.Process(target=_engine, args=(str(tmp_path), ready, worker_pid, blocked),
@@ -76,7 +83,11 @@ def test_an_engine_core_s_sigterm_reaches_its_workers_log_before_the_kill(tmp_pa
             if pid:
                 os.kill(pid, signal.SIGKILL)
         engine.join(10)
-    assert not stale.exists()  # vLLM kills engine cores (no atexit): the next one clears what they left
+    # vLLM kills engine cores (no atexit): the next one clears what they left, in its own PID
+    # namespace, where it can tell that their maker is gone; nothing else
+    assert not stale.exists() and not reused.exists() and all(path.exists() for path in kept), kept
+    for path in kept:
+        path.rmdir()
     records = list(read_records(tmp_path / "rank-0.jsonl"))
     assert [(r["event"], r["signal"], r["detail"]) for r in records] == [("stop", "SIGTERM", "told by the engine core")]
 
@@ -162,3 +173,32 @@ def test_an_engine_core_failure_reaches_its_workers_as_a_fault_before_the_teardo
     assert not report.sound and [v.kind for v in report.verdicts] == ["fault", "unfinished"], report.format()
     assert "the scheduler failed at call 12" in report.verdicts[0].detail
     assert any("all follow a fault" in note for note in report.summary.notes), report.summary.notes
+
+
+def test_notice_goes_only_to_the_process_that_registered(tmp_path):
+    """A worker SIGKILLed leaves its entry in the registry, and its pid may be another process's
+    later: NOTICE goes to a pid only while the process holding it started when the entry says.
+    Mutation: `tell_workers` without the start-time check -> the stranger is told."""
+    import subprocess
+    import sys
+
+    from runner_fsm.integrations.vllm.engine_stops import process_start, tell_workers
+
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import signal, sys, time\n"
+        "signal.signal(signal.SIGWINCH, lambda *_: print('told', flush=True))\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(3)\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        registry = tmp_path / "registry"
+        registry.mkdir()
+        entry = registry / str(child.pid)
+        entry.write_text("1")  # registered by a process that started at another time
+        tell_workers(str(registry), "SIGTERM")
+        entry.write_text(process_start(child.pid))  # registered by this very process
+        tell_workers(str(registry), "SIGTERM")
+        out, _ = child.communicate(timeout=30)
+    finally:
+        child.kill()
+    assert out.split() == ["told"], out  # once: the second notice only

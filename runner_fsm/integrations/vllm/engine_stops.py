@@ -54,7 +54,8 @@ def register() -> None:
     if not multiprocessing.current_process().name.startswith("EngineCore") or REGISTRY_ENV in os.environ:
         return
     _remove_stale_registries()
-    registry = tempfile.mkdtemp(prefix=f"{_PREFIX}{os.getpid()}-")
+    pid = os.getpid()  # the name says which process made it, in which PID namespace (`_remove_stale_registries`)
+    registry = tempfile.mkdtemp(prefix=f"{_PREFIX}{pid}-{process_start(pid)}-{_pid_namespace()}-")
     atexit.register(shutil.rmtree, registry, ignore_errors=True)  # vLLM kills engine cores: see above
     os.environ[REGISTRY_ENV] = registry  # inherited by the worker processes vLLM starts from here
     StopSignals(lambda name: tell_workers(registry, name)).install()
@@ -62,21 +63,32 @@ def register() -> None:
 
 
 def _remove_stale_registries() -> None:
-    """The registries of engine cores that are gone (vLLM SIGKILLs them, so atexit never runs)."""
+    """The registries of engine cores that are gone (vLLM SIGKILLs them, so atexit never runs):
+    only those made in this PID namespace by a process that is no longer there (its pid gone, or
+    held by a process started at another time). Another namespace's (a container sharing /tmp)
+    cannot be judged from here, nor a name of another form: left alone."""
+    namespace = _pid_namespace()
     for path in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*"):
-        pid = path.name[len(_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        pid, start, space = (path.name[len(_PREFIX):].split("-") + ["", "", ""])[:3]
+        if namespace and space == namespace and pid.isdigit() and start.isdigit() and process_start(int(pid)) != start:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _alive(pid: int) -> bool:
+def process_start(pid: int) -> str | None:
+    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22): with the
+    pid, it names one process, where a pid alone may be reused. None: no such process here."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's process: alive
-        return True
-    return True
+        with open(f"/proc/{pid}/stat", "rb") as stat:
+            return stat.read().rsplit(b")", 1)[1].split()[19].decode()
+    except (OSError, IndexError):
+        return None
+
+
+def _pid_namespace() -> str:
+    try:
+        return "".join(ch for ch in os.readlink("/proc/self/ns/pid") if ch.isdigit())
+    except OSError:
+        return ""
 
 
 class _FailureHandler(logging.Handler):
@@ -104,7 +116,10 @@ def tell_workers(registry: str, signal_name: str | None = None, failure: str | N
     for entry in os.scandir(registry):
         if entry.name.isdigit() and int(entry.name) != os.getpid():  # a worker inside: it heard the signal
             with contextlib.suppress(OSError):
-                os.kill(int(entry.name), NOTICE)
+                # the process that registered, not another that holds its pid now (a SIGKILLed
+                # worker leaves its entry behind)
+                if Path(entry.path).read_text().strip() == process_start(int(entry.name)):
+                    os.kill(int(entry.name), NOTICE)
 
 
 class WorkerNotice:
@@ -128,7 +143,7 @@ class WorkerNotice:
         except ValueError:  # not the main thread: Python sets no handler here
             return False
         self._subscription = WATCH.subscribe(NOTICE, lambda _signum: self._told())
-        Path(registry, str(os.getpid())).touch()
+        Path(registry, str(os.getpid())).write_text(process_start(os.getpid()) or "")
         return True
 
     def restore(self) -> None:
