@@ -10,7 +10,7 @@ import pytest
 # it as Python sets it. The suite runs as if started from a terminal: its own SIGINT is Python's
 # (`KeyboardInterrupt`), so every process it starts gets SIGINT's default action again (exec
 # resets a caught signal, never an ignored one), and the tests of Ctrl-C test what users meet.
-if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # an int as inherited, not the enum: ==
     signal.signal(signal.SIGINT, signal.default_int_handler)
 
 # Which vLLM model runner the `vllm` tests run on: `make test-vllm` runs them on V1, then again on

@@ -359,7 +359,7 @@ def test_a_sigint_the_launcher_ignored_stays_ignored_and_is_no_stop(tmp_path):
     in front of SIG_IGN -> a SIGINT stop record in a process that went on."""
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(PRELUDE + """
-    print(stops.install(), signal.getsignal(signal.SIGINT) is signal.SIG_IGN, flush=True)
+    print(stops.install(), signal.getsignal(signal.SIGINT) == signal.SIG_IGN, flush=True)
     os.kill(os.getpid(), signal.SIGINT)
     import time
     time.sleep(0.2)

@@ -61,7 +61,7 @@ class StopSignals:
             previous = signal.getsignal(signum)
             if previous is None:  # installed from C: it could not be handed on, nor put back
                 continue
-            if previous is signal.SIG_IGN:  # the launcher ignores it (nohup, a background job): so
+            if previous == signal.SIG_IGN:  # the launcher ignores it (nohup, a background job): so
                 continue  # does the process, as Python leaves such a SIGINT alone; no stop to record
             signal.signal(signum, self._handle)
             self._previous[signum] = previous
@@ -121,7 +121,7 @@ async def stops_on_loop(record: Callable[[str], None]) -> AsyncIterator[None]:
         yield
         return
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
-    heard = [signum for signum, handler in previous.items() if handler is not signal.SIG_IGN]  # as `install`
+    heard = [signum for signum, handler in previous.items() if handler != signal.SIG_IGN]  # as `install`
     try:
         with anyio.open_signal_receiver(*heard) as arrivals:
             stops = StopSignals(record, early=False)
