@@ -98,8 +98,9 @@ def test_two_ranks_name_the_one_that_ran_eager_beside_a_replay(tmp_path, replica
     """PCP=2, no majority: the rank that ran eager the batch its peer replayed as a graph of G
     rows, though it had captured a graph of G rows, is named (its PCP rank 0 in one replica, 1
     in the other). Evidence missing: without the capture records, both ranks are named, "no
-    majority". Mutation: `_eager_beside_a_replay` ignoring the captured sizes -> the stripped
-    case still names one rank."""
+    majority", and the verdict claims no capture. Mutations: `_eager_beside_a_replay` ignoring the
+    captured sizes -> the stripped case still names one rank; the wording re-derived from the
+    decisions instead of carried from the tie-break -> it claims a capture on replica 0."""
     run = write_run(tmp_path / "run", SynthSpec(dp_size=2, pcp_size=2, decisions=True),
                     [Defect("rank_graph_mode", replica, 5, rank)])
     report = replay(run)
@@ -115,7 +116,8 @@ def test_two_ranks_name_the_one_that_ran_eager_beside_a_replay(tmp_path, replica
     pair = (replica * 2, replica * 2 + 1)
     assert [(v.kind, v.replica, v.step, v.ranks) for v in report.verdicts
             if v.kind == "replica_divergence"] == [("replica_divergence", replica, 5, pair)], report.format()
-    assert "no majority" in [v for v in report.verdicts if v.kind == "replica_divergence"][0].detail
+    detail = [v for v in report.verdicts if v.kind == "replica_divergence"][0].detail
+    assert "no majority" in detail and "had captured" not in detail, detail  # no evidence claimed that is gone
 
 
 def test_sampled_tokens_of_pcp_peers_are_pcp_divergence(tmp_path):

@@ -104,7 +104,7 @@ class ReplicaConsensus:
             references[pp] = reference
             if odd is not None and found is None:
                 decision = first_difference(stages[pp][odd].decided[1], stages[pp][reference].decided[1], FIELDS)
-                found = (odd, reference, decision, majority)
+                found = (odd, reference, decision, majority, "")
                 if not majority:
                     found = _eager_beside_a_replay(stages[pp][odd], stages[pp][reference]) or found
         if found is None and len(stages) > 1:
@@ -112,12 +112,12 @@ class ReplicaConsensus:
         if found is None:
             self._ongoing.pop(replica, None)
             return
-        odd, reference, decision, majority = found
+        odd, reference, decision, majority, because = found
         previous = self._ongoing.get(replica)
         self._ongoing[replica] = (step, odd, decision[0])
         if previous is not None and previous[0] == step - 1 and previous[1:] == (odd, decision[0]):
             return  # the same divergence as at the step before: one finding
-        self._emit(step, replica, summaries, odd, reference, decision, majority, pcp_diverged)
+        self._emit(step, replica, summaries, odd, reference, decision, majority, pcp_diverged, because)
 
     def _across_stages(self, stages: dict[int, dict[int, RankStep]], references: dict[int, int]):
         first = min(stages)
@@ -128,10 +128,11 @@ class ReplicaConsensus:
             if base and mine:
                 decision = first_difference(mine, base, PP_SHARED, known_only=True)
                 if decision is not None:
-                    return rank, references[first], decision, True
+                    return rank, references[first], decision, True, ""
         return None
 
-    def _emit(self, step, replica, summaries, odd, reference, decision, majority, pcp_diverged) -> None:
+    def _emit(self, step, replica, summaries, odd, reference, decision, majority, pcp_diverged, because="") -> None:
+        """`because`: why `odd` is the one named where no majority says so (`_eager_beside_a_replay`)."""
         name, mine, theirs = decision
         infos = self.groups.infos
         if name == TOKENS and _pcp_peers(infos[odd], infos[reference]):
@@ -145,8 +146,7 @@ class ReplicaConsensus:
                 f"decided {name}={mine} where {infos[reference].rank_text()} decided {name}={theirs}"
                 if name is not None else f"logged another decision digest than {infos[reference].rank_text()}"
                 " (the decision that differs was logged before the steps read)")
-        if name == "graph" and mine == 0 and len(summaries) == 2:  # named by `_eager_beside_a_replay`
-            what += f" (it ran eager the batch its peer replayed, though it had captured that graph, {theirs} rows, itself)"
+        what += because
         whose = "" if majority else " (no majority among its ranks: which one is wrong is not known)"
         self.emit(Verdict("replica_divergence", replica, step,
                           f"replica {replica}, {infos[odd].rank_text()} {what} at step {step}{whose};"
@@ -184,7 +184,7 @@ def _eager_beside_a_replay(a: RankStep, b: RankStep):
     """Where no majority says which of two ranks is wrong: the one that ran eager the batch its peer
     replayed as a graph of G rows, though it had captured a graph of G rows itself (a rank's graph
     decision is vLLM's dispatch over the batch, and every decision before it matched), is (odd,
-    reference, ("graph", 0, G), True). None where that evidence is not there."""
+    reference, ("graph", 0, G), True, why in words). None where that evidence is not there."""
     mine, theirs = a.decided[1] or {}, b.decided[1] or {}
     if any(mine.get(name) != theirs.get(name) for name in ("real", "batch", "dispatch")):
         return None  # another batch: not the same dispatch
@@ -192,7 +192,8 @@ def _eager_beside_a_replay(a: RankStep, b: RankStep):
         size = (replayed.decided[1] or {}).get("graph")
         if (eager.decided[1] or {}).get("graph") == 0 and isinstance(size, int) and size > 0 \
                 and size in eager.decided[4]:
-            return eager.rank, replayed.rank, ("graph", 0, size), True
+            return eager.rank, replayed.rank, ("graph", 0, size), True, (
+                f" (it ran eager the batch its peer replayed, though it had captured that graph, {size} rows, itself)")
     return None
 
 
