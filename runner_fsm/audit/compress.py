@@ -58,10 +58,12 @@ def compress(path: Path, lock: threading.Lock | None = None) -> Path | None:
             os.replace(temporary, target)
             os.unlink(path)
         return target
-    except FileNotFoundError:  # rotated away before it was compressed, or while it was
-        with contextlib.suppress(FileNotFoundError):
+    except OSError as error:  # never a partial `.gz.tmp` left beside the plain segment
+        with contextlib.suppress(OSError):
             os.unlink(temporary)
-        return None
+        if isinstance(error, FileNotFoundError):  # rotated away before it was compressed, or while it was
+            return None
+        raise
 
 
 def report_failure(log, path: Path, error: OSError) -> None:
@@ -124,8 +126,6 @@ class Compressor:
             try:
                 compress(path, self.lock)
             except OSError as error:  # a full disk: the segment stays plain, and the log says so
-                with contextlib.suppress(OSError):
-                    os.unlink(compressed(path).with_name(compressed(path).name + ".tmp"))
                 if self._on_error is not None:
                     self._on_error(path, error)
             finally:
