@@ -12,14 +12,14 @@ generation and the row, row...]. A rank writes its row, then its crc, then the g
 and reads each peer's slot of this generation once the generation is there and the crc matches
 that generation and the row it read. The generation is inside the checksum because a CPU that
 reorders stores (ARM, POWER) may show a reader the new generation beside the row and crc of the
-slot's previous use, two generations old, which agree with each other: read again, never taken. Two slots suffice: a rank cannot start
-generation g + 2 before every peer has written g + 1, which each writes only after reading g.
-A peer that never comes is named after `timeout_s` (`CollectiveTimeout`), with the generation
-it was last at: the check does not wait for ever.
+slot's previous use, two generations old, which agree with each other: read again, never taken.
+Two slots suffice: a rank cannot start generation g + 2 before every peer has written g + 1,
+which each writes only after reading g. A peer that never comes is named after `timeout_s`
+(`CollectiveTimeout`), with the generation it was last at: the check does not wait for ever.
 
 Set-up is collective over `group` (gloo): the hosts are compared, the group's first rank makes
-the file under /dev/shm with a random name, the others map it, and it is unlinked at once (the
-mapping outlives the name: nothing is left behind by a crash).
+the file under /dev/shm with a random name, the others map it, and it is unlinked once every
+rank has (the mapping outlives the name); a crash during that set-up still leaves the file behind.
 """
 
 from __future__ import annotations

@@ -85,7 +85,8 @@ class RankScanner(CollectiveReader):
         loads, decode_error = orjson.loads, orjson.JSONDecodeError
         handlers = {"collective": self._collective, "transition": self._transition,
                     "buffers": self._buffers, "graph": self._graph, "fault": self._fault,
-                    "stop": self._rare, "injected": self._rare, "job": self._rare, "storage": self._rare, "gate": self._gate}
+                    "stop": self._rare, "injected": self._rare, "job": self._rare, "storage": self._rare,
+                    "gate": self._gate}
         lean, collective_of = (expand.lean if expand is not None else None), self._collective_of
         collective = None  # a compact collective's own fields, as the expander reads them
         for line_no, raw in enumerate(lines, first_line):

@@ -193,7 +193,8 @@ def _eager_beside_a_replay(a: RankStep, b: RankStep):
         if (eager.decided[1] or {}).get("graph") == 0 and isinstance(size, int) and size > 0 \
                 and size in eager.decided[4]:
             return eager.rank, replayed.rank, ("graph", 0, size), True, (
-                f" (it ran eager the batch its peer replayed, though it had captured that graph, {size} rows, itself)")
+                f" (it ran eager the batch its peer replayed, though it had captured that graph,"
+                f" {size} rows, itself)")
     return None
 
 

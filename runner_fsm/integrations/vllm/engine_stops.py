@@ -195,9 +195,10 @@ class WorkerStops:
         """Written to `recorder`'s log at any bytecode: a stop as a `stop` record, the engine core's
         failure as a `fault` (`ENGINE_FAILURE`) at the step the worker is in."""
         audit = recorder.audit
-        return cls(lambda name, detail: audit.stop(recorder.step_id, "signal", name, detail=detail),
-                   lambda message: audit.write_in_handler("fault", recorder.step_id, {
-                       "error": ENGINE_FAILURE, "message": f"vLLM's engine core failed ({message}) and told this worker"}))
+        def failed(message: str) -> None:
+            audit.write_in_handler("fault", recorder.step_id, {
+                "error": ENGINE_FAILURE, "message": f"vLLM's engine core failed ({message}) and told this worker"})
+        return cls(lambda name, detail: audit.stop(recorder.step_id, "signal", name, detail=detail), failed)
 
     def install(self) -> None:
         self.signals.install()

@@ -254,7 +254,7 @@ class FSMWorkerMixin:
         return self.recorder.forward_hook if self._lean_hook else self._before_forward
 
     def check_lean_hook(self) -> None:
-        """Once the KV cache exists: PCP evidence built under the recorder's hook (which reads none) stops the worker."""
+        """Once the KV cache exists: PCP evidence built under the recorder's hook stops the worker."""
         if self._lean_hook and self.runner_adapter.pcp is not None:
             raise RuntimeError(f"FSMWorker: the {self.runner_adapter.name} runner built PCP evidence with"
                                " prefill_context_parallel_size 1; the recorder's forward hook reads none")

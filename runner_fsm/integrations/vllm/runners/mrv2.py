@@ -162,22 +162,16 @@ class MRV2Runner(RunnerAdapter):
         num_reqs = int(desc.num_reqs or min(num_tokens, self.runner.max_num_reqs))
         manager = self.runner.pcp_manager
         if manager is not None:  # a PCP graph reads the PCP manager's buffers, as its capture staged them
-            bufs, size = manager.input_buffers, int(manager.pcp_world_size)
-            views = (bufs.input_ids[:num_tokens], bufs.positions[:num_tokens],
-                     manager._gathered_kv_slot_mappings[0, :num_tokens * size], bufs.query_start_loc[:num_reqs + 1],
-                     bufs.seq_lens[:num_reqs], self.runner.block_tables.input_block_tables[0][:num_reqs])
+            ids, positions, slots, starts, lens = _pcp_buffers(manager)
+            views = (ids[:num_tokens], positions[:num_tokens], slots[0, :num_tokens * int(manager.pcp_world_size)],
+                     starts[:num_reqs + 1], lens[:num_reqs], self.runner.block_tables.input_block_tables[0][:num_reqs])
             return ForwardInputs(desc, lambda: dict(zip(NAMES, views)), num_tokens, num_reqs, self.writes)
         return ForwardInputs(self._persistent_set(), self._persistent, num_tokens, num_reqs, self.writes)
 
     def _replay_buffers(self) -> tuple[torch.Tensor, ...]:
         """Every persistent buffer a FULL graph reads: the runner's, and under PCP the PCP manager's."""
-        buffers = self._persistent_set()
         manager = self.runner.pcp_manager
-        if manager is not None:
-            bufs = manager.input_buffers
-            buffers += (bufs.input_ids, bufs.positions, bufs.query_start_loc, bufs.seq_lens,
-                        manager._gathered_kv_slot_mappings)
-        return buffers
+        return self._persistent_set() + (_pcp_buffers(manager) if manager is not None else ())
 
     def hold_replay_inputs(self) -> tuple:
         return self.writes, tuple(buf.clone() for buf in self._replay_buffers())
@@ -328,3 +322,11 @@ class MRV2Runner(RunnerAdapter):
             return None
         model = getattr(spec, "model", None)
         return model if isinstance(model, torch.nn.Module) else None
+
+
+def _pcp_buffers(manager) -> tuple[torch.Tensor, ...]:
+    """The PCP manager's persistent buffers a PCP graph reads, whole, in NAMES order (the block
+    table is the runner's): input_ids, positions, the gathered KV slot mappings ([groups, rows]),
+    query_start_loc, seq_lens."""
+    bufs = manager.input_buffers
+    return bufs.input_ids, bufs.positions, manager._gathered_kv_slot_mappings, bufs.query_start_loc, bufs.seq_lens
