@@ -41,7 +41,7 @@ def test_an_engine_core_failure_is_named_not_read_as_a_stop(vllm_models, tmp_pat
     """Replay names a `fault` on the worker's rank: vLLM's engine core failed, with the scheduler's
     RuntimeError, at a step of the run, and the run is UNSOUND; the worker's stop record that
     follows is read as the teardown of a failing job. Mutation: the engine-core plugin without its
-    failure handler -> replay SOUND (a stop requested: the engine's shutdown call)."""
+    failure handler -> replay SOUND, "stop requested" (seen: the SIGTERM the engine core told of)."""
     import json
 
     from runner_fsm.replay.judge import replay
