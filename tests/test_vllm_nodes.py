@@ -25,6 +25,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -44,6 +45,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "vllm-serving.md"
 REQUESTS = h.mixed_workload(num=4, seed=11, long_prompt=40)
+LONG = REQUESTS[0]._replace(req_id="long", max_new_tokens=400)  # in flight when the stop comes
 STEP = 6  # where the injection acts: replica 1 is idle by then (every request is on replica 0)
 INJECTION = f"skip-dummy-forward@replica=1,step={STEP}"
 TIMEOUT_S = 20.0  # collective_timeout_s of the injected job: its watchdog ends the waiting ranks
@@ -124,6 +126,36 @@ def complete(port: int, model: str, req, replica: int | None) -> tuple[str, list
     return req.req_id, list(out.choices[0].token_ids)
 
 
+def _as_another_machine(run_dir: Path, shift_ns: int, host: str) -> None:
+    """Every `t_ns` the node's files hold moved by `shift_ns`, its host named `host` (job records:
+    `host`, `hosts`; its front's stop requests). A compact log's other times count from those."""
+    import orjson
+
+    here = os.uname().nodename
+
+    def moved(record: dict) -> dict:
+        if "t_ns" in record:
+            record["t_ns"] += shift_ns
+        if record.get("host") == here:
+            record["host"] = host
+        if isinstance(record.get("hosts"), dict) and here in record["hosts"]:
+            record["hosts"][host] = record["hosts"].pop(here)
+        return record
+
+    for path in run_dir.iterdir():
+        if path.name.startswith(("rank-", "stops-")) and path.suffix == ".jsonl":
+            lines = [line for line in path.read_bytes().splitlines() if line.strip()]
+            path.write_bytes(b"".join(orjson.dumps(moved(orjson.loads(line))) + b"\n" for line in lines))
+
+
+def _freeze_worker(run_dir: Path, rank: int) -> None:
+    """SIGSTOP the worker process of `rank` (its pid from its log's `job` record), if it still runs."""
+    from runner_fsm.audit import read_records
+
+    with contextlib.suppress(ProcessLookupError, OSError, StopIteration):
+        os.kill(next(read_records(run_dir / f"rank-{rank}.jsonl"))["pid"], signal.SIGSTOP)
+
+
 def _step_reached(run_dir: Path, rank: int) -> int:
     from runner_fsm.audit import read_records
 
@@ -171,15 +203,22 @@ def run_job(root: Path, job: str, model: str, env: dict) -> dict:
             head.signal(signal.SIGINT)  # then the operator stops the head
             head.wait(90)
         else:
-            # The engines go idle together: a worker blocked in a collective (C++) when the stop
-            # arrives runs no Python handler before vLLM kills it, and leaves no record of the stop.
-            time.sleep(3)
-            sig = signal.SIGTERM if ending.startswith("sigterm") else signal.SIGINT
+            # Stopped while it serves, under vLLM's default shutdown (SIGKILL right after SIGTERM):
+            # each node's worker is frozen (SIGSTOP) before its node gets Ctrl-C, as a worker the
+            # kernel does not schedule between the signal and vLLM's SIGKILL is: it records nothing,
+            # and only its front's record of the request (`stop_origin`) explains its end.
             first, second = (head, node) if ending.endswith("head-first") else (node, head)
-            first.signal(sig)
-            first.wait(90)
-            second.signal(sig)
-            second.wait(90)
+            threading.Thread(target=lambda: answers.update([complete(first.port if not first.headless else head.port,
+                                                                     model, LONG, None)]), daemon=True).start()
+            rank = 0 if first is head else 1
+            reached = _step_reached(first.run_dir, rank)
+            deadline = time.monotonic() + 300
+            while _step_reached(first.run_dir, rank) < reached + 5 and time.monotonic() < deadline:
+                time.sleep(0.05)
+            for n, r in ((first, rank), (second, 1 - rank)):
+                _freeze_worker(n.run_dir, r)
+                n.signal(signal.SIGINT)
+                n.wait(90)
     finally:
         for n in nodes:
             n.kill()
@@ -233,12 +272,30 @@ def test_two_nodes_stopped_in_either_order_replay_as_one_sound_run(jobs, name):
     carry a run id of their own and replay refuses the mix)."""
     job = job_of(jobs, name)
     reference = jobs[2]
-    assert job["answers"] == {r: reference[r] for r in job["answers"]} and len(job["answers"]) == len(REQUESTS), \
-        _server_tail(job)
+    answers = {r: a for r, a in job["answers"].items() if r != LONG.req_id}
+    assert answers == {r: reference[r] for r in answers} and len(answers) == len(REQUESTS), _server_tail(job)
     report = replay(job["dirs"])
     assert report.sound, report.format() + _server_tail(job)
     assert report.summary.ranks == 2 and report.summary.replicas == 2
-    assert "SIGINT" in stop_note(report)
+    # the first node's worker was frozen: its front's record is what explains its end
+    first = 0 if name == "head-first" else 1
+    assert re.search(rf"received by [^;]*, recorded there before vLLM's shutdown began, with rank\(s\) {first} alive",
+                     stop_note(report)), stop_note(report)
+
+
+@pytest.mark.parametrize("name", ["head-first", "hybrid-lb", "node-killed"])
+def test_the_verdicts_hold_with_node_b_on_a_clock_an_hour_off(jobs, name, tmp_path):
+    """Node B's directory as another machine whose monotonic clock reads an hour later (every
+    `t_ns` it wrote, its host renamed): replay finds what it found on the nodes' shared clock."""
+    job = job_of(jobs, name)
+    node_a, node_b = tmp_path / "nodeA", tmp_path / "nodeB"
+    shutil.copytree(job["dirs"][0], node_a)
+    shutil.copytree(job["dirs"][1], node_b)
+    _as_another_machine(node_b, 3600 * 10**9, "other-machine")
+    before, after = replay(job["dirs"]), replay([node_a, node_b])
+    assert after.sound == before.sound, after.format() + "\n" + before.format()
+    assert sorted((v.kind, v.replica, v.ranks) for v in after.verdicts) == \
+        sorted((v.kind, v.replica, v.ranks) for v in before.verdicts), after.format() + "\n" + before.format()
 
 
 @pytest.mark.parametrize("name", ["head-first", "external-lb"])

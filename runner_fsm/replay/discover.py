@@ -76,8 +76,13 @@ def discover(run_dir: RunDirs) -> list[RankInfo]:
         infos.append(RankInfo(rank, coords.dp, coords.pcp, path, found.shape, coords.tp, coords.pp,
                               found.groups, found.host, hosts if isinstance(hosts, dict) else None,
                               k if isinstance(k, int) and not isinstance(k, bool) and k >= 0 else None,
-                              segments[rank], rotated_ranges(segments[rank])))
+                              segments[rank], rotated_ranges(segments[rank]), _run_id(found.job)))
     return infos
+
+
+def _run_id(job: dict | None) -> str | None:
+    run_id = job.get("run_id") if job is not None else None
+    return run_id if isinstance(run_id, str) else None
 
 
 class _Probed(NamedTuple):

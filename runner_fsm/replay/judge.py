@@ -41,7 +41,7 @@ from runner_fsm.replay.flight_join import join_flight_recorder
 from runner_fsm.replay.ranges import cpu_count, first_kept_step, judge_in_ranges, judge_range
 from runner_fsm.replay.rankscan import log_last_step
 from runner_fsm.replay.report import ReplayReport, RunSummary, Timeline
-from runner_fsm.replay.rundirs import RunDirs, label
+from runner_fsm.replay.rundirs import RunDirs, label, read_origins
 from runner_fsm.rules.crossrank import join_missed
 from runner_fsm.rules.injections import check_injections
 from runner_fsm.rules.job import check_job, hosts_of
@@ -91,9 +91,10 @@ def replay(run_dir: RunDirs | Run, *, timeline: Timeline | None = None,
     else:
         result = judge_range(infos, lo, hi, timeline=timeline, progress=progress)
     verdicts = list(job.verdicts) + result.verdicts + join_missed(result.missed) + check_injections(result.facts)
+    result.facts.origins, unread = read_origins(run.dirs, {info.run_id for info in infos})
     verdicts, stop_note = settle_stops(verdicts, result.facts)
     sizes = layout_of(infos)
-    notes = job.notes + stop_note + tuple(result.facts.storage)
+    notes = job.notes + stop_note + tuple(result.facts.storage) + tuple(unread)
     summary = RunSummary(run.label, len(infos), sizes.dp, sizes.pcp, result.records,
                          result.first_step, result.last_step, job.expected_ranks, notes,
                          sizes.tp, sizes.pp, window, log_steps,

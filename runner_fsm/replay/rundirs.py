@@ -5,18 +5,27 @@ node's ranks write where that node can), and `runner-fsm replay A B ...` judges 
 as one run. Each rank's file must be found once: the same rank's log (or dump) in two of the
 directories given is input that cannot be judged (exit status 2), as are logs of different runs
 (`rules.job`). Nothing here compares the clocks of different hosts.
+
+Beside the logs, vLLM's front process records each stop request it received where it started
+(`stops-<host>-<pid>.jsonl`, `integrations.vllm.stop_origin`): one line per request, with the
+ranks whose worker process was alive then. Only lines of the run being judged count (a run
+directory used again keeps an older run's file); a line that cannot be read is said in a note.
 """
 
 from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Union
 
-from runner_fsm.errors import ReplayInputError
+import orjson
 
+from runner_fsm.errors import ReplayInputError
+from runner_fsm.rules.facts import OriginStop
+
+ORIGIN_FILE = re.compile(r"^stops-.+-\d+\.jsonl$")
 RunDirs = Union[str, "os.PathLike[str]", Sequence[Union[str, "os.PathLike[str]"]]]
 
 
@@ -91,3 +100,30 @@ def ranked_files(dirs: Sequence[Path], pattern: re.Pattern, what: str) -> list[t
                                        f" ({name}): one rank's {what} found twice")
             found[rank] = path
     return sorted(found.items())
+
+
+def read_origins(dirs: Sequence[Path], run_ids: Iterable[str | None]) -> tuple[list[OriginStop], list[str]]:
+    """The requests of the run whose ranks name `run_ids`, and a note per line that could not be read."""
+    wanted = {run_id for run_id in run_ids if run_id is not None}
+    found: list[OriginStop] = []
+    notes: list[str] = []
+    for directory in dirs:
+        for name in listing(directory):
+            if not ORIGIN_FILE.match(name):
+                continue
+            try:
+                lines = (directory / name).read_bytes().splitlines()
+            except OSError as err:
+                notes.append(f"{directory / name}: cannot be read ({err}): its stop requests are not counted")
+                continue
+            for number, line in enumerate(lines, 1):
+                if not line.strip():
+                    continue
+                try:
+                    origin, run_id = OriginStop.from_record(orjson.loads(line))
+                except (orjson.JSONDecodeError, KeyError, TypeError, ValueError) as err:
+                    notes.append(f"{directory / name}:{number}: not a stop request ({err}): not counted")
+                    continue
+                if run_id in wanted:
+                    found.append(origin)
+    return found, notes

@@ -31,6 +31,37 @@ class StopSeen:
 
 
 @dataclasses.dataclass(frozen=True)
+class OriginStop:
+    """A stop request recorded where it started: by vLLM's front process (`stop_origin`), in the
+    run directory, before vLLM's shutdown began; with the ranks whose process was there then."""
+
+    host: str | None
+    pid: int
+    process: str  # what received it: "vLLM's API server", ...
+    signal: str | None  # None: the process heard a stop signal without its name
+    t_ns: int  # the host's monotonic clock
+    alive: frozenset[int]
+    gone: frozenset[int] = frozenset()
+
+    @staticmethod
+    def from_record(record: dict) -> tuple["OriginStop", str]:
+        """One line of `stops-<host>-<pid>.jsonl` and the run it belongs to (KeyError, TypeError,
+        ValueError: not such a line)."""
+        if record["event"] != "stop_request":
+            raise ValueError(f"event {record['event']!r}")
+        if not all(map(_is_int, [record["pid"], record["t_ns"], *record["alive"], *record.get("gone", ())])):
+            raise ValueError("pid, t_ns and ranks must be integers")
+        signal, host = record.get("signal"), record.get("host")
+        return OriginStop(host if isinstance(host, str) else None, record["pid"], str(record["process"]),
+                          signal if isinstance(signal, str) else None, record["t_ns"],
+                          frozenset(record["alive"]), frozenset(record.get("gone", ()))), str(record["run_id"])
+
+    def text(self) -> str:
+        where = f"pid {self.pid}" + (f" on host {self.host}" if self.host else "")
+        return f"{self.signal or 'a stop signal'} received by {self.process} ({where})"
+
+
+@dataclasses.dataclass(frozen=True)
 class FaultSeen:
     """A `fault` record, with where it lies in its rank's log and when it was written."""
 
@@ -75,6 +106,8 @@ class RunFacts:
     kinds: dict[tuple[int, int], str | None] = dataclasses.field(default_factory=dict)
     # what a rank's log said of its own files (`storage` records: a segment left uncompressed), in words
     storage: list[str] = dataclasses.field(default_factory=list)
+    # stop requests recorded at their origin (not by a rank: read beside the logs, `replay.rundirs.read_origins`)
+    origins: list[OriginStop] = dataclasses.field(default_factory=list)
 
     def note(self, rank: int, record: dict, origin=None) -> None:
         """Keep what a `fault`, `stop`, `injected` or `job` record says (ValueError: malformed);

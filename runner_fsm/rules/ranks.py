@@ -39,6 +39,7 @@ class RankInfo:
     # its log's kept segments, in order (one: a log without a cap), and the steps rotated away
     segments: tuple[SegmentFile, ...] = dataclasses.field(default=(), compare=False)
     rotated: tuple[tuple[int, int], ...] = ()
+    run_id: str | None = None  # as its `job` record names it
 
     @property
     def file(self) -> str:

@@ -14,6 +14,18 @@ ends without `shutdown` has its end explained by a request:
 - it waits in a collective every member issued, one of which recorded the request in that
   step (waiting in it too, or past it and waiting in no other).
 
+A stop request is also recorded where it started (`OriginStop`: vLLM's front process, before
+vLLM's shutdown began), with the ranks whose process was alive at that moment: each of those
+ended in the shutdown that followed, whatever it managed to record itself (vLLM's default
+shutdown kills workers a few lines after the request, and one the kernel did not schedule in
+between records nothing). That evidence needs no clock.
+
+A fault a rank logged because a peer left in the stop is its consequence too, even where no
+clock orders the two (the peer on another host): a lost connection (reset or closed by the
+peer) at a step no earlier than the step that peer's end, explained by a request, came at
+(less one: a rank may wait a step ahead). The faults that follow it on the same rank, and that
+rank's end, are its consequences as well.
+
 Then the `unfinished`, `hang` and `missing_replica` verdicts of those ends, and the faults a
 rank logged after a request (an interrupted step, a peer's closed connection), become one note
 naming the stop. A log that ends with no stop request anywhere in the job before it is a death:
@@ -25,10 +37,15 @@ nothing. Times are compared only within a host
 
 from __future__ import annotations
 
-from runner_fsm.rules.facts import FaultSeen, RunFacts, StopSeen
+import re
+
+from runner_fsm.rules.facts import FaultSeen, OriginStop, RunFacts, StopSeen
 from runner_fsm.rules.verdicts import Verdict
 
 END_KINDS = frozenset({"unfinished", "hang", "missing_replica"})  # verdicts about where a log ends
+# A peer's end as the transports word it (gloo, the kernel): the connection went with the process.
+LOST_PEER = re.compile(r"reset by peer|closed by peer|connection (was )?(reset|closed)|broken pipe|ECONNRESET|EPIPE",
+                       re.IGNORECASE)
 
 
 class StopRule:
@@ -43,27 +60,63 @@ class StopRule:
         self.own: dict[int, StopSeen] = {}
         for stop in sorted(self.requests, key=lambda s: s.seq):
             self.own.setdefault(stop.rank, stop)
+        # The same for a request recorded at its origin: one after a fault on its host explains nothing.
+        self.origins = [o for o in facts.origins
+                        if not any(f.t_ns < o.t_ns and facts.hosts.get(f.rank) == o.host for f in facts.faults)]
+        self.alive_at_request = frozenset().union(*(o.alive for o in self.origins))
+        self.consequences = self._lost_peer_faults()
 
     def _same_host(self, a: int, b: int) -> bool:
         hosts = self.facts.hosts
         return hosts.get(a) == hosts.get(b)
 
-    def request_before(self, rank: int, t_ns: int | None) -> StopSeen | None:
+    @property
+    def asked(self) -> bool:
+        return bool(self.requests or self.origins)
+
+    def request_before(self, rank: int, t_ns: int | None) -> StopSeen | OriginStop | None:
         """The first stop request recorded on `rank`'s host no later than `t_ns` (its clock)."""
         if t_ns is None:
             return None
+        host = self.facts.hosts.get(rank)
         found = [s for s in self.requests if s.t_ns <= t_ns and self._same_host(s.rank, rank)]
+        found += [o for o in self.origins if o.t_ns <= t_ns and o.host == host]
         return min(found, key=lambda s: s.t_ns, default=None)
 
-    def explains_end(self, rank: int) -> bool:
-        if rank in self.own:
+    def ended_on_request(self, rank: int) -> bool:
+        """Its end is explained by a request itself: its own, alive when one was recorded at its
+        origin, or its log going on after one on its host."""
+        if rank in self.own or rank in self.alive_at_request:
             return True
         end = self.facts.ends.get(rank)  # no request, no time wanted (a seek's is counted: `facts.RankEnd`)
-        return end is not None and bool(self.requests) and self.request_before(rank, end.t_ns) is not None
+        return end is not None and self.asked and self.request_before(rank, end.t_ns) is not None
+
+    def explains_end(self, rank: int) -> bool:
+        """Ended on a request, or after a fault that was a consequence of one (`consequences`)."""
+        return self.ended_on_request(rank) or any(f.rank == rank for f in self.consequences)
 
     def explains_fault(self, fault: FaultSeen) -> bool:
         own = self.own.get(fault.rank)
-        return (own is not None and own.seq < fault.seq) or self.request_before(fault.rank, fault.t_ns) is not None
+        return (own is not None and own.seq < fault.seq) or self.request_before(fault.rank, fault.t_ns) is not None \
+            or fault in self.consequences
+
+    def _lost_peer_faults(self) -> frozenset[FaultSeen]:
+        """Faults that follow a peer's end in the stop, by steps, not clocks (module docstring):
+        the first fault of a rank that lost a connection to a peer which ended on a request at
+        that step or the next, and the faults after it on that rank."""
+        ends = self.facts.ends
+        left = [r for r in ends if self.ended_on_request(r)]
+        out: set[FaultSeen] = set()
+        by_rank: dict[int, list[FaultSeen]] = {}
+        for fault in sorted(self.facts.faults, key=lambda f: f.seq):
+            by_rank.setdefault(fault.rank, []).append(fault)
+        for rank, faults in by_rank.items():
+            first = faults[0]
+            if first.step is None or not LOST_PEER.search(first.detail):
+                continue
+            if any(peer != rank and ends[peer].step <= first.step + 1 for peer in left):
+                out.update(faults)
+        return frozenset(out)
 
     def left_on_request(self, rank: int) -> bool:
         """The rank recorded a stop request and no fault of its own before it: whatever it
@@ -104,10 +157,14 @@ class StopRule:
 
 def settle_stops(verdicts: list[Verdict], facts: RunFacts) -> tuple[list[Verdict], tuple[str, ...]]:
     """The verdicts a recorded stop request explains, taken out, and a note of what was seen."""
-    if not facts.stops:
+    if not facts.stops and not facts.origins:
         return verdicts, ()
     rule = StopRule(facts)
-    if not rule.requests:
+    if not rule.asked:
+        if not facts.stops:
+            return verdicts + _deaths_in_collectives(rule, verdicts), (
+                f"stop request(s) recorded at their origin ({facts.origins[0].text()}) all follow a fault on its"
+                " host: the job was ending on a failure, not on a stop request, and they explain nothing",)
         first = _first(facts.stops)
         return verdicts + _deaths_in_collectives(rule, verdicts), (
             f"stop record(s) ({first.text()}, the first of {len(facts.stops)}) all follow a fault: the job was"
@@ -148,10 +205,13 @@ def _deaths_in_collectives(rule: StopRule, kept: list[Verdict]) -> list[Verdict]
 
 
 def _note(rule: StopRule, facts: RunFacts, ended: set[int], faulted: list[Verdict], kept: list[Verdict]) -> str:
-    first = _first(rule.requests)
-    recorded = sorted(rule.own)
-    note = (f"stop requested: {first.text()}, the first of {len(rule.requests)} stop request(s), by rank(s)"
-            f" {_ids(recorded)}")
+    parts = []
+    if rule.requests:
+        first = _first(rule.requests)
+        parts.append(f"{first.text()}, the first of {len(rule.requests)} stop request(s), by rank(s) {_ids(rule.own)}")
+    parts += [f"{o.text()}, recorded there before vLLM's shutdown began, with rank(s) {_ids(o.alive) or 'none'}"
+              " alive then" for o in rule.origins]
+    note = "stop requested: " + "; and ".join(parts)
     if ended:
         note += f"; rank(s) {_ids(ended)} ended after it without logging shutdown (not a finding)"
     if faulted:

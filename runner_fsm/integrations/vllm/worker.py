@@ -17,8 +17,8 @@ of its calls to the worker becomes transitions of the replica (DESIGN section 10
 | `take_draft_token_ids`            | the proposals noted in the journal                        |
 | `check_health` / `shutdown`       | raise while faulted / `stop` recorded, `shutdown`, logs closed |
 
-SIGINT and SIGTERM are recorded (`stop`) the moment they reach the worker's process, by
-handlers chained in front of vLLM's own (`stop_signals`), which then run as before.
+SIGINT and SIGTERM are recorded (`stop`) the moment they reach the worker's process, by handlers
+chained in front of vLLM's (`stop_signals`); the front records them too (`stop_origin`).
 
 A failure at any point of start-up is a `fault` record, then vLLM sees the error. Graph
 captures and replays on Model Runner V2 are recorded from its graph manager's own calls
@@ -41,7 +41,7 @@ from typing import Any, Iterator
 
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.segments import flight_entries
-from runner_fsm.integrations.vllm import startup
+from runner_fsm.integrations.vllm import startup, stop_origin
 from runner_fsm.integrations.vllm.common import schema
 from runner_fsm.integrations.vllm.cpu import rope as cpu_rope
 from runner_fsm.integrations.vllm.dp.support import DPSupport
@@ -101,11 +101,11 @@ class FSMWorkerMixin:
         self.runner_adapter = adapter_for(self.model_runner)
         opts = self.fsm_options
         run = agree_run(opts.run_dir, opts.run_id)  # over the whole job, every node
-        run_dir = run.run_dir
+        run_dir = self.run_dir = run.run_dir
         audit = AuditLog(run_dir, run.run_id, self.global_rank, self.dp_rank, self.pcp_rank,
                          shape=startup.job_record(self, run.hosts), max_log_bytes=opts.max_log_bytes,
                          pinned_steps=opts.pinned_steps, compress_segments=opts.compress_logs)
-        self.run_dir = run_dir
+        stop_origin.tell_front(run_dir, run.run_id, self.global_rank)  # where a stop starts, it is recorded here
         self.flight = WorkerFlight(run_dir, self.global_rank, flight_groups(self.parallel_config, self.runner_adapter))
         journal = Journal(run_dir, self.global_rank)
         audit.add_companion(journal)  # its segments go with the log's, under one cap

@@ -1,0 +1,178 @@
+"""A stop request recorded where it starts: vLLM's front process writes it into the run directory.
+
+The process that receives the user's Ctrl-C or SIGTERM is vLLM's front: the API server, a
+headless node's launcher, an `LLM` script. With vLLM's default `--shutdown-timeout 0` it kills
+its engine cores and their workers a few Python lines later (`vllm.v1.utils.shutdown`): a worker
+the kernel has not scheduled in between records nothing of the stop, and its log alone reads as
+a death. The front lives on through that shutdown, so the front records the request, in each run
+directory its FSMWorkers write, before vLLM's shutdown begins (`stops-<host>-<pid>.jsonl`, one
+line per request). With it goes the evidence replay needs: which of those workers were alive
+at that moment (same pid, same start time, not a zombie). A rank alive when the stop was asked
+for ended in the shutdown that followed, whatever it managed to record (`rules.stops`).
+
+How the front hears of the stop. vLLM loads this plugin (entry point `runner_fsm_stop_origin`)
+in the front before it installs its own signal handling, which then replaces Python handlers set
+earlier (the API server's are asyncio's; a headless launcher's raise SystemExit). So:
+- the API server logs "[shutdown] API server: shutdown triggered" from its signal callback before
+  it stops the engine client, and a headless node's launcher logs "Waiting up to N seconds for
+  processes to exit" after its handler's SystemExit, before it shuts its engines down: a handler
+  on those two loggers (`logging`'s public API; no vLLM code is patched) records there. Neither
+  says which signal: the record says "a stop signal". Their level is held at INFO so a quieter
+  `VLLM_LOGGING_LEVEL` does not silence them (vLLM's own handler still prints by its level).
+- any front vLLM leaves Python's handlers to (an `LLM` script): handlers chained in front of the
+  process's own (`stop_signals`), which name the signal and then do what was done before.
+
+How it learns of the run. The front opens an abstract unix datagram socket (no name in any file
+system; it goes with the process) and names it in the environment its children inherit. Each
+FSMWorker, once its run is agreed, sends its run directory, run id, global rank, pid and start
+time there (`tell_front`). The kernel attaches the sender's credentials: only a process of the
+same user that descends from the front is heard. A thread drains the socket (the kernel queues
+ten datagrams at most). A stop before any worker spoke writes nothing: there is no run yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import multiprocessing
+import os
+import secrets
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+from runner_fsm.process.proc import alive, parent_of, process_start
+from runner_fsm.process.stop_signals import StopSignals
+
+FRONT_ENV = "RUNNER_FSM_FRONT"  # "<pid>-<start>-<socket name>" of the front this process descends from
+ORIGIN_FILE = "stops-{host}-{pid}.jsonl"  # in the run directory; replay reads `stops-*.jsonl`
+ORIGIN_EVENT = "stop_request"
+# vLLM 0.32's words at the start of a stop it was asked for, by logger: what the front was
+SHUTDOWN_MESSAGES = {
+    "vllm.entrypoints.launchers.launcher": ("[shutdown] API server: shutdown triggered", "vLLM's API server"),
+    "vllm.entrypoints.cli.serve": ("Waiting up to %d seconds for processes to exit",
+                                   "`vllm serve`'s main process (a headless node, or several API servers' launcher)"),
+}
+_UCRED = struct.Struct("3i")  # pid, uid, gid: SCM_CREDENTIALS
+_FRONT: "Front | None" = None
+
+
+def register() -> None:
+    """vLLM's plugin entry point, called in every vLLM process (maybe more than once): in the
+    front, and only there, start listening and hearing stops."""
+    global _FRONT
+    if _FRONT is not None or multiprocessing.current_process().name.startswith("EngineCore") or _front_above():
+        return
+    with contextlib.suppress(OSError):  # no abstract sockets here (not Linux): nothing is recorded
+        _FRONT = Front.start()
+
+
+def _front_above() -> bool:
+    """Whether this process descends from the front its environment names (a worker, an engine
+    core): a process that merely inherited the variable from an unrelated one is a front itself."""
+    pid, start = (os.environ.get(FRONT_ENV, "").split("-") + ["", ""])[:2]
+    if not pid.isdigit() or process_start(int(pid)) != start:
+        return False
+    here = os.getpid()
+    while here > 1:
+        here = parent_of(here)
+        if here == int(pid):
+            return True
+    return False
+
+
+class Front:
+    """The front process's side: the workers that spoke, and the requests recorded for them."""
+
+    def __init__(self, sock: socket.socket, name: str):
+        self._sock, self.name = sock, name
+        self.workers: dict[int, dict] = {}  # pid -> what the worker said
+        self.kind = "vLLM's front process"
+
+    @classmethod
+    def start(cls) -> "Front":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        name = f"runner-fsm-front-{os.getpid()}-{secrets.token_hex(6)}"
+        sock.bind("\0" + name)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        front = cls(sock, name)
+        os.environ[FRONT_ENV] = f"{os.getpid()}-{process_start(os.getpid())}-{name}"
+        threading.Thread(target=front._listen, name="runner-fsm-front", daemon=True).start()
+        for logger_name in SHUTDOWN_MESSAGES:
+            logger = logging.getLogger(logger_name)
+            logger.addHandler(_ShutdownHeard(front, logger_name))
+            if not logger.isEnabledFor(logging.INFO):
+                logger.setLevel(logging.INFO)
+        StopSignals(lambda signal_name: front.record(signal_name, "the process vLLM runs in")).install()
+        return front
+
+    def _listen(self) -> None:
+        space = socket.CMSG_SPACE(_UCRED.size)
+        while True:
+            try:
+                data, ancillary, _, _ = self._sock.recvmsg(4096, space)
+                said = json.loads(data)
+                sender = next(_UCRED.unpack(d[:_UCRED.size]) for level, kind, d in ancillary
+                              if level == socket.SOL_SOCKET and kind == socket.SCM_CREDENTIALS)
+            except (OSError, ValueError, StopIteration):
+                continue
+            pid, uid, _ = sender
+            if uid == os.getuid() and said.get("pid") == pid and _descends(pid, os.getpid()):
+                self.workers[pid] = said
+
+    def record(self, signal_name: str | None, kind: str) -> None:
+        """The request, in every run directory a worker named, with each worker's liveness now.
+        Called from a signal handler or a logging handler: must never raise."""
+        with contextlib.suppress(Exception):
+            t_ns, host = time.monotonic_ns(), socket.gethostname()
+            runs: dict[tuple[str, str], dict[str, list[int]]] = {}
+            for pid, said in list(self.workers.items()):
+                entry = runs.setdefault((said["run_dir"], said["run_id"]), {"alive": [], "gone": []})
+                entry["alive" if alive(pid, said["start"]) else "gone"].append(int(said["global_rank"]))
+            for (run_dir, run_id), ranks in runs.items():
+                line = {"event": ORIGIN_EVENT, "run_id": run_id, "signal": signal_name, "process": kind,
+                        "host": host, "pid": os.getpid(), "t_ns": t_ns,
+                        "alive": sorted(ranks["alive"]), "gone": sorted(ranks["gone"])}
+                path = Path(run_dir) / ORIGIN_FILE.format(host=host, pid=os.getpid())
+                with open(path, "a") as out:
+                    out.write(json.dumps(line) + "\n")
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    while pid > 1:
+        pid = parent_of(pid)
+        if pid == ancestor:
+            return True
+    return False
+
+
+class _ShutdownHeard(logging.Handler):
+    """On one of vLLM's front loggers: its words at the start of a stop it was asked for."""
+
+    def __init__(self, front: Front, logger_name: str):
+        super().__init__(logging.INFO)
+        self._front = front
+        self._words, self._kind = SHUTDOWN_MESSAGES[logger_name]
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.msg == self._words:
+            self._front.record(None, self._kind)
+
+
+def tell_front(run_dir: str, run_id: str, global_rank: int) -> bool:
+    """A worker's side: tell the front this process descends from where it writes (False: no front
+    named here, or it could not be reached; the worker then records its stops alone, as before)."""
+    pid, _, name = (os.environ.get(FRONT_ENV, "").split("-", 2) + ["", "", ""])[:3]
+    if not name:
+        return False
+    said = {"run_dir": str(Path(run_dir).resolve()), "run_id": str(run_id), "global_rank": int(global_rank),
+            "pid": os.getpid(), "start": process_start(os.getpid())}
+    with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.settimeout(5.0)  # the front's thread drains the queue; a front that is gone refuses at once
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
+        sock.sendto(json.dumps(said).encode(), "\0" + name)
+        return True
+    return False
