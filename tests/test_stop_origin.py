@@ -139,3 +139,34 @@ def test_an_origin_of_another_run_or_unreadable_is_not_counted_and_is_said(tmp_p
     report = replay(dirs)
     assert not report.sound and "stop requested" not in " ".join(report.summary.notes), report.format()
     assert any("stops-nodeA-1.jsonl:2: not a stop request" in n for n in report.summary.notes), report.summary.notes
+
+
+@pytest.mark.parametrize("case", ["no front's record", "front's record", "no front", "SIGINT"])
+def test_a_sigterm_a_worker_records_is_a_request_only_where_its_front_recorded_one(tmp_path, case):
+    """Both ranks recorded a signal, then were killed between steps. vLLM's executor SIGTERMs its
+    workers however the engine ends (a crash it logged nowhere included): where the worker's
+    front records requests (`stop_front` in its `job` record), a SIGTERM with no request from that
+    front on its host is no stop. A SIGINT (vLLM sends none), a front's record, or a writer with
+    no front reads as before. Mutation seen to fail it: `StopRule._asked` always True."""
+    run = write_run(tmp_path / "run", SPEC)
+    signal = "SIGINT" if case == "SIGINT" else "SIGTERM"
+    for rank in range(2):
+        path = run / f"rank-{rank}.jsonl"
+        records = [r for r in _records(path) if not (r["event"] == "transition" and r.get("trigger") == "shutdown")]
+        if case != "no front":
+            records[0]["stop_front"] = True
+        last = records[-1]
+        records.append({**{k: last[k] for k in ("schema", "run_id", "dp_rank", "pcp_rank")}, "seq": 0,
+                        "t_ns": 10**12 + rank, "event": "stop", "step_id": last["step_id"], "source": "signal",
+                        "signal": signal, "detail": ""})
+        _write(path, records)
+        if case == "front's record":
+            request = {"event": "stop_request", "run_id": SPEC.run_id, "signal": "SIGTERM", "process": "an LLM script",
+                       "host": HOSTS[rank], "pid": 7 + rank, "t_ns": 10**12 - 1, "alive": [rank], "gone": []}
+            (run / f"stops-{HOSTS[rank]}-{7 + rank}.jsonl").write_text(json.dumps(request) + "\n")
+    report = replay(run)
+    if case == "no front's record":
+        assert {v.ranks for v in report.verdicts if v.kind == "unfinished"} == {(0,), (1,)}, report.format()
+        assert "are SIGTERMs no front recorded a request for" in " ".join(report.summary.notes), report.format()
+    else:
+        assert report.sound, report.format()

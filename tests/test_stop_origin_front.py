@@ -32,8 +32,9 @@ FRONT = textwrap.dedent("""
         return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
     while state(workers[1].pid) != "Z":  # rank 1 ended before the stop: a zombie (not reaped yet), gone
         time.sleep(0.01)
+    assert stop_origin.tell_front(run_dir, "rid", 2)  # a worker in the front's own process (no multiprocessing)
     deadline = time.monotonic() + 30
-    while len(stop_origin._FRONT.workers) < 2 and time.monotonic() < deadline:
+    while len(stop_origin._FRONT.workers) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
     print("ready", os.environ["RUNNER_FSM_FRONT"], flush=True)
     if how == "vllm-words":
@@ -71,7 +72,7 @@ def test_a_signal_to_the_front_is_recorded_naming_it_and_who_was_alive(tmp_path,
     assert proc.wait(timeout=30) != 0  # the front then did what it did before: stopped
     (request,) = _requests(tmp_path, proc.pid)
     assert request["signal"] == sig.name and request["run_id"] == "rid" and request["event"] == "stop_request"
-    assert (request["alive"], request["gone"]) == ([0], [1]), request
+    assert (request["alive"], request["gone"]) == ([0, 2], [1]), request
     assert request["process"] == "the process vLLM runs in" and request["pid"] == proc.pid
 
 
@@ -82,7 +83,7 @@ def test_vllm_s_words_at_a_requested_shutdown_are_recorded_even_under_a_quieter_
     assert proc.wait(timeout=30) == 0
     (request,) = _requests(tmp_path, proc.pid)
     assert request["signal"] is None and request["process"].startswith("`vllm serve`'s main process"), request
-    assert (request["alive"], request["gone"]) == ([0], [1]), request
+    assert (request["alive"], request["gone"]) == ([0, 2], [1]), request
 
 
 def test_an_ignored_sigint_is_no_request(tmp_path):

@@ -108,6 +108,7 @@ class RunFacts:
     storage: list[str] = dataclasses.field(default_factory=list)
     # stop requests recorded at their origin (not by a rank: read beside the logs, `replay.rundirs.read_origins`)
     origins: list[OriginStop] = dataclasses.field(default_factory=list)
+    fronted: set[int] = dataclasses.field(default_factory=set)  # ranks whose front records requests (`job`)
 
     def note(self, rank: int, record: dict, origin=None) -> None:
         """Keep what a `fault`, `stop`, `injected` or `job` record says (ValueError: malformed);
@@ -119,6 +120,8 @@ class RunFacts:
             inject = record.get("inject") or ()
             self.injections[rank] = tuple(map(str, [inject] if isinstance(inject, str) else inject))
             self.hosts[rank] = record.get("host")
+            if record.get("stop_front") is True:
+                self.fronted.add(rank)
         elif event == "injected":
             self.fired.add((rank, step, str(record["injection"])))
         elif event == "storage":
@@ -158,6 +161,7 @@ class RunFacts:
             out.faults += part.faults
             out.ends.update(part.ends)
             out.hosts.update(part.hosts)
+            out.fronted |= part.fronted
             out.injections.update(part.injections)
             out.fired |= part.fired
             out.kinds.update(part.kinds)

@@ -55,16 +55,25 @@ class StopRule:
         self.facts = facts
         # A stop recorded after a fault on its host is vLLM (or the launcher) ending a job that
         # was failing already, not a request: it explains nothing.
-        self.requests = [s for s in facts.stops
-                         if not any(f.t_ns < s.t_ns and self._same_host(f.rank, s.rank) for f in facts.faults)]
-        self.own: dict[int, StopSeen] = {}
-        for stop in sorted(self.requests, key=lambda s: s.seq):
-            self.own.setdefault(stop.rank, stop)
         # The same for a request recorded at its origin: one after a fault on its host explains nothing.
         self.origins = [o for o in facts.origins
                         if not any(f.t_ns < o.t_ns and facts.hosts.get(f.rank) == o.host for f in facts.faults)]
+        self.requests = [s for s in facts.stops if self._asked(s)
+                         and not any(f.t_ns < s.t_ns and self._same_host(f.rank, s.rank) for f in facts.faults)]
+        self.own: dict[int, StopSeen] = {}
+        for stop in sorted(self.requests, key=lambda s: s.seq):
+            self.own.setdefault(stop.rank, stop)
         self.alive_at_request = frozenset().union(*(o.alive for o in self.origins))
         self.consequences = self._lost_peer_faults()
+
+    def _asked(self, stop: StopSeen) -> bool:
+        """A SIGTERM a vLLM worker records is vLLM's own teardown as often as a user's request
+        (the executor SIGTERMs its workers however the engine ends): where the rank's front
+        records requests (`stop_front`), one counts only after its front recorded one on its host."""
+        if stop.signal != "SIGTERM" or stop.rank not in self.facts.fronted:
+            return True
+        host = self.facts.hosts.get(stop.rank)
+        return any(o.host == host and o.t_ns <= stop.t_ns for o in self.origins)
 
     def _same_host(self, a: int, b: int) -> bool:
         hosts = self.facts.hosts
@@ -161,14 +170,7 @@ def settle_stops(verdicts: list[Verdict], facts: RunFacts) -> tuple[list[Verdict
         return verdicts, ()
     rule = StopRule(facts)
     if not rule.asked:
-        if not facts.stops:
-            return verdicts + _deaths_in_collectives(rule, verdicts), (
-                f"stop request(s) recorded at their origin ({facts.origins[0].text()}) all follow a fault on its"
-                " host: the job was ending on a failure, not on a stop request, and they explain nothing",)
-        first = _first(facts.stops)
-        return verdicts + _deaths_in_collectives(rule, verdicts), (
-            f"stop record(s) ({first.text()}, the first of {len(facts.stops)}) all follow a fault: the job was"
-            " ending on a failure, not on a stop request, and they explain nothing",)
+        return verdicts + _deaths_in_collectives(rule, verdicts), (_no_request_note(rule, facts),)
     faults = {(f.rank, f.step, f.detail): f for f in facts.faults}
     kept, ended, faulted = [], set(), []
     for verdict in verdicts:
@@ -221,6 +223,20 @@ def _note(rule: StopRule, facts: RunFacts, ended: set[int], faulted: list[Verdic
     if unexplained:
         note += f"; rank(s) {_ids(unexplained)} ended before any stop request was recorded: a death, not a stop"
     return note
+
+
+def _no_request_note(rule: StopRule, facts: RunFacts) -> str:
+    if not facts.stops:
+        return (f"stop request(s) recorded at their origin ({facts.origins[0].text()}) all follow a fault on its"
+                " host: the job was ending on a failure, not on a stop request, and they explain nothing")
+    first = _first(facts.stops)
+    unasked = [s for s in facts.stops if not rule._asked(s)]
+    if len(unasked) == len(facts.stops):
+        return (f"stop record(s) ({first.text()}, the first of {len(facts.stops)}) are SIGTERMs no front recorded a"
+                " request for: vLLM's teardown of its workers, not a stop someone asked for; they explain nothing")
+    return (f"stop record(s) ({first.text()}, the first of {len(facts.stops)}) all follow a fault"
+            + (" or are SIGTERMs no front recorded a request for" if unasked else "")
+            + ": the job was ending on a failure, not on a stop request, and they explain nothing")
 
 
 def _first(stops: list[StopSeen]) -> StopSeen:

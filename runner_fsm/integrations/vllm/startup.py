@@ -18,10 +18,11 @@ from runner_fsm.integrations.vllm.replica_check import logged_groups
 from runner_fsm.integrations.vllm.rundir import place_in_groups
 
 
-def job_record(worker: Any, hosts: dict[str, list[int]]) -> dict:
+def job_record(worker: Any, hosts: dict[str, list[int]], front: bool = False) -> dict:
     """The log's first record: the job's shape (every dimension, this rank's coordinates,
     its groups as vLLM built them, every rank's host), the runner and its adapter, the vLLM
-    version, and what the worker supplies that the installed vLLM lacks here."""
+    version, and what the worker supplies that the installed vLLM lacks here. `front`: vLLM's
+    front process records the stop requests it receives (`stop_origin`): `stop_front`."""
     place = worker.place
     supplied = []
     if place.sizes.dp > 1 and str(worker.device_config.device_type) == "cpu":
@@ -51,6 +52,8 @@ def job_record(worker: Any, hosts: dict[str, list[int]]) -> dict:
     describe = getattr(worker, "describe_emulation", None)  # the device emulation's worker (`emulation/worker.py`)
     if describe is not None:
         changed["device_emulation"] = describe()
+    if front:  # a SIGTERM this rank records is then a request only where its front recorded one (`rules.stops`)
+        changed["stop_front"] = True
     if worker.fsm_options.inject:  # what the run is meant to test (replay: `injection_not_fired`)
         changed["inject"] = [str(inject.parse(worker.fsm_options.inject))]
     sizes, coords = place.sizes, place.coords

@@ -47,7 +47,7 @@ from pathlib import Path
 from runner_fsm.process.proc import alive, parent_of, process_start
 from runner_fsm.process.stop_signals import StopSignals
 
-FRONT_ENV = "RUNNER_FSM_FRONT"  # "<pid>-<start>-<socket name>" of the front this process descends from
+FRONT_ENV = "RUNNER_FSM_FRONT"  # "<pid>-<start>-<socket name>" of the front this process was started below
 ORIGIN_FILE = "stops-{host}-{pid}.jsonl"  # in the run directory; replay reads `stops-*.jsonl`
 ORIGIN_EVENT = "stop_request"
 # vLLM 0.32's words at the start of a stop it was asked for, by logger: what the front was
@@ -61,27 +61,16 @@ _FRONT: "Front | None" = None
 
 
 def register() -> None:
-    """vLLM's plugin entry point, called in every vLLM process (maybe more than once): in the
-    front, and only there, start listening and hearing stops."""
+    """vLLM's plugin entry point, called in every vLLM process (maybe more than once): in a front,
+    and only there, start listening and hearing stops. vLLM starts each of its other processes
+    (engine cores, workers, API servers under a launcher, the DP coordinator) with
+    `multiprocessing`; a front is a process nobody started so: a script, `vllm serve`, or a
+    server a program launched (a front of its own, whatever front its launcher was)."""
     global _FRONT
-    if _FRONT is not None or multiprocessing.current_process().name.startswith("EngineCore") or _front_above():
+    if _FRONT is not None or multiprocessing.parent_process() is not None:
         return
     with contextlib.suppress(OSError):  # no abstract sockets here (not Linux): nothing is recorded
         _FRONT = Front.start()
-
-
-def _front_above() -> bool:
-    """Whether this process descends from the front its environment names (a worker, an engine
-    core): a process that merely inherited the variable from an unrelated one is a front itself."""
-    pid, start = (os.environ.get(FRONT_ENV, "").split("-") + ["", ""])[:2]
-    if not pid.isdigit() or process_start(int(pid)) != start:
-        return False
-    here = os.getpid()
-    while here > 1:
-        here = parent_of(here)
-        if here == int(pid):
-            return True
-    return False
 
 
 class Front:
@@ -106,7 +95,9 @@ class Front:
             logger.addHandler(_ShutdownHeard(front, logger_name))
             if not logger.isEnabledFor(logging.INFO):
                 logger.setLevel(logging.INFO)
-        StopSignals(lambda signal_name: front.record(signal_name, "the process vLLM runs in")).install()
+        # From the handler only (`early=False`): a watch thread would take the process's wakeup fd,
+        # which is the user's program's to set (an `LLM` script's own event loop).
+        StopSignals(lambda signal_name: front.record(signal_name, "the process vLLM runs in"), early=False).install()
         return front
 
     def _listen(self) -> None:
@@ -142,6 +133,9 @@ class Front:
 
 
 def _descends(pid: int, ancestor: int) -> bool:
+    """`pid` is `ancestor` (a worker in the front's own process: vLLM without multiprocessing) or below it."""
+    if pid == ancestor:
+        return True
     while pid > 1:
         pid = parent_of(pid)
         if pid == ancestor:

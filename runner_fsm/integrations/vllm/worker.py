@@ -102,10 +102,10 @@ class FSMWorkerMixin:
         opts = self.fsm_options
         run = agree_run(opts.run_dir, opts.run_id)  # over the whole job, every node
         run_dir = self.run_dir = run.run_dir
+        front = stop_origin.tell_front(run_dir, run.run_id, self.global_rank)  # where a stop starts: recorded there
         audit = AuditLog(run_dir, run.run_id, self.global_rank, self.dp_rank, self.pcp_rank,
-                         shape=startup.job_record(self, run.hosts), max_log_bytes=opts.max_log_bytes,
+                         shape=startup.job_record(self, run.hosts, front), max_log_bytes=opts.max_log_bytes,
                          pinned_steps=opts.pinned_steps, compress_segments=opts.compress_logs)
-        stop_origin.tell_front(run_dir, run.run_id, self.global_rank)  # where a stop starts, it is recorded here
         self.flight = WorkerFlight(run_dir, self.global_rank, flight_groups(self.parallel_config, self.runner_adapter))
         journal = Journal(run_dir, self.global_rank)
         audit.add_companion(journal)  # its segments go with the log's, under one cap
