@@ -18,7 +18,8 @@ earlier (the API server's are asyncio's; a headless launcher's raise SystemExit)
   processes to exit" after its handler's SystemExit, before it shuts its engines down: a handler
   on those two loggers (`logging`'s public API; no vLLM code is patched) records there. Neither
   says which signal: the record says "a stop signal". Their level is held at INFO so a quieter
-  `VLLM_LOGGING_LEVEL` does not silence them (vLLM's own handler still prints by its level).
+  `VLLM_LOGGING_LEVEL` does not silence them (vLLM's own handler still prints by its level), and
+  both are put back after vLLM configures its logging again (`Front.hook_loggers`).
 - any front vLLM leaves Python's handlers to (an `LLM` script): handlers chained in front of the
   process's own (`stop_signals`), which name the signal and then do what was done before.
 
@@ -79,7 +80,7 @@ class Front:
     def __init__(self, sock: socket.socket, name: str):
         self._sock, self.name = sock, name
         self.workers: dict[int, dict] = {}  # pid -> what the worker said
-        self.kind = "vLLM's front process"
+        self._hooks: dict[str, logging.Handler] = {}
 
     @classmethod
     def start(cls) -> "Front":
@@ -89,16 +90,25 @@ class Front:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         front = cls(sock, name)
         os.environ[FRONT_ENV] = f"{os.getpid()}-{process_start(os.getpid())}-{name}"
+        front._hooks = {name: _ShutdownHeard(front, name) for name in SHUTDOWN_MESSAGES}
+        front.hook_loggers()
         threading.Thread(target=front._listen, name="runner-fsm-front", daemon=True).start()
-        for logger_name in SHUTDOWN_MESSAGES:
-            logger = logging.getLogger(logger_name)
-            logger.addHandler(_ShutdownHeard(front, logger_name))
-            if not logger.isEnabledFor(logging.INFO):
-                logger.setLevel(logging.INFO)
         # From the handler only (`early=False`): a watch thread would take the process's wakeup fd,
         # which is the user's program's to set (an `LLM` script's own event loop).
         StopSignals(lambda signal_name: front.record(signal_name, "the process vLLM runs in"), early=False).install()
         return front
+
+    def hook_loggers(self) -> None:
+        """Our handlers on vLLM's front loggers, at INFO. vLLM configures its logging again after
+        loading plugins (`configure_logging_from_args`: `logging.config.dictConfig`, which empties
+        the handlers of a configured logger's children and resets their level), so this runs at
+        start-up and again whenever a worker speaks, long after that."""
+        for name, handler in self._hooks.items():
+            logger = logging.getLogger(name)
+            if handler not in logger.handlers:
+                logger.addHandler(handler)
+            if not logger.isEnabledFor(logging.INFO):
+                logger.setLevel(logging.INFO)
 
     def _listen(self) -> None:
         space = socket.CMSG_SPACE(_UCRED.size)
@@ -113,6 +123,7 @@ class Front:
             pid, uid, _ = sender
             if uid == os.getuid() and said.get("pid") == pid and _descends(pid, os.getpid()):
                 self.workers[pid] = said
+                self.hook_loggers()
 
     def record(self, signal_name: str | None, kind: str) -> None:
         """The request, in every run directory a worker named, with each worker's liveness now.
