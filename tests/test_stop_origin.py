@@ -16,6 +16,7 @@ import shutil
 import pytest
 
 from runner_fsm.replay.judge import replay
+from runner_fsm.testing.logs import records_of, write_in_full
 from runner_fsm.testing.synth import SynthSpec, write_run
 
 HOSTS = ("nodeA", "nodeB")
@@ -25,14 +26,12 @@ HOUR_NS = 3600 * 10**9
 RESET = "RuntimeError: [gloo/transport/tcp/pair.cc:534] Read error [127.0.0.1]:41235: Connection reset by peer"
 
 
-def _records(path) -> list[dict]:
-    return [json.loads(line) for line in path.read_bytes().splitlines() if line.strip()]
+_records = records_of
 
 
 def _write(path, records) -> None:
-    for seq, record in enumerate(records):
-        record["seq"] = seq
-    path.write_bytes(b"".join(json.dumps(r).encode() + b"\n" for r in records))
+    """`records` renumbered (`seq` from 0) as the rank's log."""
+    write_in_full(path, [{**record, "seq": seq} for seq, record in enumerate(records)])
 
 
 def _inside_last_collective(records: list[dict]) -> list[dict]:
