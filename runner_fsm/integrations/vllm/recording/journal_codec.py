@@ -35,20 +35,30 @@ _NOT_IN_NAMES = re.compile(r"[.\[\]]|^\d+$|^[-!]$")
 _PATH_PART = re.compile(r"\[(\d+)\]|\.?([^.\[\]]+)")
 
 
-def _is_name(key: Any) -> bool:
-    return type(key) is str and bool(key) and _NOT_IN_NAMES.search(key) is None
+_NAMES: set[str] = set()  # keys known to be names: the same few, every step (a set test in C)
+
+
+def _all_names(keys) -> bool:
+    if keys <= _NAMES:
+        return True
+    if not all(type(key) is str and key and _NOT_IN_NAMES.search(key) is None for key in keys):
+        return False
+    if len(_NAMES) < 4096:
+        _NAMES.update(keys)
+    return True
 
 
 def _is_branch(value: Any) -> bool:
     """A dict of names, or a list of them: its leaves are read one by one."""
     if type(value) is dict:
-        return bool(value) and all(map(_is_name, value))
-    return type(value) is list and bool(value) and all(type(item) is dict and _is_branch(item) for item in value)
+        return bool(value) and _all_names(value.keys())
+    return type(value) is list and bool(value) and type(value[0]) is dict \
+        and all(type(item) is dict and _is_branch(item) for item in value)
 
 
 def leaves(entry: dict) -> dict[str, Any] | None:
     """{path: value} of an entry's leaves, in order; None where its own keys are not names."""
-    if not all(map(_is_name, entry)):
+    if not _all_names(entry.keys()):
         return None
     out: dict[str, Any] = {}
     _flatten(entry, "", out)
@@ -57,14 +67,15 @@ def leaves(entry: dict) -> dict[str, Any] | None:
 
 def _flatten(node: dict, prefix: str, out: dict) -> None:
     for key, value in node.items():
-        path = f"{prefix}.{key}" if prefix else key
-        if not _is_branch(value):
+        path = prefix + key
+        kind = type(value)
+        if (kind is not dict and kind is not list) or not _is_branch(value):
             out[path] = value
-        elif type(value) is dict:
-            _flatten(value, path, out)
+        elif kind is dict:
+            _flatten(value, path + ".", out)
         else:
             for i, item in enumerate(value):
-                _flatten(item, f"{path}[{i}]", out)
+                _flatten(item, f"{path}[{i}].", out)
 
 
 def entry_of(flat: dict[str, Any]) -> dict:
@@ -126,21 +137,24 @@ class Encoder:
     def line(self, entry: dict) -> bytes:
         """The line of `entry`, a JSON value (what `orjson.loads` gives)."""
         flat, previous = leaves(entry), self._previous
-        if flat is None or [p for p in previous if p in flat] + [p for p in flat if p not in previous] != list(flat):
+        same_paths = flat is not None and flat.keys() == previous.keys()
+        if flat is None or (list(flat) != list(previous) if same_paths else
+                            [p for p in previous if p in flat] + [p for p in flat if p not in previous] != list(flat)):
             self._previous = flat or {}
             return orjson.dumps({WHOLE: entry}) + b"\n"
         out: dict[str, Any] = {}
-        step = flat.get("step", out)
-        implicit = step is not out and type(step) is int and step == _next_step(previous.get("step"))
+        name, missing = self._paths.name, out
         for path, value in flat.items():
-            if (path == "step" and implicit) or (path in previous and path != "step" and _same(previous[path], value)):
+            before = previous.get(path, missing)
+            if path == "step" and before is not missing:
+                if type(value) is int and value == _next_step(before):
+                    continue  # one more: implied
+                if _next_step(before) is None and _same(before, value):
+                    continue  # unchanged, and not a number one more
+            elif before is not missing and _same(before, value):
                 continue
-            if path == "step" and "step" in previous and _same(previous["step"], value) \
-                    and _next_step(previous["step"]) is None:
-                continue  # unchanged, and not a number one more
-            out[self._paths.name(path)] = value
-        gone = [self._paths.number.get(path, path) for path in previous if path not in flat]
-        if gone:
+            out[name(path)] = value
+        if not same_paths and (gone := [self._paths.number.get(path, path) for path in previous if path not in flat]):
             out[GONE] = gone
         self._previous = flat
         return orjson.dumps(out) + b"\n"
