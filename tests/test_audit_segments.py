@@ -231,6 +231,26 @@ def test_a_64_kib_cap_rotates_and_holds_with_a_companion_larger_than_the_log(tmp
     assert kept[-1]["step_id"] == 2999 and not [r for r in kept if r["event"] == "job" and "over_cap" in r]
 
 
+def test_pins_are_all_that_exceeds_the_cap_and_the_job_record_says_by_how_much(tmp_path, switches):
+    """Every segment pinned (a pin every 40 steps, 200 steps kept before each): nothing may go,
+    the files grow past a 64 KiB cap, and each next segment's `job` record says by how much
+    (`over_cap`) and how full they were (`disk_peak`). Mutation: `job_fields` leaving out
+    `over_cap` -> the excess unrecorded."""
+    cap = 64 << 10
+    with capped_log(tmp_path, cap=cap, pinned_steps=200) as log:
+        start(log)
+        for s in range(1200):
+            step(log, s)
+            if s % 40 == 0:
+                log.pin(s)
+    jobs = [r for _, name in segment_files(tmp_path) for r in read_records(tmp_path / name) if r["event"] == "job"]
+    over = [job for job in jobs if "over_cap" in job]
+    assert disk_bytes(tmp_path) > cap and over, [(j.get("segment"), j.get("disk_bytes")) for j in jobs]
+    newest = jobs[-1]
+    assert newest["over_cap"] > 0 and newest["disk_peak"] > cap
+    assert newest["over_cap"] >= newest["disk_bytes"] - cap  # at least what the kept files exceed it by
+
+
 @pytest.mark.parametrize("text, value", [("2G", 2 << 30), ("512M", 512 << 20), ("64KiB", 64 << 10),
                                          ("1048576", 1 << 20), ("0", None), (None, None)])
 def test_byte_counts(text, value):
