@@ -76,9 +76,9 @@ class MappedFile:
     def __init__(self, path: str | os.PathLike[str], *, chunk: int = CHUNK, full_at: int | None = None,
                  on_full=None, lane: Any = None):
         """`full_at`, `on_full`: `on_full(size)` is called from the write that grows the file past
-        `full_at` bytes (`size`: the bytes mapped, all written but the write's own), and returns None (the file is full: not called again) or the size to
-        call it again at (a capped log's segment, whose files beside it count too: `audit.segments`).
-        The check rides on the growth a write needs anyway, so a write costs nothing more for it."""
+        `full_at` bytes (`size`: the bytes mapped, all written but the write's own), and returns
+        None (the file is full: not called again) or the size to call it again at (a capped log's
+        segment, whose files beside it count too: `audit.segments`). The check rides on the growth a write needs anyway, so a write costs nothing more for it."""
         self.path = Path(path)
         self._chunk = int(chunk)
         self._full_at, self._on_full = full_at, on_full
