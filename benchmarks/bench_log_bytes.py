@@ -47,14 +47,13 @@ BATCH = 32  # requests decoding on a replica in the steps measured
 def _journal(run_dir: Path, rank: str) -> dict[int, tuple[int, int]]:
     """{step: (bytes of its journal line, requests it scheduled)} of a rank's journal, its
     segments included; {} where there is none (the embedded engine)."""
-    import orjson
+    from runner_fsm.integrations.vllm.recording.journal_codec import decode  # either format: each line's own bytes
 
     out = {}
     for path in sorted(run_dir.glob(f"vllm-steps-{rank}.jsonl")) + sorted(run_dir.glob(f"vllm-steps-{rank}.*.jsonl")):
-        for line in path.read_bytes().splitlines():
-            entry = orjson.loads(line)
+        for entry, size in decode(path.read_bytes()):
             if isinstance(entry.get("step"), int):
-                out[entry["step"]] = (len(line) + 1, len(entry.get("sched") or ()))
+                out[entry["step"]] = (size, len(entry.get("sched") or ()))
     return out
 
 

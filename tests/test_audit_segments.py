@@ -184,6 +184,73 @@ def test_companions_rotate_and_go_with_their_segment(tmp_path, switches):
     assert max(before for _, before, _ in switches) <= CAP
 
 
+class Grower:
+    """A companion that takes more bytes a step than the log beside it (the vLLM journal of
+    issue 53 did: 343 B a step against 220), written straight to disk."""
+
+    def __init__(self, run_dir, per_step: int):
+        self.run_dir, self.per_step = run_dir, per_step
+        self.file = open(self.segment_path(0), "xb", buffering=0)
+
+    def segment_path(self, index: int):
+        return self.run_dir / ("grower-0.jsonl" if index == 0 else f"grower-0.{index}.jsonl")
+
+    def size(self) -> int:
+        return self.file.tell()
+
+    def rotate(self, index: int) -> None:
+        self.file.close()
+        self.file = open(self.segment_path(index), "xb", buffering=0)
+
+    def step(self, s: int) -> None:
+        self.file.write(b"%d " % s + b"x" * (self.per_step - 2 - len(str(s))) + b"\n")
+
+
+def test_a_64_kib_cap_rotates_and_holds_with_a_companion_larger_than_the_log(tmp_path, switches):
+    """Issue 53: at a 64 KiB cap the segment is a quarter of it, and it fills with its log and
+    its companion together, so a companion growing faster than the log still rotates with it and
+    the rank's files (log, indexes, companion, a Flight Recorder dump at its share) hold the cap
+    at every step. Fails on 778913f: one 64 KiB segment of log alone (the sum reached ~2x)."""
+    cap = 64 << 10
+    grower = Grower(tmp_path, per_step=600)
+    files = lambda: sum(os.stat(tmp_path / n).st_size for n in os.listdir(tmp_path))  # noqa: E731
+    with capped_log(tmp_path, cap=cap, pinned_steps=20) as log:
+        log.add_companion(grower)
+        start(log)
+        seen = []
+        for s in range(3000):
+            if s in (0, 1500):  # the dump, rewritten whole, up to its share of the cap (an eighth)
+                (tmp_path / "fr-rank-0.json").write_bytes(b"d" * (cap // 8 if s else cap // 16))
+            step(log, s)
+            grower.step(s)
+            seen.append(files())
+        grower.file.close()
+    assert max(seen) <= cap and max(before for _, before, _ in switches) <= cap, (max(seen), switches[-3:])
+    assert log.segments.segment_bytes == cap // 4 and len(switches) > 50, len(switches)
+    kept = [r for index, name in segment_files(tmp_path) for r in read_records(tmp_path / name)]
+    assert kept[-1]["step_id"] == 2999 and not [r for r in kept if r["event"] == "job" and "over_cap" in r]
+
+
+def test_pins_are_all_that_exceeds_the_cap_and_the_job_record_says_by_how_much(tmp_path, switches):
+    """Every segment pinned (a pin every 40 steps, 200 steps kept before each): nothing may go,
+    the files grow past a 64 KiB cap, and each next segment's `job` record says by how much
+    (`over_cap`) and how full they were (`disk_peak`). Mutation: `job_fields` leaving out
+    `over_cap` -> the excess unrecorded."""
+    cap = 64 << 10
+    with capped_log(tmp_path, cap=cap, pinned_steps=200) as log:
+        start(log)
+        for s in range(1200):
+            step(log, s)
+            if s % 40 == 0:
+                log.pin(s)
+    jobs = [r for _, name in segment_files(tmp_path) for r in read_records(tmp_path / name) if r["event"] == "job"]
+    over = [job for job in jobs if "over_cap" in job]
+    assert disk_bytes(tmp_path) > cap and over, [(j.get("segment"), j.get("disk_bytes")) for j in jobs]
+    newest = jobs[-1]
+    assert newest["over_cap"] > 0 and newest["disk_peak"] > cap
+    assert newest["over_cap"] >= newest["disk_bytes"] - cap  # at least what the kept files exceed it by
+
+
 @pytest.mark.parametrize("text, value", [("2G", 2 << 30), ("512M", 512 << 20), ("64KiB", 64 << 10),
                                          ("1048576", 1 << 20), ("0", None), (None, None)])
 def test_byte_counts(text, value):

@@ -18,6 +18,7 @@ import vllm_dp_cases as c
 from conftest import EXPECTED_RUNNER
 
 from runner_fsm.integrations.vllm.offline_dp import Job
+from runner_fsm.integrations.vllm.recording.journal import read_journal
 
 pytestmark = pytest.mark.vllm
 
@@ -111,6 +112,6 @@ def test_draft_agreements_counted_per_step_and_rank(suite):
 def test_scheduled_drafts_checked_against_proposals(suite):
     _, run_dirs = suite
     run_dir = run_dirs[IDS.index("mixtral-draft_model-k2")]
-    journal = c.records(run_dir / "vllm-steps-0.jsonl")
+    journal = read_journal(str(run_dir), 0)
     # Every verify step of the busy replica compared its scheduled drafts (none differed).
     assert sum(entry.get("drafts_checked", 0) for entry in journal) >= 8

@@ -130,7 +130,8 @@ class AuditLog(_Records):
         if segments is None:
             self._file = _open_exclusive(path, lane=self.lane)
         else:
-            self._file = _open_exclusive(path, chunk=segments.chunk, full_at=segments.segment_bytes,
+            # asked at each growth from its first chunk on: its companions fill the segment too
+            self._file = _open_exclusive(path, chunk=segments.chunk, full_at=segments.chunk,
                                          on_full=self._segment_full, lane=self.lane)
         # structlog's BytesLogger writes each rendered line (or batch of lines) into the mapped
         # file before returning. Records are rendered here, not by a processor chain around it: the
@@ -334,11 +335,15 @@ class AuditLog(_Records):
 
     # -- segments: the write path while a full segment waits for its step to end
 
-    def _segment_full(self) -> None:
-        """The current segment filled (called from inside a write): until the next step begins,
-        each write looks for that step's first record and switches segments before it."""
+    def _segment_full(self, log_bytes: int) -> int | None:
+        """The log's file grows (called from inside a write): if the current segment filled
+        (`SegmentPolicy.full`), until the next step begins each write looks for that step's
+        first record and switches segments before it; else asked again at the next growth."""
+        if not self._segments.full(log_bytes):
+            return 0
         self._write_all = self._write_watching
         self.lane.open = False
+        return None
 
     def _write_watching(self, records) -> None:
         with self._lock:

@@ -75,9 +75,10 @@ class MappedFile:
 
     def __init__(self, path: str | os.PathLike[str], *, chunk: int = CHUNK, full_at: int | None = None,
                  on_full=None, lane: Any = None):
-        """`full_at`, `on_full`: `on_full()` is called once, from the write that grows the file
-        past `full_at` bytes (a capped log's segment is full: `audit.segments`). The check rides
-        on the growth a write needs anyway, so a write costs nothing more for it."""
+        """`full_at`, `on_full`: `on_full(size)` is called from the write that grows the file past
+        `full_at` bytes (`size`: the bytes mapped, all written but the write's own), and returns
+        None (the file is full: not called again) or the size to call it again at (a capped log's
+        segment, whose files beside it count too: `audit.segments`). The check rides on the growth a write needs anyway, so a write costs nothing more for it."""
         self.path = Path(path)
         self._chunk = int(chunk)
         self._full_at, self._on_full = full_at, on_full
@@ -139,8 +140,8 @@ class MappedFile:
 
     def _grow(self, needed: int) -> None:
         if self._full_at is not None and self._size >= self._full_at:
-            self._full_at = None
-            self._on_full()
+            self._full_at = None  # not called again should it raise
+            self._full_at = self._on_full(self._size)
         chunk = self._chunk
         size = max(self._size + chunk, -(-needed // chunk) * chunk)  # whole chunks
         allocate = getattr(os, "posix_fallocate", None)

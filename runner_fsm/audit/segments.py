@@ -1,16 +1,20 @@
 """A rank's audit log under a byte cap: a sequence of segments, the oldest deleted first.
 
-With `max_log_bytes` the log is cut into segments of about `max_log_bytes / SEGMENTS` bytes:
-`rank-<g>.jsonl` (segment 0), then `rank-<g>.<k>.jsonl`. A segment closes at the first step
-boundary after it filled (`mapped.MappedFile` says when, at no cost per write), so every step
-lies in one segment, and each segment begins with the job's `job` record (`segment`: its
-number, `first_step`). What else the rank writes goes with the segments (`Companion`: the vLLM
-step journal, `vllm-steps-<g>[.<k>].jsonl`) or counts against the cap as it is (the Flight
-Recorder dump `fr-rank-<g>.json`, replaced at each dump).
+With `max_log_bytes` the log is cut into segments of about `max_log_bytes / SEGMENTS` bytes
+(at least `MIN_SEGMENT`, at most a quarter of the cap: a small cap still rotates):
+`rank-<g>.jsonl` (segment 0), then `rank-<g>.<k>.jsonl`. What else the rank writes goes with
+the segments (`Companion`: the vLLM step journal, `vllm-steps-<g>[.<k>].jsonl`) or counts
+against the cap as it is (the Flight Recorder dump `fr-rank-<g>.json`, replaced at each dump).
+A segment's size is its log's bytes and its companions' together: it closes at the first step
+boundary after that sum filled it (`mapped.MappedFile` asks at each growth of the log's file,
+at no cost per write), so every step lies in one segment, and each segment begins with the
+job's `job` record (`segment`: its number, `first_step`).
 
-At each switch the closed segments are kept, oldest deleted first, while they and what the
-next segment may take (its size, one chunk of overshoot to the step boundary, its journal)
-fit in the cap. Never deleted:
+The cap covers every byte of the rank's files: the segments (plain or compressed), their
+step indexes (`.idx`) and companions, and the Flight Recorder dump, whose share of the cap
+(`flight_entries`) is kept free for it. At each switch the closed segments are kept, oldest
+deleted first, while they and what the next segment may take (the largest segment so far, the
+log file's mapped tail) fit in the cap. Never deleted:
 - segment 0's head, the `job` record and the start-up records before step 0 (graph captures:
   every replay is judged against them); the rest of segment 0 goes like any segment's;
 - a segment holding a pin (a `fault`, which includes the watchdog's report, or `pin()`, e.g.
@@ -19,9 +23,10 @@ A hang leaves no record to pin: its last segment is the open one, never deleted,
 segments holding the `pinned_steps` steps before the current step are kept too (a hang may
 come at any step), unless only they stand in the way: then the newest of those goes.
 When pins alone leave no room, unpinned data goes newest first, and the next segment's `job`
-record lists what (`dropped`); over the cap by pins alone, it says by how much (`over_cap`).
+record lists what (`dropped`). Pins are the only thing that may take the files over the cap:
+then the next segment's `job` record says by how much (`over_cap`), and `disk_peak` the most
+they took at any switch.
 """
-
 from __future__ import annotations
 
 import contextlib
@@ -77,7 +82,9 @@ def flight_entries(max_log_bytes: int | None) -> int:
 
 
 def segment_bytes(max_log_bytes: int) -> int:
-    return max(MIN_SEGMENT, max_log_bytes // SEGMENTS)
+    """A segment's size (log and companions): a cap's `SEGMENTS`-th, at least `MIN_SEGMENT`,
+    at most a quarter of the cap (below 256 KiB one segment of `MIN_SEGMENT` could not rotate)."""
+    return min(max(MIN_SEGMENT, max_log_bytes // SEGMENTS), max(4096, max_log_bytes // 4))
 
 
 def chunk_bytes(max_log_bytes: int) -> int:
@@ -89,6 +96,9 @@ class Companion(Protocol):
     """A file that goes with the audit log's segments (the vLLM step journal)."""
 
     def segment_path(self, index: int) -> Path: ...
+
+    def size(self) -> int:
+        """Bytes of the current segment so far, those still buffered included."""
 
     def rotate(self, index: int) -> None:
         """Close the current segment and write `index` from now on."""
@@ -139,7 +149,7 @@ class SegmentPolicy:
         self.dropped: list[tuple[int, int]] = []  # (first, last) steps deleted for pins, not yet reported
         self.switches: list[Switch] = []  # the last few, for checks
         self.peak = 0  # the most the rank's files took at any switch (right before it: their fullest)
-        self._companion_max = 0  # the largest a companion segment has been
+        self._largest = 0  # the most a closed segment took (its log, index and companions)
         self.compressor = Compressor(on_compress_error) if compress else None
 
     def path(self, index: int) -> Path:
@@ -151,12 +161,20 @@ class SegmentPolicy:
 
     # -- the switch
 
+    def full(self, log_bytes: int) -> bool:
+        """Whether the current segment is full: its log's `log_bytes` and its companions' bytes
+        (`MappedFile`'s `on_full` asks at each growth of the log's file)."""
+        return log_bytes + sum(companion.size() for companion in self.companions) >= self.segment_bytes
+
     def switch(self, first_step: int, close_current: Callable[[], None], open_next: Callable[[int], None]) -> None:
         """Close the current segment (`close_current`) before `first_step`, delete what must go,
         then `open_next(index)` the next one and move the companions."""
         before = self.disk_bytes()  # the fullest the files get: the open segment at its mapped size
         self.peak = max(self.peak, before)
         close_current()
+        following = self.current.index + 1
+        for companion in self.companions:  # their segments closed too: on disk whole, as they count
+            companion.rotate(following)
         closed = self.path(self.current.index)
         index = stepindex.write(closed) if closed.exists() else None  # where each of its steps begins
         last = index.last_step if index is not None else None
@@ -164,13 +182,10 @@ class SegmentPolicy:
         self.closed.append(self.current)
         if self.compressor is not None and self.current.index > 0:
             self.compressor.submit(closed)
-        self._companion_max = max([self._companion_max] + [self._size(c.segment_path(self.current.index))
-                                                             for c in self.companions])
+        self._largest = max(self._largest, self._segment_disk_bytes(self.current))
         deleted = self._make_room(first_step)
-        self.current = Segment(self.current.index + 1, first_step)
-        open_next(self.current.index)
-        for companion in self.companions:
-            companion.rotate(self.current.index)
+        self.current = Segment(following, first_step)
+        open_next(following)
         self.switches = [*self.switches[-63:], Switch(self.current.index, first_step, before, self.disk_bytes(),
                                                       tuple(deleted))]
 
@@ -178,7 +193,10 @@ class SegmentPolicy:
         """Delete closed segments until the kept ones and the next segment fit in the cap."""
         deleted = []
         dump = sum(self._size(f) for f in self.extra_files)  # the Flight Recorder's: it may grow to its share
-        room = self.cap - self.segment_bytes - 2 * self.chunk - self._companion_max - max(0, self.flight_reserve - dump)
+        # the next segment may take as much as the largest so far (its step boundary's overshoot
+        # and its companions' share measured), one chunk more to the growth that finds it full,
+        # and one for its log's mapped tail
+        room = self.cap - max(self.segment_bytes, self._largest) - 2 * self.chunk - max(0, self.flight_reserve - dump)
         if self.compressor is not None:  # a segment and its compressed form side by side, a while
             room -= self.segment_bytes // 2
         while self._kept_bytes() > room:
@@ -229,12 +247,13 @@ class SegmentPolicy:
     # -- what the rank's files take
 
     def _kept_bytes(self) -> int:
-        total = sum(self._size(f) for f in self.extra_files)
-        for segment in self.closed:
-            path = self.path(segment.index)
-            total += self._size(path) + self._size(compressed(path)) + self._size(index_path(path))
-            total += sum(self._size(c.segment_path(segment.index)) for c in self.companions)
-        return total
+        return sum(self._size(f) for f in self.extra_files) + sum(map(self._segment_disk_bytes, self.closed))
+
+    def _segment_disk_bytes(self, segment: Segment) -> int:
+        """A closed segment's files: its log (plain and compressed), its step index, its companions."""
+        path = self.path(segment.index)
+        return (self._size(path) + self._size(compressed(path)) + self._size(index_path(path))
+                + sum(self._size(c.segment_path(segment.index)) for c in self.companions))
 
     def disk_bytes(self) -> int:
         """Bytes of every file of this rank now: kept segments, the open one (its mapped

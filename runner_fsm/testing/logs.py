@@ -17,13 +17,14 @@ import orjson
 from runner_fsm.audit.compact import FORMAT_FIELD
 from runner_fsm.audit.records import read_records
 
-_RANK_FILES = re.compile(r"^(?:rank-(\d+)(?:\.\d+)?\.jsonl(?:\.idx)?|vllm-steps-(\d+)(?:\.\d+)?\.jsonl"
+_RANK_FILES = re.compile(r"^(?:rank-(\d+)(?:\.\d+)?\.jsonl(?:\.idx|\.gz(?:\.tmp)?)?|vllm-steps-(\d+)(?:\.\d+)?\.jsonl"
                          r"|fr-rank-(\d+)\.json)$")
 
 
 def files_bytes(run_dir: str | os.PathLike[str]) -> dict[int, int]:
-    """{global rank: bytes its files take now}: its log's segments and their step indexes, its
-    vLLM step journal, its Flight Recorder dump (what `max_log_bytes` caps)."""
+    """{global rank: bytes its files take now}: its log's segments (plain, compressed, being
+    compressed) and their step indexes, its vLLM step journal, its Flight Recorder dump (what
+    `max_log_bytes` caps)."""
     run_dir, out = Path(run_dir), {}
     for name in os.listdir(run_dir) if run_dir.exists() else ():
         match = _RANK_FILES.match(name)

@@ -12,7 +12,8 @@ which goes to disk when full and at shutdown. One encoder call per step costs 12
 thread CPU inside vLLM, whose own work evicts the encoder between two steps; a batch of
 entries renders with the encoder warm after its first one. For the same reason an entry holds
 vLLM's scheduler output itself, and a field whose value vLLM resolves after the step (`Later`):
-both are read when the entry is rendered.
+both are read when the entry is rendered. On disk each entry says only what changed since the
+one before it in its segment (`journal_codec`, format 2); `read_journal` gives them back whole.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 import orjson
 
 from runner_fsm.audit.segments import segment_name
+from runner_fsm.integrations.vllm.recording import journal_codec
 
 OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 BATCH = 32  # entries rendered together; a process killed loses at most these (and the buffer)
@@ -74,13 +76,13 @@ def _resolved(entry: dict) -> dict:
     return out
 
 
-def _line(entry: dict) -> bytes:
-    """One entry's line; an entry that cannot be rendered becomes a line that says so (its
+def _value(entry: dict) -> dict:
+    """One entry as JSON values; an entry that cannot be rendered becomes one that says so (its
     step and the error), and the others of its batch are kept."""
     try:
-        return orjson.dumps(_resolved(entry), default=_default, option=OPTIONS) + b"\n"
+        return orjson.loads(orjson.dumps(_resolved(entry), default=_default, option=OPTIONS))
     except TypeError as error:
-        return orjson.dumps({"step": entry.get("step"), "journal_error": str(error)}) + b"\n"
+        return {"step": entry.get("step"), "journal_error": str(error)}
 
 
 class Journal:
@@ -88,7 +90,7 @@ class Journal:
         Path(run_dir).mkdir(parents=True, exist_ok=True)
         self.run_dir, self.global_rank = run_dir, int(global_rank)
         self.path = journal_path(run_dir, global_rank)
-        self._file = open(self.path, "xb")
+        self._open()
         self.pending: list[dict] = []  # entries not rendered yet (their callers no longer change them)
 
     # -- a companion of the audit log's segments (`audit.segments.Companion`)
@@ -101,7 +103,16 @@ class Journal:
         if not self._file.closed:
             self.close()
             self.path = self.segment_path(index)
-            self._file = open(self.path, "xb")
+            self._open()
+
+    def _open(self) -> None:
+        self._file = open(self.path, "xb")
+        self._file.write(journal_codec.HEADER)
+        self._encoder = journal_codec.Encoder()  # each segment reads on its own
+
+    def size(self) -> int:
+        """Bytes of the current segment so far, those buffered included (`Companion`)."""
+        return 0 if self._file.closed else self._file.tell()
 
     def write(self, entry: dict) -> None:
         pending = self.pending
@@ -113,7 +124,8 @@ class Journal:
         """Render what `pending` holds into the file's buffer."""
         pending = self.pending
         if pending:
-            lines = b"".join([_line(entry) for entry in pending])
+            line = self._encoder.line
+            lines = b"".join([line(_value(entry)) for entry in pending])
             pending.clear()
             self._file.write(lines)
 
@@ -131,10 +143,16 @@ class Journal:
 
 
 def read_journal(run_dir: str, global_rank: int = 0) -> list[dict]:
-    """Every entry the rank's journal still holds, its segments in order."""
+    """Every entry the rank's journal still holds, its segments in order, whole (either format)."""
+    return [entry for path in journal_segments(run_dir, global_rank)
+            for entry, _ in journal_codec.decode(path.read_bytes())]
+
+
+def journal_segments(run_dir: str | os.PathLike[str], global_rank: int = 0) -> list[Path]:
+    """The rank's journal segments still on disk, in order."""
     pattern = re.compile(rf"^vllm-steps-{int(global_rank)}(?:\.(\d+))?\.jsonl$")
     found = sorted((int(m[1] or 0), name) for name in os.listdir(run_dir) if (m := pattern.match(name)))
-    return [orjson.loads(line) for _, name in found for line in (Path(run_dir) / name).read_bytes().splitlines()]
+    return [Path(run_dir) / name for _, name in found]
 
 
 SCHEDULED = "scheduler_output"  # an entry's key for vLLM's scheduler output, as it is (`step_entry`)
