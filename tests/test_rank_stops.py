@@ -14,6 +14,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 from runner_fsm.audit import read_records
 
 PRELUDE = """
@@ -103,3 +105,30 @@ def test_nothing_recorded_before_the_log_exists_nor_after_the_hand_over_when_the
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["1", "0"]
     assert _stops(tmp_path) == [("stop", None, "SIGTERM", "")]
+
+
+@pytest.mark.parametrize("stopped_first", [0, 1])
+@pytest.mark.parametrize("left", ["no log", "an empty log"])
+def test_a_peer_stopped_before_its_log_existed_is_named_alone_beside_the_recorded_stop(tmp_path, stopped_first, left):
+    """What no rank can record: a Ctrl-C in the few ms by which one rank opened its log (and
+    recorded the SIGINT) before its peer opened its own. The peer left no log, or a file holding no
+    record (stopped inside `AuditLog`'s constructor, between creating the file and writing `job`).
+    Replay names that rank alone (its log is missing / empty: nothing it did can be judged), and
+    the recording rank's end is the stop, not a finding."""
+    from runner_fsm.audit import AuditLog
+    from runner_fsm.audit.shape import job_shape_fields
+    from runner_fsm.replay.judge import replay
+
+    peer = 1 - stopped_first
+    log = AuditLog(tmp_path, "r", stopped_first, stopped_first, 0,
+                   shape=job_shape_fields(2, 1, stopped_first, 0, buffer_names=[], inject=[]))
+    log.stop(None, "signal", "SIGINT")
+    log.close()
+    if left == "an empty log":  # as `mapped` leaves a file created and never written: blank
+        (tmp_path / f"rank-{peer}.jsonl").write_bytes(b"\n" * 4096)
+    report = replay(tmp_path)
+    expected = "missing_rank" if left == "no log" else "gap"
+    assert [(v.kind, v.ranks) for v in report.verdicts] == [(expected, (peer,))], report.format()
+    assert report.summary.notes == (
+        f"stop requested: SIGINT (rank {stopped_first}, step None), the first of 1 stop request(s), by rank(s)"
+        f" {stopped_first}; rank(s) {stopped_first} ended after it without logging shutdown (not a finding)",)

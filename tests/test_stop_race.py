@@ -14,7 +14,8 @@ model's load through the hand-over to the serving loop and its first steps.
 
 Not covered here, because no rank can record it: a SIGINT before a rank's log exists. Both ranks
 then leave no log (replay: no rank files), or, in the few ms by which one rank opens its log before
-its peer, the peer's log is missing (`missing_rank`) or empty (a `gap`: it wrote nothing).
+its peer, the peer's log is missing (`missing_rank`) or empty (a `gap`: it wrote nothing): replay
+names that rank alone, beside the stop its peer recorded (tests/test_rank_stops.py).
 
 Failed on the code before `rank_stops` (both ranks' logs end at `job`, no `stop`; replay UNSOUND).
 Takes about 100 s on 2 loaded cores: `slow`.

@@ -16,8 +16,9 @@ after the first log appeared). So `StartupStops` records from the log's first mo
   it when it comes out of the loop with no request recorded. A SIGTERM there takes its default
   action unrecorded; its peers' records (or the launcher's SIGTERM to them) explain its end.
 
-Before the log exists nothing can be recorded: a rank stopped then leaves no log (see
-`rules.stops`' reading of a run that has a stop request and a rank without a log).
+Before the log exists nothing can be recorded: a rank stopped then leaves no log, or a file with
+no record (stopped inside `AuditLog`'s constructor). Replay names that rank alone (`missing_rank`,
+`gap`) beside a peer's recorded stop; where no rank had its log yet there is nothing to replay.
 """
 
 from __future__ import annotations
