@@ -11,6 +11,7 @@ import dataclasses
 import importlib
 import sys
 import time
+from typing import Callable
 
 import anyio
 import torch.distributed as dist
@@ -26,6 +27,7 @@ from runner_fsm.audit import AuditLog
 from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.dp import GlooAgreement
 from runner_fsm.engine.config import MISSING_MODEL, EngineConfig
+from runner_fsm.engine.rank_stops import StartupStops
 from runner_fsm.engine.requests import Request, assign
 from runner_fsm.engine.scheduler import Scheduler, SchedulerStalled
 from runner_fsm.errors import ConfigError
@@ -92,7 +94,8 @@ def _heartbeat(cfg: EngineConfig, groups) -> Heartbeat | None:
     return Heartbeat(store, cfg.layout, groups.global_rank)
 
 
-def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
+def build_runner(cfg: EngineConfig, groups, *, on_log: Callable[[AuditLog], None] | None = None) -> ReplicaRunner:
+    """`on_log(audit)` is called as soon as the rank's log exists, before the model loads."""
     dp_rank, pcp_rank = (groups.dp_rank, groups.pcp_rank) if groups else (0, 0)
     global_rank = cfg.layout.global_rank(dp_rank, pcp_rank)
     rc = cfg.runner_config()
@@ -103,6 +106,8 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
                                             buffer_names=list(BUFFER_NAMES),  # its buffers records, in order
                                             inject=[str(Injection.parse(i)) for i in cfg.injections]),
                      max_log_bytes=cfg.max_log_bytes, compress_segments=cfg.compress_logs)
+    if on_log is not None:
+        on_log(audit)
     model, drafter = _model_and_drafter(cfg, groups)
     replica = Replica(
         rc, dp_rank=dp_rank, pcp_rank=pcp_rank, model=model, drafter=drafter,
@@ -117,20 +122,20 @@ def build_runner(cfg: EngineConfig, groups) -> ReplicaRunner:
     return ReplicaRunner(replica)
 
 
-async def _serve(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, counts: dict) -> None:
+async def _serve(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, counts: dict,
+                 record: Callable[[str], None]) -> None:
     """The scheduler feeds the replica's event stream; the runner's task consumes it.
 
     SIGINT and SIGTERM go on record the moment they arrive, then stop the rank as before: the
     handlers are chained here, inside the event loop, in front of asyncio's own SIGINT handler
     (which cancels the run cleanly), and taken out before the loop ends."""
-    replica = runner.replica
     # Handlers only (early=False, in `stops_on_loop`), woken by the loop's wakeup fd. Each signal
     # is handed on from the loop: SIGTERM's default action, taken in the handler, killed a rank
     # mid-write before the `stop` record queued behind that write (CI: a rank of a stopped run
     # read as a death). A rank may hear the launcher's forwarded signal before the group's own
     # Ctrl-C (whichever of its threads the kernel hands each to): the launcher forwards the
     # signal it got (`launch.spawn`), so the request is named alike either way.
-    async with stops_on_loop(lambda name: replica.audit.stop(replica.step_id, "signal", name)):
+    async with stops_on_loop(record):
         await _serve_events(runner, sched, cfg, counts)
 
 
@@ -203,14 +208,27 @@ def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
     sched = Scheduler(assign(requests, cfg.layout.dp_size)[dp_rank], cfg.scheduler_config())
     start = time.perf_counter()
     error = None
-    runner = build_runner(cfg, groups)
-    injector = runner.replica.injector
-    counts["watched"] = {i.step: None for i in injector.injections if i.replica == dp_rank}
+    stops = StartupStops()  # a stop request on record from the log's first moment (`rank_stops`)
     try:
-        anyio.run(_serve, runner, sched, cfg, counts)
+        runner = build_runner(cfg, groups, on_log=stops.log_opened)
+        stops.steps_of(lambda: runner.replica.step_id)
+        injector = runner.replica.injector
+        counts["watched"] = {i.step: None for i in injector.injections if i.replica == dp_rank}
+        # The first `anyio.run` of a process imports anyio's event-loop backend (about 50 ms): done
+        # here, under the start-up handlers, not in the hand-over, where no handler of ours runs.
+        anyio.run(_nothing)
+    except BaseException:  # a stop during start-up goes on as before (KeyboardInterrupt), recorded
+        stops.hand_over()
+        raise
+    try:
+        stops.hand_over()  # to the loop's handlers (`_serve`); a SIGINT in between: `missed`
+        anyio.run(_serve, runner, sched, cfg, counts, stops.record)
     except Exception as exc:  # reported as data: every rank's own typed error matters
         exc = _unwrap_group(exc)
         error = {"type": type(exc).__name__, "message": str(exc), "step": runner.replica.step_id}
+    except BaseException as interrupt:  # a SIGINT's KeyboardInterrupt: recorded, if it came in the hand-over
+        stops.missed(_unwrap_group(interrupt))
+        raise
     finally:
         anyio.run(runner.close)
         if groups is not None:  # the Flight Recorder's buffer, beside the audit log
@@ -223,6 +241,10 @@ def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
                       counts["steps"], counts["real"], sched.num_preemptions, counts["tokens"],
                       time.perf_counter() - start, counts["states"], counts["handoffs"],
                       runner.replica.num_agreements, error, not_fired)
+
+
+async def _nothing() -> None:
+    pass
 
 
 def _unwrap_group(exc: BaseException) -> BaseException:

@@ -1,0 +1,134 @@
+"""A rank's stop requests go on record from the moment its log exists (`engine.rank_stops`): during
+the model's load (its main thread may wait in C there), and in the hand-over to the serving loop.
+The end-to-end case (Ctrl-C of a DP=2 run while it starts, 20 runs) is tests/test_stop_race.py.
+
+Each case runs in a child process: signals are sent to it, and the default action kills it.
+Mutations seen to fail these: `log_opened` installing no handlers (the two start-up cases);
+`missed` recording nothing (the hand-over case).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from runner_fsm.audit import read_records
+
+PRELUDE = """
+    import os, signal, sys, time
+    from pathlib import Path
+    from runner_fsm.audit import AuditLog
+    from runner_fsm.engine.rank_stops import StartupStops
+    out = Path(sys.argv[1])
+    stops = StartupStops()
+    log = AuditLog(out / "run", "r", 1, 1, 0)
+    stops.log_opened(log)
+"""
+
+
+def _child(code: str, tmp_path) -> subprocess.CompletedProcess:
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(PRELUDE + code))
+    return subprocess.run([sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=60)
+
+
+def _stops(tmp_path) -> list[tuple]:
+    return [(r["event"], r["step_id"], r["signal"], r["detail"]) for r in read_records(tmp_path / "run" / "rank-1.jsonl")
+            if r["event"] != "job"]
+
+
+def test_a_sigint_while_the_model_loads_is_recorded_then_interrupts_as_before(tmp_path):
+    out = _child("""
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the model's load
+    except KeyboardInterrupt:
+        print("interrupted", stops.recorded)
+    stops.hand_over()
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # Python's own again
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["interrupted", "1"]
+    assert _stops(tmp_path) == [("stop", None, "SIGINT", "")]
+
+
+def test_a_sigterm_while_the_main_thread_waits_in_c_is_recorded_before_the_default_action(tmp_path):
+    """The main thread blocked in C (a gloo `new_group` waiting for its peer): no Python handler runs
+    in it, the watch thread records the SIGTERM; then the default action kills the rank."""
+    out = _child("""
+    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})  # the kernel hands it to another thread
+    print(time.monotonic_ns(), flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)  # heard by the watch thread
+    time.sleep(3)  # in C: no Python handler runs until it returns, then it hands the SIGTERM on
+    print("survived")
+    """, tmp_path)
+    assert out.returncode == -signal.SIGTERM, (out.returncode, out.stderr)
+    (sent,) = map(int, out.stdout.split())
+    (record,) = [r for r in read_records(tmp_path / "run" / "rank-1.jsonl") if r["event"] != "job"]
+    assert (record["event"], record["step_id"], record["signal"]) == ("stop", None, "SIGTERM")  # once
+    assert record["t_ns"] - sent < 1e9  # written while the main thread still waited (it woke 3 s after)
+
+
+def test_a_sigint_in_the_hand_over_is_recorded_from_its_keyboard_interrupt(tmp_path):
+    """Between `hand_over` and the loop's own handlers Python's SIGINT handler runs: the rank's
+    `KeyboardInterrupt` is recorded at the replica's step, once, and only when nothing was."""
+    out = _child("""
+    stops.steps_of(lambda: -1)
+    stops.hand_over()
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)
+    except KeyboardInterrupt as interrupt:
+        stops.missed(interrupt)
+        stops.missed(interrupt)  # recorded already: nothing more
+    stops.missed(RuntimeError("a failure, not a stop"))
+    print(stops.recorded)
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1"]
+    assert _stops(tmp_path) == [("stop", -1, "SIGINT", "heard as KeyboardInterrupt while the serving loop took over")]
+
+
+def test_nothing_recorded_before_the_log_exists_nor_after_the_hand_over_when_the_loop_recorded(tmp_path):
+    out = _child("""
+    stops.hand_over()
+    stops.record("SIGTERM")  # the loop's handler (`stops_on_loop` records through it)
+    stops.missed(KeyboardInterrupt())  # its SIGINT then ends the loop: recorded already
+    early = StartupStops()
+    early.record("SIGINT")  # no log yet: nothing to write to, nothing counted
+    print(stops.recorded, early.recorded)
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["1", "0"]
+    assert _stops(tmp_path) == [("stop", None, "SIGTERM", "")]
+
+
+@pytest.mark.parametrize("stopped_first", [0, 1])
+@pytest.mark.parametrize("left", ["no log", "an empty log"])
+def test_a_peer_stopped_before_its_log_existed_is_named_alone_beside_the_recorded_stop(tmp_path, stopped_first, left):
+    """What no rank can record: a Ctrl-C in the few ms by which one rank opened its log (and
+    recorded the SIGINT) before its peer opened its own. The peer left no log, or a file holding no
+    record (stopped inside `AuditLog`'s constructor, between creating the file and writing `job`).
+    Replay names that rank alone (its log is missing / empty: nothing it did can be judged), and
+    the recording rank's end is the stop, not a finding."""
+    from runner_fsm.audit import AuditLog
+    from runner_fsm.audit.shape import job_shape_fields
+    from runner_fsm.replay.judge import replay
+
+    peer = 1 - stopped_first
+    log = AuditLog(tmp_path, "r", stopped_first, stopped_first, 0,
+                   shape=job_shape_fields(2, 1, stopped_first, 0, buffer_names=[], inject=[]))
+    log.stop(None, "signal", "SIGINT")
+    log.close()
+    if left == "an empty log":  # as `mapped` leaves a file created and never written: blank
+        (tmp_path / f"rank-{peer}.jsonl").write_bytes(b"\n" * 4096)
+    report = replay(tmp_path)
+    expected = "missing_rank" if left == "no log" else "gap"
+    assert [(v.kind, v.ranks) for v in report.verdicts] == [(expected, (peer,))], report.format()
+    assert report.summary.notes == (
+        f"stop requested: SIGINT (rank {stopped_first}, step None), the first of 1 stop request(s), by rank(s)"
+        f" {stopped_first}; rank(s) {stopped_first} ended after it without logging shutdown (not a finding)",)
