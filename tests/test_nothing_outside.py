@@ -42,26 +42,28 @@ def killed_at(moment: str, root: Path, cmd: list[str], run_dir: Path, ranks: int
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def killed_at_each(moments, root: Path, job) -> dict:
-    """`killed_at` for every moment at once (threads; the jobs are processes): `job(run_dir)` ->
-    (cmd, ranks, env)."""
+def killed_at_each(moments, root: Path, job, timeout_s: float = 240, at_once: int = 5) -> dict:
+    """`killed_at` for every moment, `at_once` jobs at a time (threads; the jobs are processes):
+    `job(run_dir)` -> (cmd, ranks, env)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(moment: str) -> dict:
         where = root / moment
         where.mkdir()
         cmd, ranks, env = job(where / "run")
-        return killed_at(moment, where, cmd, where / "run", ranks, env)
+        return killed_at(moment, where, cmd, where / "run", ranks, env, timeout_s)
 
-    with ThreadPoolExecutor(len(moments)) as pool:
-        return dict(zip(moments, pool.map(one, moments)))
+    with ThreadPoolExecutor(at_once) as pool:
+        results = dict(zip(moments, pool.map(one, moments)))
+    (root / "results.json").write_text(json.dumps(results, indent=1))  # to read a failure in full
+    return results
 
 
 @pytest.fixture(scope="module")
 def embedded_killed(models, tmp_path_factory):
     def job(run: Path):
         cmd = [sys.executable, "-m", "runner_fsm.cli", "run", "--model", models[0], "--dp", "2", "--pcp", "2",
-               "--consensus", "--requests", "4", "--max-new-tokens", "12", "--out", str(run)]
+               "--consensus", "--requests", "4", "--max-new-tokens", "16", "--out", str(run)]
         return cmd, 4, {"PYTHONPATH": f"{TESTS / 'segment_site'}:{Path.cwd()}"}
     return killed_at_each(MOMENTS, tmp_path_factory.mktemp("outside"), job)
 
