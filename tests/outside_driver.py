@@ -7,8 +7,9 @@ what the moment was and every entry then in TMPDIR and /dev/shm that was not the
 
 Moments, named by what the logs (or the segment hook, `segment_site`) show:
 - start-up: every rank's log is open, no step has finished (no exchange exists yet);
-- workers-started: a grandchild of the job's first process is running (vLLM's engine core has
-  started its workers) and no rank's log exists yet (FSMWorker's exchange comes after it);
+- workers-started: a grandchild of the job's first process titled as vLLM titles its workers
+  (`VLLM::Worker*`: the engine core, past the plugin's `register()`, has started them) and no
+  rank's log exists yet (FSMWorker's exchange comes after it);
 - segment: a rank is held inside the shared-memory exchange's set-up, its segment mapped;
 - mid-run: a rank's log is at step 5 or later;
 - shutdown: a rank logged its `shutdown` transition (embedded) or vLLM's shutdown call (`stop`);
@@ -46,6 +47,17 @@ def _finished(records: list[dict]) -> bool:
     return any(r["event"] == "transition" and r.get("trigger") == "finish" and r["step_id"] >= 0 for r in records)
 
 
+def _workers_started(pid: int) -> bool:
+    for child in _grandchildren(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+                if cmdline.read().startswith(b"VLLM::Worker"):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
 def _grandchildren(pid: int) -> list[int]:
     parents = {}
     for entry in os.listdir("/proc"):
@@ -61,7 +73,7 @@ def _grandchildren(pid: int) -> list[int]:
 def _moment_reached(spec: dict, logs: list[list[dict]], pid: int) -> bool:
     moment = spec["moment"]
     if moment == "workers-started":
-        return bool(_grandchildren(pid)) and not any(logs)
+        return _workers_started(pid) and not any(logs)
     if moment == "start-up":
         return all(logs) and not any(_finished(r) for r in logs)
     if moment == "segment":
