@@ -37,7 +37,7 @@ from runner_fsm.engine.rendezvous import LOOPBACK, free_port, is_loopback, rende
 from runner_fsm.errors import ConfigError
 from runner_fsm.process.stop_signals import StopSignals
 
-# How long a child that exited without a result may still have one in flight in the queue.
+# How long a child that exited without a result may still have one in flight (read from its pipe).
 _EXIT_GRACE_S = 0.5
 _POLL_S = 0.05
 # How long children that all reported may take to leave their final barrier.
