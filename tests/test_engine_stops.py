@@ -54,21 +54,14 @@ def _engine(run_dir: str, ready, worker_pid, blocked: bool) -> None:
 
 
 @pytest.mark.parametrize("blocked", [False, True], ids=["idle", "both-blocked-in-c"])
-def test_an_engine_core_s_sigterm_reaches_its_workers_log_before_the_kill(tmp_path, blocked):
+def test_an_engine_core_s_sigterm_reaches_its_workers_log_before_the_kill(tmp_path, monkeypatch, blocked):
     """both-blocked-in-c: the engine core's main thread and the worker's wait in C (a DP
     all-reduce, a collective): the engine core's watch thread tells the worker, whose watch
     thread records it (`signal_watch`). Mutation seen to fail that case: `WATCH.subscribe`
     returning None (no watch: handlers only)."""
-    import tempfile
-
-    from runner_fsm.integrations.vllm.engine_stops import _pid_namespace, process_start
-
-    ns, me = _pid_namespace(), os.getpid()
-    stale = Path(tempfile.mkdtemp(prefix=f"runner-fsm-engine-4194303-123-{ns}-"))  # gone (pid_max), this namespace
-    reused = Path(tempfile.mkdtemp(prefix=f"runner-fsm-engine-{me}-1-{ns}-"))  # its pid now another process's
-    kept = [Path(tempfile.mkdtemp(prefix=f"runner-fsm-engine-4194303-123-{int(ns or 0) + 1}-")),  # another namespace
-            Path(tempfile.mkdtemp(prefix=f"runner-fsm-engine-{me}-{process_start(me)}-{ns}-")),  # alive
-            Path(tempfile.mkdtemp(prefix="runner-fsm-engine-4194303-"))]  # a name of another form
+    temp = tmp_path / "tmp"  # vLLM kills engine cores and workers: nothing of theirs may be in a temp dir
+    temp.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temp))
     context = multiprocessing.get_context("spawn")
     ready, worker_pid = context.Queue(), context.Value("i", 0)
     engine = context.Process(target=_engine, args=(str(tmp_path), ready, worker_pid, blocked),
@@ -83,11 +76,7 @@ def test_an_engine_core_s_sigterm_reaches_its_workers_log_before_the_kill(tmp_pa
             if pid:
                 os.kill(pid, signal.SIGKILL)
         engine.join(10)
-    # vLLM kills engine cores (no atexit): the next one clears what they left, in its own PID
-    # namespace, where it can tell that their maker is gone; nothing else
-    assert not stale.exists() and not reused.exists() and all(path.exists() for path in kept), kept
-    for path in kept:
-        path.rmdir()
+    assert list(temp.iterdir()) == []  # the registry was in no file system (`EngineRegistry`)
     records = list(read_records(tmp_path / "rank-0.jsonl"))
     assert [(r["event"], r["signal"], r["detail"]) for r in records] == [("stop", "SIGTERM", "told by the engine core")]
 
@@ -175,30 +164,52 @@ def test_an_engine_core_failure_reaches_its_workers_as_a_fault_before_the_teardo
     assert any("all follow a fault" in note for note in report.summary.notes), report.summary.notes
 
 
-def test_notice_goes_only_to_the_process_that_registered(tmp_path):
-    """A worker SIGKILLed leaves its entry in the registry, and its pid may be another process's
-    later: NOTICE goes to a pid only while the process holding it started when the entry says.
+def test_notice_goes_only_to_the_process_that_registered():
+    """A worker SIGKILLed leaves its line in the registry, and its pid may be another process's
+    later: NOTICE goes to a pid only while the process holding it started when the line says.
     Mutation: `tell_workers` without the start-time check -> the stranger is told."""
     import subprocess
     import sys
 
-    from runner_fsm.integrations.vllm.engine_stops import process_start, tell_workers
+    from runner_fsm.integrations.vllm.engine_stops import EngineRegistry, process_start, tell_workers
 
     child = subprocess.Popen([sys.executable, "-c", (
         "import signal, sys, time\n"
         "signal.signal(signal.SIGWINCH, lambda *_: print('told', flush=True))\n"
         "print('ready', flush=True)\n"
         "time.sleep(3)\n")], stdout=subprocess.PIPE, text=True)
+    registry = EngineRegistry.create()
     try:
         assert child.stdout.readline().strip() == "ready"
-        registry = tmp_path / "registry"
-        registry.mkdir()
-        entry = registry / str(child.pid)
-        entry.write_text("1")  # registered by a process that started at another time
-        tell_workers(str(registry), "SIGTERM")
-        entry.write_text(process_start(child.pid))  # registered by this very process
-        tell_workers(str(registry), "SIGTERM")
+        registry.append(f"worker {child.pid} 1")  # registered by a process that started at another time
+        tell_workers(registry, "SIGTERM")
+        registry.append(f"worker {child.pid} {process_start(child.pid)}")  # by this very process
+        tell_workers(registry, "SIGTERM")
         out, _ = child.communicate(timeout=30)
     finally:
         child.kill()
+        registry.close()
     assert out.split() == ["told"], out  # once: the second notice only
+
+
+def test_a_registry_is_joined_only_through_the_engine_core_that_made_it():
+    """The address names a pid, its start time and a descriptor: a pid held by another process
+    now, or a descriptor that is another file, joins nothing (a worker would otherwise register
+    with a stranger). Mutation: `join` without the header check -> the other file is joined."""
+    from runner_fsm.integrations.vllm.engine_stops import EngineRegistry, process_start
+
+    registry = EngineRegistry.create()
+    me, fd = os.getpid(), registry.fd
+    joined = EngineRegistry.join(registry.address)
+    assert joined is not None and joined.lines() == [f"engine {me} {process_start(me)}"]
+    joined.append("worker 4194303 7")
+    assert registry.workers() == [(4194303, "7")]  # one file, both ends
+    joined.close()
+    other = os.memfd_create("another")
+    try:
+        assert EngineRegistry.join(f"{me}:1:{fd}") is None  # the pid is another process's now
+        assert EngineRegistry.join(f"{me}:{process_start(me)}:{other}") is None  # not a registry
+        assert EngineRegistry.join("") is None and EngineRegistry.join(None) is None
+    finally:
+        os.close(other)
+        registry.close()

@@ -88,6 +88,36 @@ def test_ranks_on_different_hosts_fall_back_to_gloo():
     assert results == ["ConsensusExchange [[7, 0], [7, 1]]"] * 2
 
 
+def _segment_kind(groups, peer_cannot_open: bool) -> tuple:
+    """Which segment the exchange mapped (its line in /proc/self/maps), and its rows; with
+    `peer_cannot_open`, the last rank cannot open the first rank's anonymous segment (as from
+    another PID namespace)."""
+    from runner_fsm.agree import shm_exchange
+
+    if peer_cannot_open and groups.pcp_rank == 2:
+        def refuse(address):
+            raise PermissionError("no access to another process's descriptors here")
+        shm_exchange._open_anonymous = refuse
+    exchange = shm_exchange.replica_exchange(groups.pcp, 2, timeout_s=10)
+    rows = exchange([3, groups.pcp_rank])
+    with open("/proc/self/maps") as maps:
+        lines = [line.strip() for line in maps if "runner-fsm-exchange" in line or "/dev/shm/runner-fsm-" in line]
+    kinds = {"anonymous" if "/memfd:runner-fsm-exchange" in line else "named" for line in lines}
+    return sorted(kinds), rows, all(line.endswith("(deleted)") for line in lines)
+
+
+@pytest.mark.parametrize("peer_cannot_open", [False, True], ids=["memfd", "fallback-named"])
+def test_the_segment_has_no_name_unless_a_rank_cannot_open_it(peer_cannot_open):
+    """Every rank maps an anonymous segment (nothing a SIGKILL could leave in /dev/shm); where one
+    rank cannot open it, every rank falls back to a named one under /dev/shm, gone once set up.
+    Mutation: peers opening the name only (no memfd) -> "named" in the first case."""
+    results = spawn(_segment_kind, ParallelLayout(1, 3), peer_cannot_open, timeout_s=60)
+    want = ["named"] if peer_cannot_open else ["anonymous"]
+    assert [kinds for kinds, _, _ in results] == [want] * 3, results
+    assert all(unlinked for _, _, unlinked in results), results  # a named one's name gone once mapped
+    assert all(rows == [[3, 0], [3, 1], [3, 2]] for _, rows, _ in results), results
+
+
 @pytest.mark.parametrize("rank", [0, 2])
 def test_a_new_generation_beside_the_previous_rows_is_not_taken(rank):
     """A CPU that reorders stores may show a reader the new generation g while the slot still

@@ -17,13 +17,20 @@ Two slots suffice: a rank cannot start generation g + 2 before every peer has wr
 which each writes only after reading g. A peer that never comes is named after `timeout_s`
 (`CollectiveTimeout`), with the generation it was last at: the check does not wait for ever.
 
-Set-up is collective over `group` (gloo): the hosts are compared, the group's first rank makes
-the file under /dev/shm with a random name, the others map it, and it is unlinked once every
-rank has (the mapping outlives the name); a crash during that set-up still leaves the file behind.
+Set-up is collective over `group` (gloo): the hosts are compared, then the group's first rank
+makes the segment and the others map it. A SIGKILL at any moment must leave nothing behind, so
+the segment has no name in any file system: an anonymous file in memory (Linux `memfd_create`),
+which the others open through `/proc/<first rank's pid>/fd/<descriptor>` (checked to be that
+file: same device and inode) while the first rank holds it open; it is freed with the last
+mapping. Where that cannot be (no `memfd_create`; ranks in different PID namespaces, or a /proc
+that hides the first rank's descriptors), a file under /dev/shm with a random name, unlinked once
+every rank has mapped it: a crash in that set-up leaves the file behind. Where neither can be,
+the group is `NotOneHost`: gloo carries the rows.
 """
 
 from __future__ import annotations
 
+import contextlib
 import mmap
 import os
 import secrets
@@ -39,7 +46,7 @@ _SPINS = 200  # reads of a peer's generation before yielding the CPU (a peer at 
 
 
 class NotOneHost(RuntimeError):
-    """The group's ranks do not share a host (or it has no /dev/shm): no shared segment."""
+    """The group's ranks do not share a host (or no segment can be shared among them)."""
 
 
 class ShmExchange:
@@ -53,24 +60,10 @@ class ShmExchange:
         self.width, self.timeout_s = int(width), float(timeout_s)
         size, self.index = dist.get_world_size(group), dist.get_rank(group)
         hosts: list = [None] * size
-        dist.all_gather_object(hosts, (socket.gethostname(), os.path.isdir(SHM_DIR)), group=group)
-        if len({h for h, _ in hosts}) > 1 or not all(ok for _, ok in hosts):
-            raise NotOneHost(f"the group's ranks are on {sorted({h for h, _ in hosts})}")
-        nbytes = size * 2 * (self.width + 2) * 8
-        name = [f"{SHM_DIR}/runner-fsm-{os.getpid()}-{secrets.token_hex(8)}" if self.index == 0 else None]
-        if self.index == 0:
-            fd = os.open(name[0], os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
-            os.ftruncate(fd, nbytes)
-            os.close(fd)
-        dist.broadcast_object_list(name, src=dist.get_global_rank(group, 0), group=group)
-        fd = os.open(name[0], os.O_RDWR)
-        try:
-            self._map = mmap.mmap(fd, nbytes)
-        finally:
-            os.close(fd)
-        dist.barrier(group=group)  # every rank has it mapped: the name can go
-        if self.index == 0:
-            os.unlink(name[0])
+        dist.all_gather_object(hosts, socket.gethostname(), group=group)
+        if len(set(hosts)) > 1:
+            raise NotOneHost(f"the group's ranks are on {sorted(set(hosts))}")
+        self._map = _shared_segment(group, self.index, size * 2 * (self.width + 2) * 8)
         self._slots = np.ndarray((size, 2, self.width + 2), dtype=np.int64, buffer=self._map)
         self._generation = 0
 
@@ -106,6 +99,85 @@ class ShmExchange:
     def close(self) -> None:
         self._slots = None
         self._map.close()
+
+
+def _shared_segment(group, index: int, nbytes: int) -> mmap.mmap:
+    """A segment of `nbytes` every rank of `group` has mapped (collective): anonymous if every
+    rank can open it, else named under /dev/shm and unlinked once mapped (NotOneHost: neither)."""
+    for make, open_peer in ((_make_anonymous, _open_anonymous), (_make_named, _open_named)):
+        mapping = _set_up(group, index, nbytes, make, open_peer)
+        if mapping is not None:
+            return mapping
+    raise NotOneHost("no shared segment every rank of the group can map (no memfd through /proc, no /dev/shm)")
+
+
+def _set_up(group, index: int, nbytes: int, make, open_peer) -> mmap.mmap | None:
+    """The first rank makes the segment (`make` -> (fd, address, forget) or None), the others
+    open it by its address; every rank says whether it mapped it, which is also the barrier
+    after which the first rank lets go of it (`forget`). None on every rank if one failed."""
+    import torch.distributed as dist
+
+    made = None
+    if index == 0:
+        with contextlib.suppress(OSError):
+            made = make(nbytes)
+    address = [made[1] if made is not None else None]
+    dist.broadcast_object_list(address, src=dist.get_global_rank(group, 0), group=group)
+    mapping = None
+    if address[0] is not None:
+        with contextlib.suppress(OSError, ValueError):
+            fd = made[0] if index == 0 else open_peer(address[0])
+            try:
+                mapping = mmap.mmap(fd, nbytes)
+            finally:
+                if index != 0:
+                    os.close(fd)
+    mapped: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(mapped, mapping is not None, group=group)  # every rank has it (or not)
+    if made is not None:
+        made[2]()
+    if all(mapped):
+        return mapping
+    if mapping is not None:
+        mapping.close()
+    return None
+
+
+def _make_anonymous(nbytes: int):
+    if not hasattr(os, "memfd_create"):
+        return None
+    fd = os.memfd_create("runner-fsm-exchange")
+    os.ftruncate(fd, nbytes)
+    st = os.fstat(fd)
+    return fd, (os.getpid(), fd, st.st_dev, st.st_ino), lambda: os.close(fd)
+
+
+def _open_anonymous(address) -> int:
+    pid, number, dev, ino = address
+    fd = os.open(f"/proc/{pid}/fd/{number}", os.O_RDWR | os.O_CLOEXEC)
+    st = os.fstat(fd)
+    if (st.st_dev, st.st_ino) != (dev, ino):  # that pid is another process here (another PID namespace)
+        os.close(fd)
+        raise OSError(f"/proc/{pid}/fd/{number} is not the group's segment")
+    return fd
+
+
+def _make_named(nbytes: int):
+    if not os.path.isdir(SHM_DIR):
+        return None
+    name = f"{SHM_DIR}/runner-fsm-{os.getpid()}-{secrets.token_hex(8)}"
+    fd = os.open(name, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+    os.ftruncate(fd, nbytes)
+
+    def forget() -> None:
+        os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name)
+    return fd, name, forget
+
+
+def _open_named(name: str) -> int:
+    return os.open(name, os.O_RDWR)
 
 
 def _checksum(generation: int, row: np.ndarray) -> int:

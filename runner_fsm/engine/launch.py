@@ -19,9 +19,9 @@ import dataclasses
 import datetime
 import logging
 import multiprocessing as mp
+import multiprocessing.connection as mp_connection
 import os
 import pickle
-import queue as queue_module
 import signal
 import sys
 import time
@@ -37,7 +37,7 @@ from runner_fsm.engine.rendezvous import LOOPBACK, free_port, is_loopback, rende
 from runner_fsm.errors import ConfigError
 from runner_fsm.process.stop_signals import StopSignals
 
-# How long a child that exited without a result may still have one in flight in the queue.
+# How long a child that exited without a result may still have one in flight (read from its pipe).
 _EXIT_GRACE_S = 0.5
 _POLL_S = 0.05
 # How long children that all reported may take to leave their final barrier.
@@ -170,10 +170,13 @@ def spawn(
     """
     layout.validate()
     context = mp.get_context("spawn")
-    results_queue = context.Queue()
+    # One pipe per rank for its result: a `Queue` is guarded by named POSIX semaphores
+    # (/dev/shm/sem.mp-*) that only the launcher's resource tracker removes, and a job killed
+    # whole (SIGKILL to its process group) leaves them behind; a pipe is gone with its holders.
+    pipes = [context.Pipe(duplex=False) for _ in range(layout.world_size)]
     port = free_port(host)
     deadline = time.monotonic() + timeout_s
-    child_args = (fn, layout, host, port, args, pg_timeout_s or timeout_s, results_queue)
+    child_args = (fn, layout, host, port, args, pg_timeout_s or timeout_s)
     processes: list[mp.process.BaseProcess] = []
     # A stop request to the launcher (SIGINT, SIGTERM) reaches every rank as the same signal,
     # which each records in its audit log (`stop_signals`) before it goes; then the launcher
@@ -188,11 +191,12 @@ def spawn(
         with _single_threaded_children():
             for rank in range(layout.world_size):
                 process = context.Process(
-                    target=_child_main, args=(rank, *child_args), name=f"runner-rank-{rank}"
+                    target=_child_main, args=(rank, *child_args, pipes[rank][1]), name=f"runner-rank-{rank}"
                 )
                 process.start()
                 processes.append(process)
-        results = _collect(processes, results_queue, deadline, collect_failures)
+                pipes[rank][1].close()  # the child's end: its exit is then the reader's end of file
+        results = _collect(processes, [reader for reader, _ in pipes], deadline, collect_failures)
         if not any(isinstance(r, RankFailure) or (failed is not None and failed(r)) for r in results.values()):
             _join_all(processes, min(deadline, time.monotonic() + _JOIN_GRACE_S))
         # else a failed run: every rank has reported (and read from the store what named the
@@ -202,14 +206,15 @@ def spawn(
     finally:
         stops.restore()
         _kill_all(processes)
-        results_queue.close()
+        for reader, writer in pipes:
+            reader.close()
+            writer.close()
 
 
-def _child_main(rank, fn, layout, host, port, args, pg_timeout_s, results_queue) -> None:
+def _child_main(rank, fn, layout, host, port, args, pg_timeout_s, results) -> None:
     torch.set_num_threads(1)  # children share a few cores; intra-op threads only contend
-    ok = _run_and_report(rank, fn, layout, host, port, args, pg_timeout_s, results_queue)
-    results_queue.close()
-    results_queue.join_thread()  # the report is in the pipe before the process goes
+    ok = _run_and_report(rank, fn, layout, host, port, args, pg_timeout_s, results)
+    results.close()  # the report is in the pipe (`send` returned) before the process goes
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
@@ -217,14 +222,14 @@ def _child_main(rank, fn, layout, host, port, args, pg_timeout_s, results_queue)
     os._exit(0 if ok else 1)
 
 
-def _run_and_report(rank, fn, layout, host, port, args, pg_timeout_s, results_queue) -> bool:
+def _run_and_report(rank, fn, layout, host, port, args, pg_timeout_s, results) -> bool:
     groups = None
     try:
         groups = init_process_groups(layout, rank, port, timeout_s=pg_timeout_s, host=host)
         # Pickle here, so that an unpicklable result is reported as this rank's error.
-        results_queue.put((rank, True, pickle.dumps(fn(groups, *args))))
+        results.send((rank, True, pickle.dumps(fn(groups, *args))))
     except BaseException as error:  # report everything, KeyboardInterrupt included
-        results_queue.put((rank, False, (type(error).__qualname__, str(error), traceback.format_exc())))
+        results.send((rank, False, (type(error).__qualname__, str(error), traceback.format_exc())))
         return False
     finally:
         if groups is not None:
@@ -245,9 +250,10 @@ def _leave(groups: ProcessGroups) -> None:
         dist.destroy_process_group()
 
 
-def _collect(processes, results_queue, deadline: float, collect_failures: bool = False) -> dict[int, Any]:
+def _collect(processes, readers, deadline: float, collect_failures: bool = False) -> dict[int, Any]:
     results: dict[int, Any] = {}
     dead_since: dict[int, float] = {}
+    open_readers = list(readers)
     while len(results) < len(processes):
         now = time.monotonic()
         if now >= deadline:
@@ -260,14 +266,14 @@ def _collect(processes, results_queue, deadline: float, collect_failures: bool =
                 f"ranks {pending} did not finish before the deadline; killed every child",
                 pending,
             )
-        try:
-            rank, ok, payload = results_queue.get(timeout=min(_POLL_S, deadline - now))
-        except queue_module.Empty:
+        message = _next_result(open_readers, min(_POLL_S, deadline - now))
+        if message is None:
             for failure in _dead_without_result(processes, results, dead_since):
                 if not collect_failures:
                     raise SpawnError(failure.message, rank=failure.rank)
                 results[failure.rank] = failure
             continue
+        rank, ok, payload = message
         if not ok:
             exc_type, message, child_traceback = payload
             if collect_failures:
@@ -282,6 +288,19 @@ def _collect(processes, results_queue, deadline: float, collect_failures: bool =
             )
         results[rank] = pickle.loads(payload)
     return results
+
+
+def _next_result(readers: list, timeout: float):
+    """The next rank's report from any of `readers`, or None after `timeout`; a reader at its end
+    of file (its rank gone, reported or not) is dropped from `readers`."""
+    for reader in mp_connection.wait(readers, timeout=max(0.0, timeout)):
+        try:
+            return reader.recv()
+        except (EOFError, OSError):
+            readers.remove(reader)
+    if not readers:
+        time.sleep(max(0.0, timeout))  # every rank's pipe closed: only `_dead_without_result` is left to say
+    return None
 
 
 def _dead_without_result(processes, results: dict[int, Any], dead_since: dict[int, float]) -> list[RankFailure]:

@@ -17,61 +17,52 @@ follow are vLLM's shutdown of a failing job, which replay reads as no stop reque
 heard through a handler on vLLM's engine-core logger (`logging`'s public API; no vLLM code is
 patched): a vLLM that words the message otherwise is told apart by no failure record, as before.
 
-FSMWorker processes find their engine core through its environment: before vLLM starts them,
-`register()` publishes a directory (REGISTRY_ENV), and each worker started from there puts a
-file named after its pid in it. In any other process, or an engine core whose workers are
-not FSMWorkers, nothing is told to anyone: NOTICE is a signal processes ignore unless they
-asked for it, and it goes only to registered pids. vLLM itself is not changed.
+The registry where the two meet is in no file system (`EngineRegistry`): vLLM SIGKILLs engine
+cores and workers, so nothing they made could be cleaned up after them, and the engine core does
+not know the run directory when vLLM calls `register()`. It is an anonymous file in memory
+(Linux `memfd_create`), gone with the last process holding it. `register()` publishes where its
+workers open it (REGISTRY_ENV: the engine core's pid, start time and descriptor, read through
+`/proc/<pid>/fd/`); each FSMWorker started from there appends a line naming itself (pid and
+start time), the engine core appends the signal it received or what it failed with, then sends
+NOTICE to each worker still running as the process that registered (a SIGKILLed worker's line
+stays; its pid may be another process's later). In any other process, an engine core whose
+workers are not FSMWorkers, or a system without `memfd_create` (the engine core then tells
+nobody; a worker still records its own signals), nothing is told to anyone: NOTICE is a signal
+processes ignore unless they asked for it, and it goes only to registered processes. vLLM itself
+is not changed.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
+import fcntl
+import json
 import logging
 import multiprocessing
 import os
-import shutil
 import signal
-import tempfile
-from pathlib import Path
 from typing import Callable
 
 from runner_fsm.process.signal_watch import WATCH
 from runner_fsm.process.stop_signals import StopSignals
 
 NOTICE = signal.SIGWINCH  # ignored by default: a process that did not ask for it is untouched
-REGISTRY_ENV = "RUNNER_FSM_ENGINE_REGISTRY"
-_SIGNAL_FILE = "signal"  # the name of the signal the engine core received
-_FAILURE_FILE = "failure"  # what the engine core failed with
+REGISTRY_ENV = "RUNNER_FSM_ENGINE_REGISTRY"  # "<engine core pid>:<its start time>:<descriptor>"
 ENGINE_FAILURE = "EngineCoreFailure"  # the `fault` record's error: vLLM's engine core failed
 _ENGINE_LOGGER, _FATAL = "vllm.v1.engine.core", "EngineCore encountered a fatal error"  # vLLM's words
-_PREFIX = "runner-fsm-engine-"  # + the engine core's pid
 
 
 def register() -> None:
     """vLLM's plugin entry point, called in every vLLM process (maybe more than once)."""
-    if not multiprocessing.current_process().name.startswith("EngineCore") or REGISTRY_ENV in os.environ:
+    if not multiprocessing.current_process().name.startswith("EngineCore"):
         return
-    _remove_stale_registries()
-    pid = os.getpid()  # the name says which process made it, in which PID namespace (`_remove_stale_registries`)
-    registry = tempfile.mkdtemp(prefix=f"{_PREFIX}{pid}-{process_start(pid)}-{_pid_namespace()}-")
-    atexit.register(shutil.rmtree, registry, ignore_errors=True)  # vLLM kills engine cores: see above
-    os.environ[REGISTRY_ENV] = registry  # inherited by the worker processes vLLM starts from here
+    published = os.environ.get(REGISTRY_ENV, "")
+    if published.split(":")[0] == str(os.getpid()) or not hasattr(os, "memfd_create"):
+        return  # registered already (an inherited one is another engine core's); or no memfd here
+    registry = EngineRegistry.create()
+    os.environ[REGISTRY_ENV] = registry.address  # inherited by the worker processes vLLM starts from here
     StopSignals(lambda name: tell_workers(registry, name)).install()
     logging.getLogger(_ENGINE_LOGGER).addHandler(_FailureHandler(registry))
-
-
-def _remove_stale_registries() -> None:
-    """The registries of engine cores that are gone (vLLM SIGKILLs them, so atexit never runs):
-    only those made in this PID namespace by a process that is no longer there (its pid gone, or
-    held by a process started at another time). Another namespace's (a container sharing /tmp)
-    cannot be judged from here, nor a name of another form: left alone."""
-    namespace = _pid_namespace()
-    for path in Path(tempfile.gettempdir()).glob(f"{_PREFIX}*"):
-        pid, start, space = (path.name[len(_PREFIX):].split("-") + ["", "", ""])[:3]
-        if namespace and space == namespace and pid.isdigit() and start.isdigit() and process_start(int(pid)) != start:
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def process_start(pid: int) -> str | None:
@@ -84,17 +75,77 @@ def process_start(pid: int) -> str | None:
         return None
 
 
-def _pid_namespace() -> str:
-    try:
-        return "".join(ch for ch in os.readlink("/proc/self/ns/pid") if ch.isdigit())
-    except OSError:
-        return ""
+class EngineRegistry:
+    """One engine core's registry: lines appended by it and its workers to an anonymous file.
+
+    `engine <pid> <start>` (first: whose it is), `worker <pid> <start>`, `left <pid>`, `signal
+    <name>`, `failure <json string>`. Appends (O_APPEND, one write each) never interleave; a
+    reader takes whole lines only."""
+
+    def __init__(self, fd: int, address: str):
+        self.fd, self.address = fd, address
+
+    @classmethod
+    def create(cls) -> "EngineRegistry":
+        pid = os.getpid()
+        fd = os.memfd_create("runner-fsm-engine-stops")  # close-on-exec: workers open it by /proc
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | os.O_APPEND)
+        registry = cls(fd, f"{pid}:{process_start(pid)}:{fd}")
+        registry.append(f"engine {pid} {process_start(pid)}")
+        return registry
+
+    @classmethod
+    def join(cls, address: str | None) -> "EngineRegistry | None":
+        """The registry published at `address`, while the engine core that made it is there
+        (None: none published, its maker gone, or its pid another process's now)."""
+        pid, start, fd = ((address or "").split(":") + ["", "", ""])[:3]
+        if not (pid.isdigit() and fd.isdigit()) or process_start(int(pid)) != start:
+            return None
+        try:
+            opened = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_APPEND | os.O_CLOEXEC)
+        except OSError:
+            return None
+        registry = cls(opened, address)
+        if registry.lines()[:1] != [f"engine {pid} {start}"]:  # another file behind that number
+            registry.close()
+            return None
+        return registry
+
+    def append(self, line: str) -> None:
+        os.write(self.fd, (line.replace("\n", " ") + "\n").encode())
+
+    def lines(self) -> list[str]:
+        data = os.pread(self.fd, os.fstat(self.fd).st_size, 0)
+        return data.decode(errors="replace").split("\n")[:-1]  # the last, unfinished, not yet
+
+    def last(self, kind: str) -> str | None:
+        """The newest `kind` line's value."""
+        for line in reversed(self.lines()):
+            if line.startswith(kind + " "):
+                return line[len(kind) + 1:]
+        return None
+
+    def workers(self) -> list[tuple[int, str]]:
+        """(pid, start) of each worker registered and not left."""
+        found: dict[int, str] = {}
+        for line in self.lines():
+            kind, _, rest = line.partition(" ")
+            pid, _, start = rest.partition(" ")
+            if kind == "worker" and pid.isdigit():
+                found[int(pid)] = start
+            elif kind == "left" and pid.isdigit():
+                found.pop(int(pid), None)
+        return list(found.items())
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
 
 
 class _FailureHandler(logging.Handler):
     """On vLLM's engine-core logger: its fatal error, told to the workers before the teardown."""
 
-    def __init__(self, registry: str):
+    def __init__(self, registry: EngineRegistry):
         super().__init__(logging.ERROR)
         self._registry = registry
 
@@ -106,20 +157,17 @@ class _FailureHandler(logging.Handler):
             tell_workers(self._registry, failure=f"{type(error).__name__}: {error}")
 
 
-def tell_workers(registry: str, signal_name: str | None = None, failure: str | None = None) -> None:
+def tell_workers(registry: EngineRegistry, signal_name: str | None = None, failure: str | None = None) -> None:
     """Hand NOTICE to each FSMWorker registered in `registry` (from a signal handler), with the
     signal the engine core received, or what it failed with."""
     if failure is not None:
-        (Path(registry) / _FAILURE_FILE).write_text(failure)
+        registry.append(f"failure {json.dumps(failure)}")
     else:
-        (Path(registry) / _SIGNAL_FILE).write_text(str(signal_name))
-    for entry in os.scandir(registry):
-        if entry.name.isdigit() and int(entry.name) != os.getpid():  # a worker inside: it heard the signal
-            with contextlib.suppress(OSError):
-                # the process that registered, not another that holds its pid now (a SIGKILLed
-                # worker leaves its entry behind)
-                if Path(entry.path).read_text().strip() == process_start(int(entry.name)):
-                    os.kill(int(entry.name), NOTICE)
+        registry.append(f"signal {signal_name}")
+    for pid, start in registry.workers():
+        if pid != os.getpid() and process_start(pid) == start:  # a worker inside heard the signal;
+            with contextlib.suppress(OSError):  # a pid now another process's is not told
+                os.kill(pid, NOTICE)
 
 
 class WorkerNotice:
@@ -129,21 +177,23 @@ class WorkerNotice:
         """`record(signal_name)`: the engine core's stop; `failed(message)`: its failure."""
         self._record, self._failed = record, failed
         self._failure_told = False  # once: the engine core's SIGTERM after its failure is a signal again
-        self._registry = os.environ.get(REGISTRY_ENV)
+        self._registry: EngineRegistry | None = None
         self._previous = None
         self._subscription = None  # heard from the watch thread too (`signal_watch`)
 
     def install(self) -> bool:
         """Register this process with its engine core (False: none published a registry here)."""
-        registry = self._registry
-        if not registry or not os.path.isdir(registry):
+        registry = EngineRegistry.join(os.environ.get(REGISTRY_ENV))
+        if registry is None:
             return False
         try:
             self._previous = signal.signal(NOTICE, self._handle)
         except ValueError:  # not the main thread: Python sets no handler here
+            registry.close()
             return False
+        self._registry = registry
         self._subscription = WATCH.subscribe(NOTICE, lambda _signum: self._told())
-        Path(registry, str(os.getpid())).write_text(process_start(os.getpid()) or "")
+        registry.append(f"worker {os.getpid()} {process_start(os.getpid())}")
         return True
 
     def restore(self) -> None:
@@ -155,7 +205,8 @@ class WorkerNotice:
         WATCH.unsubscribe(self._subscription)
         self._subscription = None
         with contextlib.suppress(OSError):
-            Path(self._registry, str(os.getpid())).unlink()
+            self._registry.append(f"left {os.getpid()}")
+        self._registry.close()
         self._previous = None
 
     def _handle(self, _signum, _frame) -> None:
@@ -163,20 +214,13 @@ class WorkerNotice:
             self._told()
 
     def _told(self) -> None:
-        failure = _read(Path(self._registry, _FAILURE_FILE))
         with contextlib.suppress(Exception):  # recording must never fail the worker
+            failure = self._registry.last("failure")
             if failure is not None and self._failed is not None and not self._failure_told:
                 self._failure_told = True
-                self._failed(failure)
+                self._failed(json.loads(failure))
             else:
-                self._record(_read(Path(self._registry, _SIGNAL_FILE)))
-
-
-def _read(path: Path) -> str | None:
-    try:
-        return path.read_text().strip() or None
-    except OSError:
-        return None
+                self._record(self._registry.last("signal") or None)
 
 
 class WorkerStops:

@@ -1,0 +1,130 @@
+"""Test support, run as a script inside a private mount namespace whose /dev/shm is a fresh
+tmpfs (`test_nothing_outside`): starts a job in a process group of its own with TMPDIR an empty
+directory, waits for a named moment in its logs, SIGKILLs the whole group, and prints, as JSON,
+what the moment was and every entry then in TMPDIR and /dev/shm that was not there before.
+
+    python outside_driver.py SPEC_JSON   (SPEC: cmd, env, run_dir, ranks, moment, tmpdir, mark)
+
+Moments, named by what the logs (or the segment hook, `segment_site`) show:
+- start-up: every rank's log is open, no step has finished (no exchange exists yet);
+- workers-started: a grandchild of the job's first process titled as vLLM titles its workers
+  (`VLLM::Worker*`: the engine core, past the plugin's `register()`, has started them) and no
+  rank's log exists yet (FSMWorker's exchange comes after it);
+- segment: a rank is held inside the shared-memory exchange's set-up, its segment mapped;
+- mid-run: a rank's log is at step 5 or later;
+- shutdown: a rank logged its `shutdown` transition (embedded) or vLLM's shutdown call (`stop`);
+- after-stop: SIGTERM to the whole group at step 3, then the first `stop` record logged.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _records(run_dir: Path, ranks: int) -> list[list[dict]]:
+    from runner_fsm.audit import read_records
+
+    out = []
+    for rank in range(ranks):
+        try:
+            out.append(list(read_records(run_dir / f"rank-{rank}.jsonl")))
+        except (OSError, ValueError):
+            out.append([])
+    return out
+
+
+def _step(records: list[dict]) -> int:
+    return max((r["step_id"] for r in records if isinstance(r.get("step_id"), int)), default=-1)
+
+
+def _finished(records: list[dict]) -> bool:
+    return any(r["event"] == "transition" and r.get("trigger") == "finish" and r["step_id"] >= 0 for r in records)
+
+
+def _workers_started(pid: int) -> bool:
+    for child in _grandchildren(pid):
+        try:
+            with open(f"/proc/{child}/cmdline", "rb") as cmdline:
+                if cmdline.read().startswith(b"VLLM::Worker"):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _grandchildren(pid: int) -> list[int]:
+    parents = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat", "rb") as stat:
+                    parents[int(entry)] = int(stat.read().rsplit(b")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+    return [p for p, parent in parents.items() if parents.get(parent) == pid]
+
+
+def _moment_reached(spec: dict, logs: list[list[dict]], pid: int) -> bool:
+    moment = spec["moment"]
+    if moment == "workers-started":
+        return _workers_started(pid) and not any(logs)
+    if moment == "start-up":
+        return all(logs) and not any(_finished(r) for r in logs)
+    if moment == "segment":
+        return Path(spec["mark"]).exists()
+    if moment == "mid-run":
+        return any(_step(r) >= 5 for r in logs)
+    if moment == "shutdown":
+        return any(r["event"] == "transition" and r.get("trigger") == "shutdown"
+                   or r["event"] == "stop" and r.get("source") == "shutdown" for rs in logs for r in rs)
+    if moment == "after-stop":
+        return any(r["event"] == "stop" for rs in logs for r in rs)
+    raise ValueError(moment)
+
+
+def _listing(tmpdir: str) -> dict:
+    return {"tmpdir": sorted(os.listdir(tmpdir)), "shm": sorted(os.listdir("/dev/shm"))}
+
+
+def main(spec: dict) -> dict:
+    run_dir = Path(spec["run_dir"])
+    before = _listing(spec["tmpdir"])
+    env = {**os.environ, **spec["env"], "TMPDIR": spec["tmpdir"]}
+    if spec["moment"] == "segment":
+        env["RUNNER_FSM_TEST_SEGMENT_MARK"] = spec["mark"]
+    # the job a little nicer than this driver: on a loaded box the driver still sees each moment in time
+    proc = subprocess.Popen(spec["cmd"], env=env, start_new_session=True, cwd=spec.get("cwd"),
+                            preexec_fn=lambda: os.nice(5),
+                            stdout=open(run_dir.parent / f"{run_dir.name}.out", "w"), stderr=subprocess.STDOUT)
+    deadline, stopped, reached, logs = time.monotonic() + spec.get("timeout_s", 240), False, False, []
+    while time.monotonic() < deadline and proc.poll() is None:
+        logs = _records(run_dir, spec["ranks"]) if spec["moment"] != "segment" else []
+        if spec["moment"] == "after-stop" and not stopped and any(_step(r) >= 3 for r in logs):
+            os.killpg(proc.pid, signal.SIGTERM)  # a stop request, as from a terminal
+            stopped = True
+        if _moment_reached(spec, logs, proc.pid):
+            reached = True
+            break
+        time.sleep(0.02)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for _ in range(500):  # the ranks die with the group; their files are what they left
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.02)
+    after = _listing(spec["tmpdir"])
+    new = {key: sorted(set(after[key]) - set(before[key])) for key in after}
+    steps = [_step(r) if r else None for r in _records(run_dir, spec["ranks"])]  # None: no log
+    return {"moment": spec["moment"], "reached": reached, "steps": steps, "new": new, "before": before}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(json.loads(sys.argv[1]))), flush=True)
