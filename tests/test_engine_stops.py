@@ -92,10 +92,12 @@ def test_the_plugin_is_inert_outside_an_engine_core(monkeypatch):
 
 
 def test_the_package_declares_the_plugin_to_vllm():
-    """vLLM finds it by this entry point only: without it the engine core stays silent."""
+    """vLLM finds them by these entry points only: without them the engine core stays silent, and
+    the front process records no stop request (`stop_origin`)."""
     pyproject = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())
     plugins = pyproject["project"]["entry-points"]["vllm.general_plugins"]
-    assert plugins == {"runner_fsm_stops": "runner_fsm.integrations.vllm.engine_stops:register"}
+    assert plugins == {"runner_fsm_stops": "runner_fsm.integrations.vllm.engine_stops:register",
+                       "runner_fsm_stop_origin": "runner_fsm.integrations.vllm.stop_origin:register"}
 
 
 def _failing_worker(run_dir: str, ready) -> None:

@@ -43,6 +43,7 @@ import os
 import signal
 from typing import Callable
 
+from runner_fsm.process.proc import process_start
 from runner_fsm.process.signal_watch import WATCH
 from runner_fsm.process.stop_signals import StopSignals
 
@@ -63,16 +64,6 @@ def register() -> None:
     os.environ[REGISTRY_ENV] = registry.address  # inherited by the worker processes vLLM starts from here
     StopSignals(lambda name: tell_workers(registry, name)).install()
     logging.getLogger(_ENGINE_LOGGER).addHandler(_FailureHandler(registry))
-
-
-def process_start(pid: int) -> str | None:
-    """When process `pid` started (clock ticks since boot, /proc/<pid>/stat field 22): with the
-    pid, it names one process, where a pid alone may be reused. None: no such process here."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[19].decode()
-    except (OSError, IndexError):
-        return None
 
 
 class EngineRegistry:
