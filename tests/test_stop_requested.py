@@ -25,6 +25,7 @@ from runner_fsm.replay.judge import replay
 pytestmark = pytest.mark.multiproc
 
 STOPS = {"ctrl-c": signal.SIGINT, "sigterm-to-launcher": signal.SIGTERM}
+FROZEN = {"ctrl-c-rank-0-frozen": 0, "ctrl-c-rank-1-frozen": 1}  # SIGSTOPped first: it records nothing
 
 
 def _step(path) -> int:
@@ -48,10 +49,12 @@ def stopped(tmp_path_factory, models):
         deadline = time.monotonic() + 120
         while _step(run / "rank-1.jsonl") < 5 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.05)
-        if name == "ctrl-c":
-            os.killpg(proc.pid, signal.SIGINT)
-        else:
+        if name in FROZEN:
+            os.kill(next(read_records(run / f"rank-{FROZEN[name]}.jsonl"))["pid"], signal.SIGSTOP)
+        if name == "sigterm-to-launcher":
             os.kill(proc.pid, signal.SIGTERM)
+        else:
+            os.killpg(proc.pid, signal.SIGINT)
         try:
             proc.wait(timeout=60)
         finally:
@@ -61,7 +64,7 @@ def stopped(tmp_path_factory, models):
             time.sleep(0.5)  # the ranks outlive the launcher by a moment
         out[name] = (run, proc.returncode)
 
-    threads = [threading.Thread(target=one, args=(name,)) for name in STOPS]
+    threads = [threading.Thread(target=one, args=(name,)) for name in (*STOPS, *FROZEN)]
     for t in threads:
         t.start()
     for t in threads:
@@ -87,3 +90,20 @@ def test_a_stop_on_purpose_reads_sound_naming_it(stopped, name):
     assert report.sound, report.format()
     (note,) = [n for n in report.summary.notes if n.startswith("stop requested")]
     assert note.startswith(f"stop requested: {signum.name} (rank ") and "rank(s) 0, 1 ended after it" in note
+
+
+@pytest.mark.parametrize("name", list(FROZEN))
+def test_a_rank_that_could_not_record_the_ctrl_c_is_explained_by_the_launcher_s_record(stopped, name):
+    """The launcher writes the request into the run directory before it hands it on, naming the
+    ranks alive then (`process.stop_requests`): a rank the kernel never ran between the Ctrl-C and
+    its end (here: stopped) recorded nothing, and its end is the stop's all the same. Mutation
+    seen to fail it: `spawn` not calling `on_stop` (the frozen rank reads as a death)."""
+    run, code = stopped[name]
+    frozen = FROZEN[name]
+    assert code == -signal.SIGINT
+    assert not [r for r in read_records(run / f"rank-{frozen}.jsonl") if r["event"] == "stop"]
+    report = replay(run)
+    assert report.sound, report.format()
+    note = next(n for n in report.summary.notes if n.startswith("stop requested"))
+    assert "SIGINT received by the embedded launcher (runner-fsm run)" in note and \
+        "with rank(s) 0, 1 alive then" in note, note

@@ -4,18 +4,14 @@ Each record is one line, in the page cache before the call returns, so that a pr
 mid-step (or hung inside a collective) still leaves every record up to that point on disk.
 structlog's `BytesLogger` writes them (a vLLM step's transitions: `AuditLog.step_transition`)
 into a memory-mapped file (`mapped`): a log that was not closed ends in blank lines, where
-readers stop.
-
-`AuditLog.batch()` collects records that are written together (e.g. everything a vLLM step
-logs once its forward is over): each keeps its own `seq` and the time it was made, and the
-batch goes out as complete lines in one write when `write()` is called, nothing held back
-after that call. Per write, not per line, is what a hot loop pays for: the lock, the structlog
-logger and the copy into the map each cost microseconds when the CPU caches are cold.
+readers stop. `AuditLog.batch()` collects records written together (what a vLLM step logs once
+its forward is over): each keeps its own `seq` and time, and the batch goes out as complete
+lines in one write at `write()`. Per write, not per line, is what a hot loop pays for: the
+lock, the structlog logger and the copy into the map each cost microseconds when cold.
 
 A log written with the job's shape (the runner's, the vLLM worker's) is compact on disk
-(`compact`: the `job` record in full, every other record in short keys); `read_records` gives
-every record back in full. With `max_log_bytes` it is a sequence of segments under that cap
-(`segments`). A log without a shape is written in full, as schema 2 first was.
+(`compact`: the `job` record in full, others in short keys; `read_records` gives them back in
+full); under `max_log_bytes`, a sequence of segments (`segments`). Without a shape: in full.
 """
 
 from __future__ import annotations
@@ -130,9 +126,8 @@ class AuditLog(_Records):
         if segments is None:
             self._file = _open_exclusive(path, lane=self.lane)
         else:
-            # asked at each growth from its first chunk on: its companions fill the segment too
-            self._file = _open_exclusive(path, chunk=segments.chunk, full_at=segments.chunk,
-                                         on_full=self._segment_full, lane=self.lane)
+            self._file = _open_exclusive(path, chunk=segments.chunk, full_at=segments.chunk,  # asked at each
+                                         on_full=self._segment_full, lane=self.lane)  # growth: companions fill it too
         # structlog's BytesLogger writes each rendered line (or batch of lines) into the mapped
         # file before returning. Records are rendered here, not by a processor chain around it: the
         # chain held only this renderer, and its per-call context copy and dispatch cost more

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 from pathlib import Path
@@ -11,12 +12,14 @@ import torch.distributed as dist
 from runner_fsm.audit.seek import last_step_of
 from runner_fsm.audit.segments import flight_entries
 from runner_fsm.engine.config import EngineConfig
-from runner_fsm.engine.launch import RankFailure, init_process_groups_from_env, spawn, under_torchrun
+from runner_fsm.engine.groups import init_process_groups_from_env, under_torchrun
+from runner_fsm.engine.launch import RankFailure, spawn
 from runner_fsm.engine.preflight import prepare
 from runner_fsm.engine.requests import Request
 from runner_fsm.engine.worker import RankResult, run_rank
 from runner_fsm.faults import Injection
 from runner_fsm.process import flight_recorder
+from runner_fsm.process.stop_requests import record_request
 from runner_fsm.replay.discover import RANK_FILE
 from runner_fsm.replay.rundirs import ranked_segments
 
@@ -83,12 +86,19 @@ def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float =
             ranks = [_as_result(r, cfg) for r in spawn(
                 run_rank, cfg.layout, cfg, requests, timeout_s=timeout_s,
                 pg_timeout_s=cfg.collective_timeout_s + 30, collect_failures=True, host=cfg.listen_address,
-                failed=lambda rank: rank.error is not None)]
+                failed=lambda rank: rank.error is not None, on_stop=lambda *request: _stop_asked(cfg, *request))]
     outputs: dict[str, list[int]] = {}
     for rank in ranks:
         if rank.pcp_rank == 0:
             outputs.update(rank.outputs)
     return EngineResult(outputs, tuple(ranks), cfg.run_dir)
+
+
+def _stop_asked(cfg: EngineConfig, signal_name: str, alive: list[int], gone: list[int]) -> None:
+    """The launcher's stop request in the run directory, with the ranks alive then (a rank stopped
+    before its log holds anything is explained by it: `rules.stops`)."""
+    with contextlib.suppress(OSError):
+        record_request(cfg.run_dir, cfg.run_id, signal_name, "the embedded launcher (runner-fsm run)", alive, gone)
 
 
 def _run_under_torchrun(cfg: EngineConfig, requests: list[Request]) -> list[RankResult]:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import datetime
 import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
@@ -33,8 +32,8 @@ import torch
 import torch.distributed as dist
 
 from runner_fsm.config import ParallelLayout
-from runner_fsm.engine.rendezvous import LOOPBACK, free_port, is_loopback, rendezvous_store
-from runner_fsm.errors import ConfigError
+from runner_fsm.engine.groups import ProcessGroups, init_process_groups
+from runner_fsm.engine.rendezvous import LOOPBACK, free_port
 from runner_fsm.process.stop_signals import StopSignals
 
 # How long a child that exited without a result may still have one in flight (read from its pipe).
@@ -46,20 +45,6 @@ _JOIN_GRACE_S = 3.0
 _STORE_GRACE_S = 2.0
 # How long the ranks of a job told to stop (SIGTERM, forwarded) may take to record it and go.
 _STOP_GRACE_S = 2.0
-
-
-@dataclasses.dataclass(frozen=True)
-class ProcessGroups:
-    """One process's groups and coordinates; every member of a group holds the same group."""
-
-    layout: ParallelLayout
-    global_rank: int
-    dp_rank: int
-    pcp_rank: int
-    world: dist.ProcessGroup  # every rank
-    dp: dist.ProcessGroup  # the replicas' ranks holding this PCP rank: the DP agreement's group
-    pcp: dist.ProcessGroup  # this replica's PCP ranks
-    expert: dist.ProcessGroup  # every rank: experts are parallel over DP x PCP
 
 
 class SpawnError(RuntimeError):
@@ -78,63 +63,6 @@ class SpawnTimeout(TimeoutError):
     def __init__(self, message: str, pending_ranks: list[int]):
         super().__init__(message)
         self.pending_ranks = pending_ranks
-
-
-def init_process_groups(
-    layout: ParallelLayout, global_rank: int, port: int, *, timeout_s: float = 60.0, host: str = LOOPBACK
-) -> ProcessGroups:
-    """Join the gloo job whose store is at `host`:`port` and create every DP, PCP and expert group."""
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = rendezvous_store(host, port, global_rank == 0, layout.world_size, timeout)
-    dist.init_process_group("gloo", store=store, rank=global_rank, world_size=layout.world_size,
-                            timeout=timeout)
-    return _create_groups(layout, global_rank, timeout)
-
-
-
-
-def under_torchrun() -> bool:
-    """True in a process started by `torchrun` (or anything that sets its variables)."""
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
-def init_process_groups_from_env(layout: ParallelLayout, *, timeout_s: float = 60.0) -> ProcessGroups:
-    """Join a job started by `torchrun`: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT."""
-    world_size = int(os.environ["WORLD_SIZE"])
-    if world_size != layout.world_size:
-        raise ConfigError(f"torchrun started WORLD_SIZE={world_size} processes, the layout"
-                          f" dp={layout.dp_size} x pcp={layout.pcp_size} needs {layout.world_size}")
-    timeout = datetime.timedelta(seconds=timeout_s)
-    rank = int(os.environ["RANK"])
-    host = os.environ["MASTER_ADDR"]
-    if is_loopback(host):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # read when the gloo group is made
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true":
-        # torchrun's agent hosts the store (it binds it, not us): join it as env:// does.
-        dist.init_process_group("gloo", init_method="env://", rank=rank, world_size=world_size, timeout=timeout)
-    else:
-        store = rendezvous_store(host, int(os.environ["MASTER_PORT"]), rank == 0, world_size, timeout)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=world_size, timeout=timeout)
-    return _create_groups(layout, rank, timeout)
-
-
-def _create_groups(layout: ParallelLayout, global_rank: int, timeout) -> ProcessGroups:
-    # `new_group` is collective over the whole world, so every rank creates every group in
-    # the same order and keeps the ones it belongs to.
-    dp_rank, pcp_rank = layout.coords(global_rank)
-    dp_groups = [dist.new_group(ranks, timeout=timeout) for ranks in layout.dp_group_ranks()]
-    pcp_groups = [dist.new_group(ranks, timeout=timeout) for ranks in layout.pcp_group_ranks()]
-    expert = dist.new_group(layout.expert_group_ranks(), timeout=timeout)
-    return ProcessGroups(
-        layout=layout,
-        global_rank=global_rank,
-        dp_rank=dp_rank,
-        pcp_rank=pcp_rank,
-        world=dist.group.WORLD,
-        dp=dp_groups[pcp_rank],
-        pcp=pcp_groups[dp_rank],
-        expert=expert,
-    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -156,6 +84,7 @@ def spawn(
     collect_failures: bool = False,
     host: str = LOOPBACK,
     failed: Callable[[Any], bool] | None = None,
+    on_stop: Callable[[str, list[int], list[int]], None] | None = None,
 ) -> list[Any]:
     """Run `fn(groups, *args)` on every global rank; return the results in rank order.
 
@@ -166,7 +95,9 @@ def spawn(
     results and the other ranks are waited for (until the deadline), so every rank's own
     error is seen. `host` is the address rank 0's store listens on (loopback by default).
     When `failed(result)` holds for a result, the children are ended as soon as every rank
-    has reported, instead of being given time to leave their groups.
+    has reported, instead of being given time to leave their groups. `on_stop(signal_name,
+    alive_ranks, gone_ranks)`: told of a stop request to the launcher before any rank is (the
+    stop recorded where it started, `process.stop_requests`); it must not raise.
     """
     layout.validate()
     context = mp.get_context("spawn")
@@ -185,7 +116,13 @@ def spawn(
     # on a loaded box (each signal lands in whichever of its threads the kernel picks), and its
     # log named SIGTERM as the request. early=False: this main thread waits in Python, so its
     # handler runs at once; and it stops the ranks, which is the handler's work, not a watch's.
-    stops = StopSignals(lambda name: _stop_all(processes, signal.Signals[name]), early=False)
+    def stopping(name: str) -> None:
+        if on_stop is not None:
+            alive = [rank for rank, process in enumerate(processes) if process.is_alive()]
+            on_stop(name, alive, sorted(set(range(len(processes))) - set(alive)))
+        _stop_all(processes, signal.Signals[name])
+
+    stops = StopSignals(stopping, early=False)
     stops.install()
     try:
         with _single_threaded_children():

@@ -21,7 +21,7 @@ _DTYPES = {"float64": torch.float64, "float32": torch.float32, "float16": torch.
 
 
 def model_groups(groups, device: str | torch.device = "cpu") -> ModelGroups:
-    """`ModelGroups` from `engine.launch.ProcessGroups` (None: one process).
+    """`ModelGroups` from `engine.groups.ProcessGroups` (None: one process).
 
     Off the CPU this creates the device's tensor groups, a collective over the world: build
     it once per process and pass it to both `load_model` and `load_drafter`.

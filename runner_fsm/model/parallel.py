@@ -54,7 +54,7 @@ class ModelGroups:
 
     @classmethod
     def from_process_groups(cls, groups, device: torch.device) -> "ModelGroups":
-        """From `engine.launch.ProcessGroups`; collective over the world off the CPU."""
+        """From `engine.groups.ProcessGroups`; collective over the world off the CPU."""
         layout = groups.layout
         pcp, expert = groups.pcp, groups.expert
         backend = _TENSOR_BACKENDS.get(device.type)

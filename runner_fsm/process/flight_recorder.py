@@ -146,7 +146,7 @@ def dump_beside(run_dir: str | os.PathLike[str], global_rank: int, groups: Mappi
 
 
 def groups_of(process_groups) -> dict[str, Any]:
-    """The audit names of an engine rank's groups (`engine.launch.ProcessGroups`)."""
+    """The audit names of an engine rank's groups (`engine.groups.ProcessGroups`)."""
     if process_groups is None:
         return {}
     return {"dp": process_groups.dp, "pcp": process_groups.pcp, "expert": process_groups.expert,

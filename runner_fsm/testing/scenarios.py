@@ -10,7 +10,7 @@ import anyio
 
 from runner_fsm.config import ParallelLayout, RunnerConfig
 from runner_fsm.dp import GlooAgreement
-from runner_fsm.engine.launch import ProcessGroups
+from runner_fsm.engine.groups import ProcessGroups
 from runner_fsm.events import Capture, DummyStep, RealStep, Shutdown
 from runner_fsm.faults import Injection, Injector
 from runner_fsm.testing.fakes import FakeModel

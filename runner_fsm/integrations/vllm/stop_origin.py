@@ -5,10 +5,10 @@ headless node's launcher, an `LLM` script. With vLLM's default `--shutdown-timeo
 its engine cores and their workers a few Python lines later (`vllm.v1.utils.shutdown`): a worker
 the kernel has not scheduled in between records nothing of the stop, and its log alone reads as
 a death. The front lives on through that shutdown, so the front records the request, in each run
-directory its FSMWorkers write, before vLLM's shutdown begins (`stops-<host>-<pid>.jsonl`, one
-line per request). With it goes the evidence replay needs: which of those workers were alive
-at that moment (same pid, same start time, not a zombie). A rank alive when the stop was asked
-for ended in the shutdown that followed, whatever it managed to record (`rules.stops`).
+directory its FSMWorkers write, before vLLM's shutdown begins (`process.stop_requests`), with
+the evidence replay needs: which of those workers were alive at that moment (same pid, same
+start time, not a zombie). A rank alive when the stop was asked for ended in the shutdown that
+followed, whatever it managed to record (`rules.stops`).
 
 How the front hears of the stop. vLLM loads this plugin (entry point `runner_fsm_stop_origin`)
 in the front before it installs its own signal handling, which then replaces Python handlers set
@@ -42,15 +42,13 @@ import secrets
 import socket
 import struct
 import threading
-import time
 from pathlib import Path
 
 from runner_fsm.process.proc import alive, parent_of, process_start
+from runner_fsm.process.stop_requests import record_request
 from runner_fsm.process.stop_signals import StopSignals
 
 FRONT_ENV = "RUNNER_FSM_FRONT"  # "<pid>-<start>-<socket name>" of the front this process was started below
-ORIGIN_FILE = "stops-{host}-{pid}.jsonl"  # in the run directory; replay reads `stops-*.jsonl`
-ORIGIN_EVENT = "stop_request"
 # vLLM 0.32's words at the start of a stop it was asked for, by logger: what the front was
 SHUTDOWN_MESSAGES = {
     "vllm.entrypoints.launchers.launcher": ("[shutdown] API server: shutdown triggered", "vLLM's API server"),
@@ -129,18 +127,12 @@ class Front:
         """The request, in every run directory a worker named, with each worker's liveness now.
         Called from a signal handler or a logging handler: must never raise."""
         with contextlib.suppress(Exception):
-            t_ns, host = time.monotonic_ns(), socket.gethostname()
             runs: dict[tuple[str, str], dict[str, list[int]]] = {}
             for pid, said in list(self.workers.items()):
                 entry = runs.setdefault((said["run_dir"], said["run_id"]), {"alive": [], "gone": []})
                 entry["alive" if alive(pid, said["start"]) else "gone"].append(int(said["global_rank"]))
             for (run_dir, run_id), ranks in runs.items():
-                line = {"event": ORIGIN_EVENT, "run_id": run_id, "signal": signal_name, "process": kind,
-                        "host": host, "pid": os.getpid(), "t_ns": t_ns,
-                        "alive": sorted(ranks["alive"]), "gone": sorted(ranks["gone"])}
-                path = Path(run_dir) / ORIGIN_FILE.format(host=host, pid=os.getpid())
-                with open(path, "a") as out:
-                    out.write(json.dumps(line) + "\n")
+                record_request(run_dir, run_id, signal_name, kind, ranks["alive"], ranks["gone"])
 
 
 def _descends(pid: int, ancestor: int) -> bool:
