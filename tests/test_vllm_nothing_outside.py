@@ -31,7 +31,9 @@ import pytest
 import vllm_harness as h
 from test_nothing_outside import TESTS, killed_at_each
 
-pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]  # the job's processes, not the runner
+# the job's processes, not the runner: once, on V1; slow (five vLLM jobs, 4.5 to 6.5 min on 2 loaded cores):
+# make test-vllm-slow, beside the embedded case that runs in make test (test_nothing_outside.py)
+pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent, pytest.mark.slow]
 
 MOMENTS = ("workers-started", "segment", "mid-run", "shutdown", "after-stop")
 VLLM_LEAVES = {"tmpdir": ("vllm_dist_", "torchinductor_"), "shm": ("psm_", "sem.mp-", "vllm_dist_")}  # vLLM's own names: see above
