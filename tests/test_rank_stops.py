@@ -4,7 +4,7 @@ The end-to-end case (Ctrl-C of a DP=2 run while it starts, 20 runs) is tests/tes
 
 Each case runs in a child process: signals are sent to it, and the default action kills it.
 Mutations seen to fail these: `log_opened` installing no handlers (the two start-up cases);
-`missed` recording nothing (the hand-over case).
+`hand_over` subscribing no watch (the hand-over); `missed` recording nothing (after it).
 """
 
 from __future__ import annotations
@@ -73,12 +73,33 @@ def test_a_sigterm_while_the_main_thread_waits_in_c_is_recorded_before_the_defau
     assert record["t_ns"] - sent < 1e9  # written while the main thread still waited (it woke 3 s after)
 
 
-def test_a_sigint_in_the_hand_over_is_recorded_from_its_keyboard_interrupt(tmp_path):
-    """Between `hand_over` and the loop's own handlers Python's SIGINT handler runs: the rank's
-    `KeyboardInterrupt` is recorded at the replica's step, once, and only when nothing was."""
+def test_a_sigint_in_the_hand_over_is_recorded_by_the_watch_whatever_takes_it(tmp_path):
+    """Between `hand_over` and the loop's own handlers asyncio's SIGINT handler runs (it cancels the
+    run, no record): the watch, still subscribed, records the arrival once, at the replica's step."""
     out = _child("""
     stops.steps_of(lambda: -1)
     stops.hand_over()
+    taken = []
+    signal.signal(signal.SIGINT, lambda signum, frame: taken.append(signum))  # asyncio's: cancel, no record
+    os.kill(os.getpid(), signal.SIGINT)
+    deadline = time.monotonic() + 10
+    while not stops.recorded and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stops.missed(KeyboardInterrupt())  # the cancelled run's KeyboardInterrupt: recorded already
+    stops.loop_took_over()
+    print(taken == [signal.SIGINT], stops.recorded)
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "1"]
+    assert _stops(tmp_path) == [("stop", -1, "SIGINT", "heard while the serving loop took over")]
+
+
+def test_a_keyboard_interrupt_out_of_the_loop_with_nothing_recorded_is_recorded(tmp_path):
+    """After the loop took the wakeup fd and before its handlers are in: only `missed` is left."""
+    out = _child("""
+    stops.steps_of(lambda: -1)
+    stops.hand_over()
+    stops.loop_took_over()
     try:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(5)
