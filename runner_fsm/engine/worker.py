@@ -211,6 +211,7 @@ def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
     error = None
     stops = StartupStops()  # a stop request on record from the log's first moment (`rank_stops`)
     try:
+        stops.arm()  # before the log exists: what comes first is held for it
         runner = build_runner(cfg, groups, on_log=stops.log_opened)
         stops.steps_of(lambda: runner.replica.step_id)
         injector = runner.replica.injector
