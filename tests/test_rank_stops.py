@@ -3,8 +3,9 @@ the model's load (its main thread may wait in C there), and in the hand-over to 
 The end-to-end case (Ctrl-C of a DP=2 run while it starts, 20 runs) is tests/test_stop_race.py.
 
 Each case runs in a child process: signals are sent to it, and the default action kills it.
-Mutations seen to fail these: `log_opened` installing no handlers (the two start-up cases);
-`missed` recording nothing (the hand-over case).
+Mutations seen to fail these: `arm` installing no handlers (the start-up cases); `_handle`
+handing on at once before the log exists (the held cases);
+`hand_over` subscribing no watch (the hand-over); `missed` recording nothing (after it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ PRELUDE = """
     from runner_fsm.engine.rank_stops import StartupStops
     out = Path(sys.argv[1])
     stops = StartupStops()
+    stops.arm()
     log = AuditLog(out / "run", "r", 1, 1, 0)
     stops.log_opened(log)
 """
@@ -56,6 +58,38 @@ def test_a_sigint_while_the_model_loads_is_recorded_then_interrupts_as_before(tm
     assert _stops(tmp_path) == [("stop", None, "SIGINT", "")]
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_before_the_log_exists_is_held_until_it_does_then_recorded_and_handed_on(tmp_path, signum):
+    """Armed before the log is created: a request then is the log's first record (after `job`), and the
+    rank stops as it would have, once it is written (a rank descheduled between its `job` record
+    and its handlers met a Ctrl-C with Python's own handler: 1 run in 40)."""
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent("""
+    import os, signal, sys, time
+    from pathlib import Path
+    from runner_fsm.audit import AuditLog
+    from runner_fsm.engine.rank_stops import StartupStops
+    stops = StartupStops()
+    stops.arm()
+    os.kill(os.getpid(), int(sys.argv[2]))
+    time.sleep(0.1)  # held: nothing raised, nothing killed
+    print("held", stops.recorded, flush=True)
+    log = AuditLog(Path(sys.argv[1]) / "run", "r", 1, 1, 0)
+    try:
+        stops.log_opened(log)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    """))
+    out = subprocess.run([sys.executable, str(script), str(tmp_path), str(int(signum))], capture_output=True,
+                         text=True, timeout=60)
+    if signum == signal.SIGINT:
+        assert (out.returncode, out.stdout.split()) == (0, ["held", "1", "interrupted"]), out.stderr
+    else:
+        assert (out.returncode, out.stdout.split()) == (-signal.SIGTERM, ["held", "1"]), out.stderr
+    assert [(r["event"], r["signal"]) for r in read_records(tmp_path / "run" / "rank-1.jsonl")] == [
+        ("stop", signum.name)]  # its first record (a log without the job's shape has no `job`)
+
+
 def test_a_sigterm_while_the_main_thread_waits_in_c_is_recorded_before_the_default_action(tmp_path):
     """The main thread blocked in C (a gloo `new_group` waiting for its peer): no Python handler runs
     in it, the watch thread records the SIGTERM; then the default action kills the rank."""
@@ -73,12 +107,33 @@ def test_a_sigterm_while_the_main_thread_waits_in_c_is_recorded_before_the_defau
     assert record["t_ns"] - sent < 1e9  # written while the main thread still waited (it woke 3 s after)
 
 
-def test_a_sigint_in_the_hand_over_is_recorded_from_its_keyboard_interrupt(tmp_path):
-    """Between `hand_over` and the loop's own handlers Python's SIGINT handler runs: the rank's
-    `KeyboardInterrupt` is recorded at the replica's step, once, and only when nothing was."""
+def test_a_sigint_in_the_hand_over_is_recorded_by_the_watch_whatever_takes_it(tmp_path):
+    """Between `hand_over` and the loop's own handlers asyncio's SIGINT handler runs (it cancels the
+    run, no record): the watch, still subscribed, records the arrival once, at the replica's step."""
     out = _child("""
     stops.steps_of(lambda: -1)
     stops.hand_over()
+    taken = []
+    signal.signal(signal.SIGINT, lambda signum, frame: taken.append(signum))  # asyncio's: cancel, no record
+    os.kill(os.getpid(), signal.SIGINT)
+    deadline = time.monotonic() + 10
+    while not stops.recorded and time.monotonic() < deadline:
+        time.sleep(0.01)
+    stops.missed(KeyboardInterrupt())  # the cancelled run's KeyboardInterrupt: recorded already
+    stops.loop_took_over()
+    print(taken == [signal.SIGINT], stops.recorded)
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["True", "1"]
+    assert _stops(tmp_path) == [("stop", -1, "SIGINT", "heard while the serving loop took over")]
+
+
+def test_a_keyboard_interrupt_out_of_the_loop_with_nothing_recorded_is_recorded(tmp_path):
+    """After the loop took the wakeup fd and before its handlers are in: only `missed` is left."""
+    out = _child("""
+    stops.steps_of(lambda: -1)
+    stops.hand_over()
+    stops.loop_took_over()
     try:
         os.kill(os.getpid(), signal.SIGINT)
         time.sleep(5)
@@ -93,28 +148,26 @@ def test_a_sigint_in_the_hand_over_is_recorded_from_its_keyboard_interrupt(tmp_p
     assert _stops(tmp_path) == [("stop", -1, "SIGINT", "heard as KeyboardInterrupt while the serving loop took over")]
 
 
-def test_nothing_recorded_before_the_log_exists_nor_after_the_hand_over_when_the_loop_recorded(tmp_path):
+def test_nothing_more_recorded_after_the_hand_over_when_the_loop_recorded(tmp_path):
     out = _child("""
     stops.hand_over()
     stops.record("SIGTERM")  # the loop's handler (`stops_on_loop` records through it)
     stops.missed(KeyboardInterrupt())  # its SIGINT then ends the loop: recorded already
-    early = StartupStops()
-    early.record("SIGINT")  # no log yet: nothing to write to, nothing counted
-    print(stops.recorded, early.recorded)
+    print(stops.recorded)
     """, tmp_path)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["1", "0"]
+    assert out.stdout.split() == ["1"]
     assert _stops(tmp_path) == [("stop", None, "SIGTERM", "")]
 
 
 @pytest.mark.parametrize("stopped_first", [0, 1])
 @pytest.mark.parametrize("left", ["no log", "an empty log"])
 def test_a_peer_stopped_before_its_log_existed_is_named_alone_beside_the_recorded_stop(tmp_path, stopped_first, left):
-    """What no rank can record: a Ctrl-C in the few ms by which one rank opened its log (and
-    recorded the SIGINT) before its peer opened its own. The peer left no log, or a file holding no
-    record (stopped inside `AuditLog`'s constructor, between creating the file and writing `job`).
-    Replay names that rank alone (its log is missing / empty: nothing it did can be judged), and
-    the recording rank's end is the stop, not a finding."""
+    """What no rank can record: a Ctrl-C in the few ms by which one rank armed its stops (and
+    recorded the SIGINT) before its peer did, still in its rendezvous. The peer left no log (or,
+    killed inside `AuditLog`'s constructor, a file holding no record). Replay names that rank
+    alone (its log is missing / empty: nothing it did can be judged), and the recording rank's
+    end is the stop, not a finding."""
     from runner_fsm.audit import AuditLog
     from runner_fsm.audit.shape import job_shape_fields
     from runner_fsm.replay.judge import replay

@@ -12,13 +12,18 @@ The case runs 20 times, two at a time (each other's load), SIGINT to the process
 terminal sends it) 0, 10, ..., 190 ms after both ranks' logs hold their `job` record: from the
 model's load through the hand-over to the serving loop and its first steps.
 
-Not covered here, because no rank can record it: a SIGINT before a rank's log exists. Both ranks
-then leave no log (replay: no rank files), or, in the few ms by which one rank opens its log before
-its peer, the peer's log is missing (`missing_rank`) or empty (a `gap`: it wrote nothing): replay
-names that rank alone, beside the stop its peer recorded (tests/test_rank_stops.py).
+Not covered here, because no rank can record it: a SIGINT before a rank armed its stops (its
+start, its rendezvous). Both ranks then leave no log (replay: no rank files), or, in the few ms by
+which one rank arms before its peer, the peer's log is missing (`missing_rank`): replay names that
+rank alone, beside the stop its peer recorded (tests/test_rank_stops.py).
 
-Failed on the code before `rank_stops` (both ranks' logs end at `job`, no `stop`; replay UNSOUND).
-Takes about 100 s on 2 loaded cores: `slow`.
+Run it with its own --basetemp when other pytest sessions share the machine: pytest keeps the last
+three basetemps per user, and another session's start removed this test's run directory mid-run.
+
+Failed on the code before `rank_stops`: 20 of 20 runs (both ranks' logs end at `job`, or one rank
+records the stop in its loop while its slower peer, still starting, records nothing; replay
+UNSOUND). With the handlers installed only once the log existed: 2 runs in 80 still failed (a rank
+descheduled between its `job` record and its handlers). Takes 90-330 s on 2 loaded cores: `slow`.
 """
 
 from __future__ import annotations

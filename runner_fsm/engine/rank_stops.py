@@ -7,61 +7,142 @@ own SIGINT handler (a `KeyboardInterrupt`, no record), and each rank's log ended
 record: replay read both ranks as deaths (`unfinished` at step -1; 10 of 10 runs stopped 0-150 ms
 after the first log appeared). So `StartupStops` records from the log's first moment:
 
-- from the log's creation until the loop takes over: chained handlers (`StopSignals`), heard by
-  `signal_watch`'s thread too, since the main thread waits in C there (a gloo `new_group`, the
-  model's load), then handed on as before (`KeyboardInterrupt`, SIGTERM's default action);
-- in the hand-over itself (the handlers put back, the event loop starting, asyncio's own SIGINT
-  handler not yet behind ours: a few ms) no handler of ours runs; a SIGINT there still reaches
-  the rank as a `KeyboardInterrupt`, and only SIGINT raises that in a rank, so `missed` records
-  it when it comes out of the loop with no request recorded. A SIGTERM there takes its default
-  action unrecorded; its peers' records (or the launcher's SIGTERM to them) explain its end.
+- from just before the log is created until the loop takes over: chained handlers
+  (`StopSignals`), heard by `signal_watch`'s thread too, since the main thread may wait in C
+  there, then handed on as before (`KeyboardInterrupt`, SIGTERM's default action). Installed
+  after the log was, they left a window: a rank descheduled on a loaded box between writing its
+  `job` record and installing them met a Ctrl-C 40 ms later with Python's handler (2 runs in
+  80). A request that arrives before the log exists is held: recorded as the log's first record
+  after `job`, then handed on (the rank stops a few ms later than it would have);
+- in the hand-over itself (our handlers put back so that asyncio installs its own SIGINT
+  handler, the event loop starting, `stops_on_loop` not yet in place: a few ms) no handler of
+  ours runs. `signal_watch`'s thread still hears a SIGINT there (its wakeup fd stays until the
+  loop sets its own) and records it, whatever the main thread then does with it (asyncio's
+  cancel, a `KeyboardInterrupt` met by the launcher's second SIGINT); `missed` records a
+  `KeyboardInterrupt` that comes out of the loop with nothing recorded (only SIGINT raises that
+  in a rank), for the microseconds after the loop took the wakeup fd. A SIGTERM there takes its
+  default action at once, unrecorded: its peers' records of the same stop explain its end.
 
-Before the log exists nothing can be recorded: a rank stopped then leaves no log, or a file with
-no record (stopped inside `AuditLog`'s constructor). Replay names that rank alone (`missing_rank`,
-`gap`) beside a peer's recorded stop; where no rank had its log yet there is nothing to replay.
+Before `arm` (the process's start, the rendezvous) nothing can be recorded: a rank stopped then
+leaves no log. Replay names that rank alone (`missing_rank`) beside a peer's recorded stop; where
+no rank had its log yet there is nothing to replay.
 """
 
 from __future__ import annotations
 
+import collections
+import signal
 from typing import Callable
 
-from runner_fsm.process.stop_signals import StopSignals
+from runner_fsm.process.signal_watch import WATCH
+from runner_fsm.process.stop_signals import STOP_SIGNALS, StopSignals, hand_on
 
 
 class StartupStops:
     """Records each stop request of one rank with the step it came at; counts what it recorded."""
 
     def __init__(self) -> None:
-        self.recorded = 0  # stop requests recorded by this rank, whoever heard them
+        self.recorded = 0  # stop requests recorded (or held for the log) by this rank, whoever heard them
         self._audit = None
+        self._pending: collections.deque = collections.deque()  # (name, detail) not written yet
         self._step: Callable[[], int | None] = lambda: None  # before the replica exists: no step
-        self._startup: StopSignals | None = None
+        self._startup: _HeldUntilLogged | None = None
+        self._watching: list = []  # the watch's subscriptions through the hand-over
+
+    @property
+    def logged(self) -> bool:
+        return self._audit is not None
 
     def record(self, name: str, detail: str = "") -> None:
-        """Safe in a signal handler and from the watch thread (`AuditLog.stop`)."""
-        if self._audit is None:
-            return
+        """Safe in a signal handler and from the watch thread (`AuditLog.stop`). Before the log
+        exists the request waits for it (`log_opened`)."""
         self.recorded += 1
-        self._audit.stop(self._step(), "signal", name, detail=detail)
+        self._pending.append((name, detail))
+        if self._audit is not None:  # else `log_opened` writes it; both may drain: each pops its own
+            self._write_pending()
+
+    def _write_pending(self) -> None:
+        while True:
+            try:
+                name, detail = self._pending.popleft()
+            except IndexError:
+                return
+            self._audit.stop(self._step(), "signal", name, detail=detail)
+
+    def arm(self) -> None:
+        """From now on a stop request is recorded, held until the log exists (`log_opened`)."""
+        self._startup = _HeldUntilLogged(self)
+        self._startup.install()
 
     def log_opened(self, audit) -> None:
-        """The rank's log exists: from now on a stop request is recorded (until `hand_over`)."""
+        """The rank's log exists: what was held is written, then handed on (a held SIGINT raises
+        `KeyboardInterrupt` here, as it would have where it arrived)."""
         self._audit = audit
-        self._startup = StopSignals(self.record)
-        self._startup.install()
+        self._write_pending()
+        if self._startup is not None:
+            self._startup.release()
 
     def steps_of(self, step: Callable[[], int | None]) -> None:
         """Stops are recorded at the step `step()` names (the replica's, once it exists)."""
         self._step = step
 
     def hand_over(self) -> None:
-        """The serving loop records from now on (`stops_on_loop`): the start-up handlers go."""
-        if self._startup is not None:
-            self._startup.restore()
-            self._startup = None
+        """The serving loop is about to record (`stops_on_loop`): the start-up handlers go, the
+        watch stays until `loop_took_over`. A request still held (the log never opened) is
+        handed on now."""
+        startup, self._startup = self._startup, None
+        if startup is None:
+            return
+        # subscribed before the handlers go, so that the watch never stops between the two
+        self._watching = [WATCH.subscribe(signum, self._heard_in_hand_over) for signum in STOP_SIGNALS]
+        startup.restore()
+        startup.release()
+
+    def loop_took_over(self) -> None:
+        """The loop's handlers record now (or the rank is leaving): the watch goes too."""
+        for subscription in self._watching:
+            WATCH.unsubscribe(subscription)
+        self._watching = []
+
+    def _heard_in_hand_over(self, signum: int) -> None:
+        """From the watch thread, for an arrival no handler of ours claimed: one our start-up
+        handler caught as the handlers went, or one it never saw. Recorded if none is yet."""
+        if not self.recorded:
+            self.record(signal.Signals(signum).name, detail="heard while the serving loop took over")
 
     def missed(self, error: BaseException) -> None:
         """`error` ends the rank's loop: a `KeyboardInterrupt` with no request recorded came from a
         SIGINT that found no handler of ours (the hand-over): recorded now, before the rank goes."""
         if isinstance(error, KeyboardInterrupt) and not self.recorded:
             self.record("SIGINT", detail="heard as KeyboardInterrupt while the serving loop took over")
+
+
+class _HeldUntilLogged(StopSignals):
+    """`StopSignals` whose arrivals before the log exists are held: recorded (in `pending`), and
+    handed on by `release` once the log has them, not at once (that would stop the rank before
+    its log could)."""
+
+    def __init__(self, stops: StartupStops):
+        super().__init__(stops.record)
+        self._stops = stops
+        self._held: list[int] = []
+        self._handed_to: dict[int, object] = {}  # the previous handlers, kept past `restore`
+
+    def install(self) -> bool:
+        installed = super().install()
+        self._handed_to = dict(self._previous)
+        return installed
+
+    def _handle(self, signum: int, frame) -> None:
+        if self._stops.logged:
+            super()._handle(signum, frame)
+            return
+        if not WATCH.settle(self._subscriptions.get(signum)):  # not recorded from the watch yet
+            self._stops.record(signal.Signals(signum).name)
+        self._held.append(signum)
+
+    def release(self) -> None:
+        """Hand on what was held, in order (the first that stops the process ends it)."""
+        held, self._held = self._held, []
+        for signum in held:
+            hand_on(self._handed_to.get(signum, signal.SIG_DFL), signum, None)

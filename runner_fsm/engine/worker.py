@@ -123,7 +123,7 @@ def build_runner(cfg: EngineConfig, groups, *, on_log: Callable[[AuditLog], None
 
 
 async def _serve(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, counts: dict,
-                 record: Callable[[str], None]) -> None:
+                 stops: StartupStops) -> None:
     """The scheduler feeds the replica's event stream; the runner's task consumes it.
 
     SIGINT and SIGTERM go on record the moment they arrive, then stop the rank as before: the
@@ -135,7 +135,8 @@ async def _serve(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, cou
     # read as a death). A rank may hear the launcher's forwarded signal before the group's own
     # Ctrl-C (whichever of its threads the kernel hands each to): the launcher forwards the
     # signal it got (`launch.spawn`), so the request is named alike either way.
-    async with stops_on_loop(record):
+    async with stops_on_loop(stops.record):
+        stops.loop_took_over()  # the start-up's watch goes: the loop's handlers record from here
         await _serve_events(runner, sched, cfg, counts)
 
 
@@ -210,6 +211,7 @@ def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
     error = None
     stops = StartupStops()  # a stop request on record from the log's first moment (`rank_stops`)
     try:
+        stops.arm()  # before the log exists: what comes first is held for it
         runner = build_runner(cfg, groups, on_log=stops.log_opened)
         stops.steps_of(lambda: runner.replica.step_id)
         injector = runner.replica.injector
@@ -221,8 +223,8 @@ def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
         stops.hand_over()
         raise
     try:
-        stops.hand_over()  # to the loop's handlers (`_serve`); a SIGINT in between: `missed`
-        anyio.run(_serve, runner, sched, cfg, counts, stops.record)
+        stops.hand_over()  # to the loop's handlers (`_serve`); the watch hears what comes between
+        anyio.run(_serve, runner, sched, cfg, counts, stops)
     except Exception as exc:  # reported as data: every rank's own typed error matters
         exc = _unwrap_group(exc)
         error = {"type": type(exc).__name__, "message": str(exc), "step": runner.replica.step_id}
@@ -230,6 +232,7 @@ def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
         stops.missed(_unwrap_group(interrupt))
         raise
     finally:
+        stops.loop_took_over()  # a loop that never got there: the watch goes now
         anyio.run(runner.close)
         if groups is not None:  # the Flight Recorder's buffer, beside the audit log
             flight_recorder.dump_beside(cfg.run_dir, cfg.layout.global_rank(dp_rank, pcp_rank),
