@@ -91,6 +91,7 @@ CHEAP_PATHS = [
     {**_inputs(26), "step": 26}, {**_inputs(27), "step": 26}, {**_inputs(28), "step": "x"}, {**_inputs(29), "step": "x"},
     {**_inputs(30), "step": 30}, _inputs(31), _inputs(32), {**_inputs(33), "inputs": []}, _inputs(34), _inputs(35),
     {**_inputs(36), "inputs": [{"input_ids": 1036, "POS": 2036, "block_table": 9}]}, _inputs(37), _inputs(38),
+    _inputs(39, input_ids=-5), _inputs(40, input_ids=-6), _inputs(41, input_ids="-7"), _inputs(42, input_ids=-8),
 ]
 
 

@@ -11,7 +11,7 @@ reads them, and test_journal_codec.py pins both.
 
 from __future__ import annotations
 
-from itertools import compress
+from itertools import compress, repeat
 from operator import itemgetter, ne
 from typing import Any
 
@@ -215,8 +215,9 @@ class _Branch:
         if len(parts) != len(prefixes):
             return None
         ints = list(map(bytes.removesuffix, map(bytes.removeprefix, parts, prefixes), suffixes))
-        # each part its prefix, digits, its suffix: a prefix or suffix left in would not be digits
-        return ints if all(map(bytes.isdigit, ints)) else None
+        # each part its prefix, an int (digits, or - and digits), its suffix: a prefix or suffix
+        # left in would not be digits
+        return ints if all(map(bytes.isdigit, map(bytes.lstrip, ints, repeat(b"-")))) else None
 
     def next(self, value: Any) -> "_Branch | None":
         """The same field's leaves in `value`, where it has the same keys and value types."""
@@ -247,7 +248,7 @@ def _template(raw: bytes, values: list[int]) -> tuple | None:
     for part, number in zip(parts, values):
         body = part.rstrip(b"}]")
         digits = b"%d" % number
-        if number < 0 or not body.endswith(digits):
+        if not body.endswith(digits):
             return None
         prefixes.append(body[:-len(digits)])
         suffixes.append(part[len(body):])
