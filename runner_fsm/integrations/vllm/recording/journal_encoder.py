@@ -39,6 +39,7 @@ class Encoder:
         self._fields: dict[str, tuple[bytes, _Branch | None]] = {}  # each one's JSON, and leaves
         self._step_next: bytes | None = None  # the JSON of its step plus one (a step that is an int)
         self._steady: tuple[Any, bytes, list[str]] = (None, b"", [])  # see `_regroup`
+        self._prefixes: dict[str, bytes] = {}  # see `_prefix`
 
     def line(self, entry: dict) -> bytes:
         """The line of `entry`; a TypeError (a value orjson cannot serialise) changes nothing."""
@@ -76,8 +77,8 @@ class Encoder:
         steady, steady_raw, check = self._steady
         if steady is None or dumps(steady(entry), default, option) != steady_raw:
             check = keys
-        fields, name, step_next = self._fields, self._paths.name, self._step_next
-        out: dict[str, Any] = {}
+        fields, prefix, step_next = self._fields, self._prefix, self._step_next
+        parts: list[bytes] = []  # `"<path or its number>":<JSON>`, in the order they are named
         changed = []
         for key in check:
             raw = dumps(entry[key], default, option)
@@ -93,7 +94,7 @@ class Encoder:
             if first != 123 and (first != 91 or raw[1] != 123) or raw == b"{}":  # a leaf: not {.. nor [{..
                 if before is not None:
                     return None
-                out[name(key)] = orjson.Fragment(raw)
+                parts.append(prefix(key) + raw)
                 changed.append((key, (raw, None)))
                 if key == "step":
                     step_next = _following(raw)
@@ -103,7 +104,7 @@ class Encoder:
             ints = before.ints(raw) if before.names is not None else None
             if ints is not None:  # the same keys, each an int: compared, and written, as bytes
                 flags = list(map(ne, ints, before.raws))
-                out.update(zip(compress(before.names, flags), map(orjson.Fragment, compress(ints, flags))))
+                parts += map(bytes.__add__, compress(before.names, flags), compress(ints, flags))
                 changed.append((key, (raw, _Branch(before.paths, None, before.shape, before.types, before.names,
                                                    before.template, ints))))
                 continue
@@ -115,11 +116,9 @@ class Encoder:
                 branch.names = before.names
             else:
                 flags = list(map(ne, branch.values, before.values))
-            if branch.names is not None:
-                out.update(zip(compress(branch.names, flags), compress(branch.values, flags)))
-            else:
-                out.update([(name(path), leaf) for path, leaf in zip(compress(branch.paths, flags),
-                                                                    compress(branch.values, flags))])
+            parts += [prefix(path) + orjson.dumps(leaf) for path, leaf in zip(compress(branch.paths, flags),
+                                                                              compress(branch.values, flags))]
+            if branch.names is None:
                 branch.learn_names(self._paths)
             if key == "step":
                 step_next = None
@@ -128,7 +127,16 @@ class Encoder:
         self._step_next = step_next
         if check is keys or len(check) - len(changed) > 1:  # the group changed, or could grow
             self._regroup(entry, keys, {key for key, _ in changed})
-        return orjson.dumps(out) + b"\n"
+        return b"{" + b",".join(parts) + b"}\n"
+
+    def _prefix(self, path: str) -> bytes:
+        """`"<path>":` the first time the segment names it, `"<its number>":` from then on."""
+        known = self._prefixes.get(path)
+        if known is not None:
+            return known
+        name = self._paths.name(path)
+        self._prefixes[path] = b'"%d":' % self._paths.number[path]
+        return orjson.dumps(name) + b":"
 
     def _fields_moved(self, keys: list[str], encoded: list[bytes]) -> bytes:
         """The line where fields came, went or changed their leaves: as the format says, on the
@@ -175,7 +183,7 @@ class _Branch:
     """A field's leaves: their paths and values; and where it is a dict or a list of dicts of plain
     values (`inputs`), its keys (`shape`) and its values' types, so that the next one with the same
     is compared in C (`next`); where those values are ints, its JSON around them (`template`), so
-    that the next is compared without reading it (`ints`); `names`: each path's number in the
+    that the next is compared without reading it (`ints`); `names`: each path's `"<number>":` in the
     segment, once all have one."""
 
     __slots__ = ("paths", "_values", "shape", "types", "names", "template", "raws")
@@ -235,7 +243,7 @@ class _Branch:
     def learn_names(self, paths: _Paths) -> None:
         numbers = [paths.number.get(path) for path in self.paths]
         if None not in numbers:
-            self.names = [str(number) for number in numbers]
+            self.names = [b'"%d":' % number for number in numbers]
 
 
 def _template(raw: bytes, values: list[int]) -> tuple | None:
