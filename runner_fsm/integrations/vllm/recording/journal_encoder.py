@@ -11,7 +11,7 @@ reads them, and test_journal_codec.py pins both.
 
 from __future__ import annotations
 
-from itertools import compress, repeat
+from itertools import compress
 from operator import itemgetter, ne
 from typing import Any
 
@@ -223,9 +223,9 @@ class _Branch:
         if len(parts) != len(prefixes):
             return None
         ints = list(map(bytes.removesuffix, map(bytes.removeprefix, parts, prefixes), suffixes))
-        # each part its prefix, an int (digits, or - and digits), its suffix: a prefix or suffix
-        # left in would not be digits
-        return ints if all(map(bytes.isdigit, map(bytes.lstrip, ints, repeat(b"-")))) else None
+        # each part its prefix, an int, its suffix: a prefix or suffix left in is not digits, and
+        # JSON of nothing but digits and minus signs is ints
+        return ints if b"".join(ints).translate(None, b"-").isdigit() else None
 
     def next(self, value: Any) -> "_Branch | None":
         """The same field's leaves in `value`, where it has the same keys and value types."""
