@@ -156,3 +156,4 @@ def decode(data: bytes) -> Iterator[tuple[dict, int]]:
             flat["step"] = previous["step"] + 1
         previous = flat
         yield entry_of(flat), len(raw)
+
