@@ -8,9 +8,9 @@ scheduled draft tokens, per forward (real or dummy) the graph mode, batch descri
 token counts, the sampled tokens, and the drafter's proposals. Lines are buffered (this file
 is for diagnosis; the audit log, on disk per record, is the evidence a crash leaves behind):
 entries are kept as they are and rendered `BATCH` at a time, then written to the file's buffer,
-which goes to disk when full and at shutdown. One encoder call per step costs 12-15 us of
-thread CPU inside vLLM, whose own work evicts the encoder between two steps; a batch of
-entries renders with the encoder warm after its first one. For the same reason an entry holds
+which goes to disk when full and at shutdown. Rendering costs thread CPU inside vLLM, whose own
+work evicts the encoder between two steps; a batch of entries renders with it warm after its
+first one (`journal_encoder`: each entry serialised a field at a time, no JSON round trip). For the same reason an entry holds
 vLLM's scheduler output itself, and a field whose value vLLM resolves after the step (`Later`):
 both are read when the entry is rendered. On disk each entry says only what changed since the
 one before it in its segment (`journal_codec`, format 2); `read_journal` gives them back whole.
@@ -27,6 +27,7 @@ import orjson
 
 from runner_fsm.audit.segments import segment_name
 from runner_fsm.integrations.vllm.recording import journal_codec
+from runner_fsm.integrations.vllm.recording.journal_encoder import Encoder
 
 OPTIONS = orjson.OPT_SERIALIZE_NUMPY
 BATCH = 32  # entries rendered together; a process killed loses at most these (and the buffer)
@@ -76,13 +77,13 @@ def _resolved(entry: dict) -> dict:
     return out
 
 
-def _value(entry: dict) -> dict:
-    """One entry as JSON values; an entry that cannot be rendered becomes one that says so (its
-    step and the error), and the others of its batch are kept."""
+def _line(encoder: Encoder, entry: dict) -> bytes:
+    """One entry's line; an entry that cannot be rendered becomes one that says so (its step and
+    the error), and the others of its batch are kept."""
     try:
-        return orjson.loads(orjson.dumps(_resolved(entry), default=_default, option=OPTIONS))
+        return encoder.line(_resolved(entry))
     except TypeError as error:
-        return {"step": entry.get("step"), "journal_error": str(error)}
+        return encoder.line({"step": entry.get("step"), "journal_error": str(error)})
 
 
 class Journal:
@@ -108,7 +109,7 @@ class Journal:
     def _open(self) -> None:
         self._file = open(self.path, "xb")
         self._file.write(journal_codec.HEADER)
-        self._encoder = journal_codec.Encoder()  # each segment reads on its own
+        self._encoder = Encoder(_default, OPTIONS)  # each segment reads on its own
 
     def size(self) -> int:
         """Bytes of the current segment so far, those buffered included (`Companion`)."""
@@ -124,8 +125,8 @@ class Journal:
         """Render what `pending` holds into the file's buffer."""
         pending = self.pending
         if pending:
-            line = self._encoder.line
-            lines = b"".join([line(_value(entry)) for entry in pending])
+            encoder = self._encoder
+            lines = b"".join([_line(encoder, entry) for entry in pending])
             pending.clear()
             self._file.write(lines)
 
