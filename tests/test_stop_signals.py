@@ -372,3 +372,25 @@ def test_a_sigint_the_launcher_ignored_stays_ignored_and_is_no_stop(tmp_path):
     assert out.returncode == -signal.SIGTERM and out.stdout.split("\n")[:2] == ["True True", "still alive"], \
         (out.returncode, out.stdout, out.stderr)
     assert [r["signal"] for r in read_records(tmp_path / "run" / "rank-0.jsonl")] == ["SIGTERM"]
+
+
+def test_the_watch_stopped_while_it_waits_for_a_handler_reads_no_more(tmp_path):
+    """The last subscriber leaves (the main thread stops the watch) while the watch thread waits
+    out a handler's grace: the thread went on to read the pipe the stop had just forgotten and died
+    (TypeError, 11 of 20 rounds before the fix). Twenty rounds, no error in any thread."""
+    out = _child("""
+        import os, signal, sys, threading, time
+        from runner_fsm.process.signal_watch import SignalWatch
+        errors = []
+        threading.excepthook = lambda args: errors.append(repr(args.exc_value))
+        signal.signal(signal.SIGUSR1, lambda *a: None)  # a handler that never settles: the watch waits
+        for _ in range(20):
+            watch = SignalWatch()
+            subscription = watch.subscribe(signal.SIGUSR1, lambda signum: None)
+            os.kill(os.getpid(), signal.SIGUSR1)
+            time.sleep(0.005)  # inside the watch's grace for a handler
+            watch.unsubscribe(subscription)  # the last subscriber: the watch stops
+            time.sleep(0.05)
+        print("errors", len(errors), errors[:1])
+    """, tmp_path)
+    assert out.stdout.split()[:2] == ["errors", "0"], out.stdout + out.stderr

@@ -142,18 +142,17 @@ class SignalWatch:
                 with self._lock:
                     if self._pipe != (read_end, write_end):
                         return  # stopped (or forgotten after a fork)
-                    self._drain()
+                    self._drain(read_end, write_end)
         finally:
             _close(read_end, write_end)
 
-    def _drain(self) -> None:
+    def _drain(self, read_end: int, write_end: int) -> None:
         """The watch thread, under the lock: each arrival in the pipe left to its handler for
-        `_HANDLER_GRACE_S`, then acted on here if no handler claimed it."""
-        if self._pipe is None:
-            return
-        while True:
+        `_HANDLER_GRACE_S`, then acted on here if no handler claimed it. The lock is let go while
+        it waits (`_arrived`): the main thread may stop the watch meanwhile, and then it reads no more."""
+        while self._pipe == (read_end, write_end):
             try:
-                arrived = os.read(self._pipe[0], 256)
+                arrived = os.read(read_end, 256)
             except OSError:  # BlockingIOError: all read
                 return
             if not arrived:
