@@ -92,7 +92,7 @@ def test_a_node_stopped_before_its_worker_could_record_reads_sound_naming_the_st
     assert report.sound, report.format()
     note = next(n for n in report.summary.notes if n.startswith("stop requested"))
     assert note.startswith(f"stop requested: a stop signal received by vLLM's API server (pid {4242 + stopped} on host"
-                           f" {HOSTS[stopped]}), recorded there before vLLM's shutdown began, with rank(s) {stopped}"
+                           f" {HOSTS[stopped]}), recorded there before any rank was stopped, with rank(s) {stopped}"
                            " alive then"), note
     assert f"rank {1 - stopped} at step {LAST}: RuntimeError" in note and "Connection reset by peer" in note, note
 

@@ -32,8 +32,9 @@ class StopSeen:
 
 @dataclasses.dataclass(frozen=True)
 class OriginStop:
-    """A stop request recorded where it started: by vLLM's front process (`stop_origin`), in the
-    run directory, before vLLM's shutdown began; with the ranks whose process was there then."""
+    """A stop request recorded where it started: by vLLM's front process (`stop_origin`) or the
+    embedded launcher, in the run directory, before any rank was stopped; with the ranks whose
+    process was there then."""
 
     host: str | None
     pid: int

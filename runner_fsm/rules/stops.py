@@ -211,7 +211,7 @@ def _note(rule: StopRule, facts: RunFacts, ended: set[int], faulted: list[Verdic
     if rule.requests:
         first = _first(rule.requests)
         parts.append(f"{first.text()}, the first of {len(rule.requests)} stop request(s), by rank(s) {_ids(rule.own)}")
-    parts += [f"{o.text()}, recorded there before vLLM's shutdown began, with rank(s) {_ids(o.alive) or 'none'}"
+    parts += [f"{o.text()}, recorded there before any rank was stopped, with rank(s) {_ids(o.alive) or 'none'}"
               " alive then" for o in rule.origins]
     note = "stop requested: " + "; and ".join(parts)
     if ended:
