@@ -48,7 +48,7 @@ from runner_fsm.process.proc import alive, parent_of, process_start
 from runner_fsm.process.stop_requests import record_request
 from runner_fsm.process.stop_signals import StopSignals
 
-FRONT_ENV = "RUNNER_FSM_FRONT"  # "<pid>-<start>-<socket name>" of the front this process was started below
+FRONT_ENV = "RUNNER_FSM_FRONT"  # the socket name of the front this process was started below
 # vLLM 0.32's words at the start of a stop it was asked for, by logger: what the front was
 SHUTDOWN_MESSAGES = {
     "vllm.entrypoints.launchers.launcher": ("[shutdown] API server: shutdown triggered", "vLLM's API server"),
@@ -87,7 +87,7 @@ class Front:
         sock.bind("\0" + name)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         front = cls(sock, name)
-        os.environ[FRONT_ENV] = f"{os.getpid()}-{process_start(os.getpid())}-{name}"
+        os.environ[FRONT_ENV] = name
         front._hooks = {name: _ShutdownHeard(front, name) for name in SHUTDOWN_MESSAGES}
         front.hook_loggers()
         threading.Thread(target=front._listen, name="runner-fsm-front", daemon=True).start()
@@ -162,14 +162,13 @@ class _ShutdownHeard(logging.Handler):
 def tell_front(run_dir: str, run_id: str, global_rank: int) -> bool:
     """A worker's side: tell the front this process descends from where it writes (False: no front
     named here, or it could not be reached; the worker then records its stops alone, as before)."""
-    pid, _, name = (os.environ.get(FRONT_ENV, "").split("-", 2) + ["", "", ""])[:3]
+    name = os.environ.get(FRONT_ENV)
     if not name:
         return False
     said = {"run_dir": str(Path(run_dir).resolve()), "run_id": str(run_id), "global_rank": int(global_rank),
             "pid": os.getpid(), "start": process_start(os.getpid())}
     with contextlib.suppress(OSError), socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
         sock.settimeout(5.0)  # the front's thread drains the queue; a front that is gone refuses at once
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         sock.sendto(json.dumps(said).encode(), "\0" + name)
         return True
     return False
