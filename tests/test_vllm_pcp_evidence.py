@@ -55,7 +55,7 @@ class Batch:  # the fields of vLLM's InputBatch the evidence reads
     seq_lens: torch.Tensor
 
 
-class FakeManager:
+class FakeManagerBase:
     """The PCP manager's persistent buffers and the methods the evidence wraps, written the way
     vLLM writes them (torch ops, so their write counters move)."""
 
@@ -73,7 +73,7 @@ class FakeManager:
     def get_num_tokens_for_dispatch(self, num_scheduled, is_prefilling):
         return mrv2_dispatch_count(num_scheduled, is_prefilling, PCP)
 
-    def prepare_inputs_to_capture(self, batch):
+    def _stage(self, batch):
         b, n, r = self.input_buffers, batch.num_tokens_after_padding, batch.num_reqs_after_padding
         return dataclasses.replace(batch, input_ids=b.input_ids[:n].copy_(batch.input_ids),
                                    positions=b.positions[:n].copy_(batch.positions),
@@ -106,12 +106,46 @@ def dummy_batch(n: int = 2) -> Batch:
                  torch.tensor([0, n], dtype=torch.int32), torch.ones(1, dtype=torch.int32))
 
 
+class FakeManager(FakeManagerBase):
+    """vLLM 0.32's manager."""
+
+    def prepare_inputs_to_capture(self, batch):
+        return self._stage(batch)
+
+
+class FakeManager033(FakeManagerBase):
+    """vLLM 0.33's manager: the capture preparation renamed `prepare_inputs_for_capture_or_profile`,
+    and the staged padding mask expanded to the PCP-gathered rows an MoE routes (`moe_is_padding`,
+    into `_moe_is_padding`), which a real batch writes too (pcp_manager.py:92-96, 630-635 and
+    735-763 in vLLM 0.33.0)."""
+
+    def __init__(self):
+        super().__init__()
+        self._moe_is_padding = torch.ones(64 * PCP, dtype=torch.bool)
+
+    def prepare_inputs_for_capture_or_profile(self, batch):
+        staged = self._stage(batch)
+        return dataclasses.replace(staged, is_padding=self.moe_is_padding(staged.is_padding))
+
+    def moe_is_padding(self, is_padding):
+        out = self._moe_is_padding[: PCP * is_padding.shape[0]]
+        out.view(PCP, -1).copy_(is_padding)
+        return out
+
+    def real(self, tokens, step):
+        batch, slots = super().real(tokens, step)
+        n = len(tokens)  # every rank's n rows real: none padding (a real batch's gathered mask)
+        self._moe_is_padding[: PCP * n].fill_(False)
+        return batch, slots
+
+
 class Run:
     """One replica rank through steps, as the MRV2 runner calls its PCP manager."""
 
-    def __init__(self, fault: str | None = None, at_step: int = -1):
+    def __init__(self, fault: str | None = None, at_step: int = -1, manager_cls=FakeManager):
         self.step = 0
-        self.manager = FakeManager()
+        self.manager = manager_cls()
+        self.staged: list = []  # each dummy's staged batch, and its padding mask then
         self.evidence = PCPEvidence(self.manager, lambda: self.step, lambda kind: kind == fault and self.step == at_step)
         self.tracker = BufferTracker()
         self.records: list[tuple[str, int, dict]] = []
@@ -127,7 +161,10 @@ class Run:
         return count, extra
 
     def dummy_step(self, n: int = 2):
-        batch = self.manager.prepare_inputs_to_capture(dummy_batch(n))
+        stage = getattr(self.manager, "prepare_inputs_to_capture", None) or \
+            self.manager.prepare_inputs_for_capture_or_profile
+        batch = stage(dummy_batch(n))
+        self.staged.append((batch, batch.is_padding.tolist()))  # the mask as the forward reads it
         slots = self.manager.get_dummy_slot_mappings(batch.num_tokens)
         self.evidence.dummy_prepared(batch, slots)
         self._forward(dummy=True)
@@ -185,6 +222,36 @@ def test_skip_buffer_refresh_is_stale_inputs_at_its_step():
     for name in ("pcp.input_ids", "pcp.positions", "pcp.query_start_loc", "pcp.seq_lens"):
         assert name in problems[0]
     assert "pcp.slot_mapping" not in problems[0]
+
+
+def test_vllm_033s_capture_preparation_is_wrapped_under_its_name():
+    """0.33 renamed the manager's staging and expands its mask: the evidence follows it."""
+    run = _two_real_then_two_dummies(Run(manager_cls=FakeManager033))
+    assert findings(run) == {}
+    staged, mask = run.staged[-1]  # the dummy's mask, expanded to PCP x 2 rows, all padding
+    assert staged.is_padding.data_ptr() == run.manager._moe_is_padding.data_ptr()
+    assert mask == [True] * (PCP * 2)
+    assert run.evidence._capture_name == "prepare_inputs_for_capture_or_profile"
+
+
+def test_skip_buffer_refresh_on_033_reads_the_expanded_mask_the_real_batch_left():
+    run = _two_real_then_two_dummies(Run("skip-buffer-refresh", at_step=2, manager_cls=FakeManager033))
+    found = findings(run)
+    assert list(found) == [2]
+    assert "were not refreshed this step" in found[2][0][0]
+    stale, mask = run.staged[0]  # not refreshed: the real batches' "no padding", PCP x 2 rows
+    assert stale.is_padding.data_ptr() == run.manager._moe_is_padding.data_ptr() and mask == [False] * (PCP * 2)
+    assert run.staged[1][1] == [True] * (PCP * 2)  # step 3's dummy, refreshed
+
+
+def test_manager_names_follow_the_release():
+    from runner_fsm.integrations.vllm.runners.pcp_evidence import manager_names
+
+    assert "prepare_inputs_to_capture" in manager_names("0.32.0")
+    assert "prepare_inputs_for_capture_or_profile" not in manager_names("0.32.0")
+    new = manager_names("0.33.0")
+    assert {"prepare_inputs_for_capture_or_profile", "moe_is_padding", "_moe_is_padding"} <= set(new)
+    assert "prepare_inputs_to_capture" not in new
 
 
 def test_wrong_dispatch_count_is_a_dispatch_mismatch():
