@@ -277,9 +277,11 @@ class MRV2Runner(RunnerAdapter):
 
         def gated(propose, args, kwargs):
             dummy = bool(kwargs.get("dummy_run"))
-            steps = kwargs.get("num_speculative_tokens")  # 0 where every replica agreed to skip drafts (0.33)
-            steps = int(speculator.num_speculative_steps) if steps is None else steps
-            if gate(dummy, int(steps)) == 0:
+            asked = kwargs.get("num_speculative_tokens")  # 0: every replica agreed to skip drafts (0.33)
+            steps = int(speculator.num_speculative_steps) if asked is None else int(asked)
+            # vLLM's own 0 is logged as 0 and still runs (0.33's propose then writes the draft
+            # model's KV cache without sampling: skip_sample); only the gate's 0 skips the pass
+            if gate(dummy, steps) == 0 and steps > 0:
                 if dummy:
                     return None
                 return runner.req_states.draft_tokens[args[0].idx_mapping].clone()  # args[0]: the input batch
