@@ -47,3 +47,14 @@ def test_the_override_runs_it_saying_what_is_off(capsys):
     err = capsys.readouterr().err
     assert err.startswith("runner_fsm: vLLM 0.34.1 is not a release this package was checked against")
     assert "with vLLM 0.33.0's tables; turned off: draft_dp_sync" in err
+
+
+def test_the_vllm_extras_bound_is_the_releases_known():
+    """`pip install runner_fsm[vllm]` installs only a release the gate lets through."""
+    import tomllib
+    from pathlib import Path
+
+    project = tomllib.loads((Path(__file__).resolve().parent.parent / "pyproject.toml").read_text())["project"]
+    minors = sorted({tuple(int(p) for p in v.split(".")[:2]) for v in KNOWN})
+    low, high = minors[0], minors[-1]
+    assert project["optional-dependencies"]["vllm"] == [f"vllm>={low[0]}.{low[1]},<{high[0]}.{high[1] + 1}"]
