@@ -121,3 +121,14 @@ test-vllm-device: $(VLLM_STAMP) $(NATIVE)
 test-vllm-slow: $(VLLM_STAMP) $(NATIVE)
 	$(VLLM_PY) -c "import vllm" || { echo "make test-vllm-slow: vLLM cannot be imported in $(VLLM_VENV)" >&2; exit 1; }
 	$(VLLM_PY) -m pytest -q -m "vllm and slow and not device" tests
+
+# Where the tiers' time goes: each tier run with every test phase timed (tests/conftest.py), then
+# the table in tests/README.md rewritten from what ran (tests/time_table.py). A tier that fails
+# still has its times tabled; the target then fails too. TIERS=test picks fewer.
+TIMES_DIR := runs/test-times
+TIERS ?= test test-vllm test-slow test-vllm-slow
+.PHONY: test-times
+test-times: $(STAMP)
+	rm -rf $(TIMES_DIR)
+	RUNNER_FSM_TEST_TIMES=$(CURDIR)/$(TIMES_DIR) $(MAKE) -k $(TIERS); status=$$?; \
+		$(PY) tests/time_table.py $(TIMES_DIR) && exit $$status

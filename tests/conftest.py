@@ -19,6 +19,35 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # an int as inherited, no
 EXPECTED_RUNNER = "mrv2" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" else "v1"
 
 
+# `make test-times`: each test phase's duration (setup: the fixtures it is the first to need, such
+# as model builds and engine start-ups; call; teardown), one JSON line each, into a file per pytest
+# session in this directory, named after the tier (its -m expression and model runner);
+# tests/time_table.py turns them into the table in tests/README.md.
+_TIMES_DIR = os.environ.get("RUNNER_FSM_TEST_TIMES")
+_times_file = None
+
+
+def pytest_configure(config):
+    global _times_file
+    if _TIMES_DIR:
+        import re
+        from pathlib import Path
+
+        tier = (config.option.markexpr or "all") + ("+mrv2" if EXPECTED_RUNNER == "mrv2" else "")
+        name = re.sub(r"[^A-Za-z0-9+]+", "_", tier).strip("_")
+        Path(_TIMES_DIR).mkdir(parents=True, exist_ok=True)
+        _times_file = open(Path(_TIMES_DIR) / f"{name}.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - session-long
+
+
+def pytest_runtest_logreport(report):
+    if _times_file is not None:
+        import json
+
+        _times_file.write(json.dumps({"test": report.nodeid, "when": report.when, "s": round(report.duration, 3),
+                                      "outcome": report.outcome}) + "\n")
+        _times_file.flush()
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory):
     """A tiny random Mixtral target and draft (HF format), made once per test session."""

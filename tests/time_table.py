@@ -1,0 +1,83 @@
+"""Where the test tiers' time goes: the table in tests/README.md, from the phase durations that
+`make test-times` has each pytest session write (tests/conftest.py, RUNNER_FSM_TEST_TIMES).
+
+    python tests/time_table.py DIR [--readme tests/README.md]
+
+Per tier: tests run, total seconds, and how much went to setup (fixtures a test is the first to
+need: model builds, engine start-ups), to the tests' own calls and to teardown; then the files
+that cost most, and the slowest tests. The README's table sits between two marker lines and is
+replaced whole, so the numbers there are always the last run's, never typed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+from pathlib import Path
+
+BEGIN, END = "<!-- test-times: begin (make test-times writes this) -->", "<!-- test-times: end -->"
+
+
+def load(directory: Path) -> dict[str, list[dict]]:
+    tiers = {}
+    for path in sorted(directory.glob("*.jsonl")):
+        rows = []
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError:
+                print(f"{path.name}: an unreadable line skipped", file=sys.stderr)
+        tiers[path.stem] = rows
+    return tiers
+
+
+def table(tiers: dict[str, list[dict]], *, top: int = 8) -> str:
+    out = ["| tier (-m) | tests | total s | setup s | call s | teardown s |", "|---|---|---|---|---|---|"]
+    files_out, tests_out = [], []
+    for tier, rows in tiers.items():
+        phase = collections.Counter()
+        per_file, per_test = collections.Counter(), collections.Counter()
+        for row in rows:
+            phase[row["when"]] += row["s"]
+            per_file[row["test"].split("::")[0]] += row["s"]
+            per_test[row["test"]] += row["s"]
+        tests = len({row["test"] for row in rows if row["when"] == "call" or row["outcome"] != "passed"})
+        total = sum(phase.values())
+        out.append(f"| `{tier}` | {tests} | {total:.0f} | {phase['setup']:.0f} | {phase['call']:.0f} |"
+                   f" {phase['teardown']:.0f} |")
+        files_out.append(f"- `{tier}`: " + ", ".join(f"{name} {s:.0f} s" for name, s in per_file.most_common(top)))
+        tests_out.append(f"- `{tier}`: " + ", ".join(f"{name.split('/')[-1]} {s:.0f} s"
+                                                       for name, s in per_test.most_common(top)))
+    return "\n".join([*out, "", "Files that cost most (setup, call and teardown of their tests):", "", *files_out,
+                      "", "Slowest tests:", "", *tests_out])
+
+
+def write_readme(readme: Path, text: str) -> None:
+    body = readme.read_text(encoding="utf-8") if readme.exists() else ""
+    block = f"{BEGIN}\n{text}\n{END}"
+    if BEGIN in body and END in body:
+        head, _, rest = body.partition(BEGIN)
+        body = head + block + rest.partition(END)[2]
+    else:
+        body = body.rstrip("\n") + ("\n\n" if body else "") + block + "\n"
+    readme.write_text(body, encoding="utf-8")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--readme", type=Path, default=Path(__file__).resolve().parent / "README.md")
+    args = parser.parse_args(argv)
+    tiers = load(args.directory)
+    if not tiers:
+        print(f"no phase durations in {args.directory}: run the tiers with RUNNER_FSM_TEST_TIMES set", file=sys.stderr)
+        return 1
+    write_readme(args.readme, table(tiers))
+    print(f"wrote the table of {len(tiers)} tier(s) into {args.readme}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
