@@ -1,0 +1,304 @@
+"""`runner-fsm vllm-check`: every vLLM name the worker relies on, checked against a vLLM source
+tree before it is installed (docs/vllm.md, "Before upgrading vLLM").
+
+The tables are the ones the worker's start-up checks read on the imported vLLM (one table, two
+users): the schema's (`common/schema.py`: FIELDS, SYMBOLS, OVERRIDDEN, CONTRACT over
+CALLER_MODULES), the platform workers (`platform_worker.WORKERS`), each runner adapter's
+CLASSES, ATTRS, KV_ATTRS and READS, its DP hooks (`runners/hooks.DP_HOOKS`: names, methods,
+signatures, source texts), the PCP manager's names (`pcp_evidence`, `pcp_layout`: signatures
+and source digests), the draft DP sync's pinned digests, the shutdown words `stop_origin` hears,
+the device emulation's names, the CPU collectives, and every `from vllm... import` statement of
+this package. Here they are read from the tree's source (`common/source_index`), never imported.
+
+What only the start-up checks see: an attribute path of ATTRS/KV_ATTRS beyond its first name
+(`input_buffers.input_ids`: the first name is looked for on the runner class, as a `self.X`
+assignment, a method or a property, inherited ones included; what it holds is known once vLLM
+built it), names read on the runner's other parts (drafter), and anything vLLM makes at run time.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+from typing import Any, Iterable
+
+from runner_fsm.integrations.vllm.common.source_index import Found, SourceTree, parameters
+from runner_fsm.integrations.vllm.common.source_signature import signature_text
+
+PACKAGE = Path(__file__).resolve().parent
+GROUPS = ("common", "worker", "v1", "mrv2", "ascend-mrv2", "emulation")
+# Which group checks the imports of a module of this package (by its path below PACKAGE).
+_IMPORT_GROUPS = (("runners/v1", "v1"), ("runners/ascend", "ascend-mrv2"), ("runners/", "mrv2"),
+                  ("emulation/", "emulation"))
+
+
+@dataclasses.dataclass(frozen=True)
+class Check:
+    """One vLLM name: its group, what it is and who expects it, and what moved (None: it holds)."""
+
+    group: str
+    name: str
+    by: str
+    moved: str | None = None
+
+
+class Checker:
+    """The checks of one tree, collected by group."""
+
+    def __init__(self, tree: SourceTree):
+        self.tree = tree
+        self.checks: list[Check] = []
+        self.notes: dict[str, list[str]] = {}
+        self.tables = tree.version  # the release whose tables were read
+        self.unknown = False  # the tree's release is not one this package was checked against
+
+    def add(self, group: str, name: str, by: str, moved: str | None = None) -> None:
+        self.checks.append(Check(group, name, by, moved))
+
+    def name(self, group: str, path: str, by: str) -> Found | None:
+        """`path` must name something; returns what it names."""
+        found = self.tree.resolve(path)
+        self.add(group, path, by, None if found is not None else f"{path} is missing (expected by {by})")
+        return found
+
+    def members(self, group: str, cls_path: str, names: Iterable[str], by: str) -> None:
+        cls = self.tree.resolve(cls_path)
+        if cls is None or cls.kind != "class":
+            self.add(group, cls_path, by, f"{cls_path} is missing (expected by {by})")
+            return
+        for member in dict.fromkeys(names):
+            found = self.tree.class_member(cls, member)
+            self.add(group, f"{cls_path}.{member}", by,
+                     None if found is not None else f"{cls_path}.{member} is missing (expected by {by})")
+
+    def digest(self, group: str, path: str, pinned: str, by: str) -> Found | None:
+        found = self.tree.resolve(path)
+        if found is None or found.node is None:
+            self.add(group, path, by, f"{path} is missing (expected by {by})")
+            return None
+        have = self.tree.digest(found)
+        self.add(group, path, by, None if have == pinned else
+                 f"{path}: source digest {have}, pinned {pinned} (expected by {by})")
+        return found
+
+
+def check_tree(tree: SourceTree) -> Checker:
+    """Every table's names against `tree`."""
+    versions = _versions()
+    release = versions.release(tree.version)
+    checker = Checker(tree)
+    checker.tables = versions.pick({v: v for v in versions.KNOWN}, tree.version)
+    checker.unknown = not versions.known(tree.version)
+    _common(checker, release)
+    _worker(checker)
+    _adapters(checker, release)
+    _mrv2(checker, release)
+    _emulation(checker)
+    _imports(checker)
+    return checker
+
+
+def _common(checker: Checker, release: str) -> None:
+    from runner_fsm.integrations.vllm import platform_worker, stop_origin
+    from runner_fsm.integrations.vllm.common import schema
+    from runner_fsm.integrations.vllm.cpu import collectives
+
+    tree = checker.tree
+    for path, fields in schema.FIELDS.items():
+        cls = checker.name("common", path, "the worker's schema (FIELDS)")
+        if cls is not None and cls.kind == "class":
+            have = tree.fields(cls)
+            for field in fields:
+                checker.add("common", f"{path}.{field}", "FIELDS",
+                            None if field in have else f"{path}.{field} is missing (expected by the worker's schema: FIELDS)")
+    for path in schema.SYMBOLS:
+        checker.name("common", path, "the worker's schema (SYMBOLS)")
+    for logger, (words, front) in stop_origin.SHUTDOWN_MESSAGES.items():
+        module = tree.module(logger)
+        by = f"stop_origin, which hears {front} stop"
+        if module is None:
+            checker.add("common", logger, by, f"{logger} is missing (expected by {by})")
+        else:
+            checker.add("common", f"{logger}: {words!r}", by, None if words in module.text else
+                        f"{logger} no longer logs {words!r} (expected by {by})")
+    for device, paths in platform_worker.WORKERS.items():
+        for path in paths:
+            if path.startswith("vllm."):
+                checker.name("common", path, f"the {device} platform worker (platform_worker.WORKERS)")
+    for cls_path in (collectives.BASE, collectives.COMMUNICATOR):
+        checker.members("common", cls_path, collectives.EXCHANGES, "the CPU collectives (cpu/collectives.py)")
+
+
+def _worker(checker: Checker) -> None:
+    from runner_fsm.integrations.vllm import platform_worker
+    from runner_fsm.integrations.vllm.common import schema
+
+    for device, paths in platform_worker.WORKERS.items():
+        for path in paths:
+            if path.startswith("vllm."):
+                checker.members("worker", path, schema.OVERRIDDEN, f"FSMWorker, which overrides it on {device}")
+    texts = []
+    for module_name in schema.CALLER_MODULES:
+        module = checker.tree.module(module_name)
+        if module is None:
+            checker.add("worker", module_name, "CALLER_MODULES",
+                        f"{module_name} is missing (where vLLM calls worker methods: CALLER_MODULES)")
+        else:
+            texts.append(module.text)
+    called = schema.called_names(texts)
+    for method in schema.CONTRACT:
+        checker.add("worker", f"worker.{method}", "CONTRACT", None if method in called else
+                    f"vLLM no longer calls worker method {method!r} (looked for in {', '.join(schema.CALLER_MODULES)};"
+                    " expected by FSMWorker's CONTRACT)")
+
+
+def dp_hooks_for(adapter_name: str, release: str) -> Any:
+    from runner_fsm.integrations.vllm.runners.hooks import DP_HOOKS
+
+    return _for_release(DP_HOOKS[adapter_name], release, _versions())
+
+
+def _versions() -> Any:
+    """`common/versions` (the releases checked, `pick`); until it lands, the one release written against."""
+    try:
+        from runner_fsm.integrations.vllm.common import versions
+    except ImportError:
+        import re
+        import types
+
+        from runner_fsm.integrations.vllm.common.schema import WRITTEN_AGAINST
+
+        def release(version: str) -> str:
+            match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
+            return version if match is None else f"{match[1]}.{match[2]}.{match[3] or 0}"
+        return types.SimpleNamespace(KNOWN=(WRITTEN_AGAINST,), release=release,
+                                     known=lambda v: release(v) == WRITTEN_AGAINST,
+                                     pick=lambda tables, v: tables[WRITTEN_AGAINST])
+    return versions
+
+
+def _for_release(table: Any, release: str, versions: Any) -> Any:
+    """A per-release table (`{release: table}`, `common/versions.py`) picked for `release`."""
+    if isinstance(table, dict) and table and all(isinstance(k, str) and k[:1].isdigit() for k in table):
+        return versions.pick(table, release)
+    return table
+
+
+def _adapters(checker: Checker, release: str) -> None:
+    from runner_fsm.integrations.vllm.runners import ADAPTERS
+
+    for adapter in ADAPTERS:
+        group = adapter.name
+        for cls_path in adapter.CLASSES:
+            if not cls_path.startswith("vllm."):
+                checker.notes.setdefault(group, []).append(
+                    f"{cls_path} is vLLM-Ascend's (tests/test_vllm_ascend_source.py): not in a vLLM tree")
+                continue
+            first = [path.split(".")[0].partition("[")[0] for path in adapter.ATTRS + adapter.KV_ATTRS]
+            checker.members(group, cls_path, first, f"the {group} runner adapter (ATTRS, KV_ATTRS)")
+            checker.members(group, cls_path, adapter.READS.get("runner", ()), f"the {group} runner adapter (READS)")
+        _dp_hooks(checker, group, dp_hooks_for(group, release))
+
+
+def _dp_hooks(checker: Checker, group: str, hooks: Any) -> None:
+    by = f"the {group} runner's DP hooks"
+    for module, names in hooks.names.items():
+        if checker.tree.module(module) is None:
+            checker.add(group, module, by, f"{module} is missing (expected by {by})")
+            continue
+        for name in names:
+            checker.name(group, f"{module}.{name}", by)
+    for cls_path, methods in hooks.methods.items():
+        checker.members(group, cls_path, methods, by)
+    for path, params in hooks.signatures.items():
+        found = checker.tree.resolve(path)
+        if found is None or found.kind != "function":
+            checker.add(group, path, by, f"{path} is missing (expected by {by})")
+            continue
+        have = parameters(found)
+        checker.add(group, path, by, None if have == tuple(params) else
+                    f"{path} takes ({', '.join(have)}), expected ({', '.join(params)}) by {by}")
+    for module, function, text in hooks.sources:
+        found = checker.tree.resolve(f"{module}.{function}")
+        if found is None or found.node is None:
+            checker.add(group, f"{module}.{function}", by, f"{module}.{function} is missing (expected by {by})")
+            continue
+        checker.add(group, f"{module}.{function}: {text}", by, None if text in checker.tree.source(found) else
+                    f"{module}.{function} no longer calls {text!r} (expected by {by})")
+
+
+def _mrv2(checker: Checker, release: str) -> None:
+    """The PCP manager's names, the fast layout's pins and the draft DP sync's pins (MRV2 only)."""
+    from runner_fsm.integrations.vllm.runners import draft_dp_sync, pcp_evidence, pcp_layout
+    from runner_fsm.integrations.vllm.runners.mrv2 import MRV2Runner
+
+    versions = _versions()
+    tree, manager = checker.tree, f"{pcp_layout.MODULE}.PCPManager"
+    evidence_names = _for_release(pcp_evidence.MANAGER_NAMES, release, versions)
+    checker.members("mrv2", manager, [path.split(".")[0] for path in evidence_names],
+                    "the MRV2 PCP evidence (pcp_evidence.MANAGER_NAMES)")
+    checker.members("mrv2", manager, pcp_layout.INSTANCE_ATTRS, "fast_pcp_layout (pcp_layout.INSTANCE_ATTRS)")
+    by = "fast_pcp_layout (pcp_layout.PINNED)"
+    for method, (signature, pinned) in _for_release(pcp_layout.PINNED, release, versions).items():
+        found = checker.digest("mrv2", f"{manager}.{method}", pinned, by)
+        if found is not None and found.kind == "function":
+            have = signature_text(tree, found)
+            checker.add("mrv2", f"{manager}.{method}{signature}", by, None if have == signature else
+                        f"{manager}.{method} takes {have}, pinned {signature} (expected by {by})")
+    segment = checker.digest("mrv2", f"{pcp_layout.MODULE}.RankSegment", pcp_layout.SEGMENT_DIGEST,
+                             "fast_pcp_layout (pcp_layout.SEGMENT_DIGEST)")
+    if segment is not None and segment.kind == "class":
+        fields = tuple(n.target.id for n in segment.node.body if isinstance(n, ast.AnnAssign))
+        checker.add("mrv2", "RankSegment fields", "pcp_layout.SEGMENT_FIELDS",
+                    None if fields == tuple(pcp_layout.SEGMENT_FIELDS) else
+                    f"RankSegment fields {fields}, pinned {tuple(pcp_layout.SEGMENT_FIELDS)} (fast_pcp_layout)")
+    for (module, qualname), pinned in _for_release(draft_dp_sync.PINNED, release, versions).items():
+        checker.digest("mrv2", f"{module}.{qualname}", pinned, "draft_dp_sync (PINNED)")
+    checker.members("mrv2", draft_dp_sync.SPECULATOR, MRV2Runner.READS.get("speculator", ()),
+                    "the mrv2 runner adapter (READS, speculator)")
+    for path in MRV2Runner.SYNC_FREE_SPECULATORS:
+        checker.name("mrv2", path, "the mrv2 runner adapter (SYNC_FREE_SPECULATORS)")
+
+
+def _emulation(checker: Checker) -> None:
+    from runner_fsm.integrations.vllm.emulation import graphs
+
+    for path in graphs.NAMES:
+        checker.name("emulation", path, "the device emulation (emulation/graphs.NAMES)")
+
+
+def _imports(checker: Checker) -> None:
+    """Every `from vllm... import name` and `import vllm...` of this package's modules."""
+    for path in sorted(PACKAGE.rglob("*.py")):
+        rel = path.relative_to(PACKAGE).as_posix()
+        group = next((g for prefix, g in _IMPORT_GROUPS if rel.startswith(prefix)), "common")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            targets = []
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "").split(".")[0] == "vllm":
+                targets = [f"{node.module}.{alias.name}" for alias in node.names]
+            elif isinstance(node, ast.Import):
+                targets = [alias.name for alias in node.names if alias.name.split(".")[0] == "vllm"]
+            for target in targets:
+                checker.name(group, target, f"runner_fsm/integrations/vllm/{rel}:{node.lineno}")
+
+
+def report(checker: Checker) -> tuple[list[str], int]:
+    """One line per group that holds (`[ok] mrv2: 41 names hold`), one per name that moved
+    (`[moved] mrv2: ...`); the exit status: 0 when every name holds, else 1."""
+    tree = checker.tree
+    lines = [f"vLLM {tree.version} source at {tree.root}: checked against the tables of vLLM {checker.tables}"]
+    if checker.unknown:
+        lines.append(f"[unknown] vLLM {tree.version} is not a release this package was checked against;"
+                     f" the tables of the nearest one, {checker.tables}, were read")
+    for group in GROUPS:
+        checks = [c for c in checker.checks if c.group == group]
+        moved = list(dict.fromkeys(c.moved for c in checks if c.moved))
+        notes = "".join(f" ({note})" for note in checker.notes.get(group, []))
+        if not moved:
+            lines.append(f"[ok] {group}: {len(checks)} names hold{notes}")
+        else:
+            lines += [f"[moved] {group}: {text}" for text in moved]
+            held = sum(1 for c in checks if not c.moved)
+            lines.append(f"[moved] {group}: {held} of {len(checks)} names hold, {len(checks) - held} moved{notes}")
+    return lines, 1 if checker.unknown or any(c.moved for c in checker.checks) else 0
