@@ -238,11 +238,16 @@ def test_not_installed_where_the_layout_is_not_the_pinned_one(monkeypatch):
     assert "PCPManager._iter_rank_chunks(self, rank, num_scheduled_tokens, is_prefilling, extra=0)" in description["reason"]
     assert "_runner_fsm" not in str(mgr.__dict__)
 
-    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    monkeypatch.setattr(vllm, "__version__", "0.34.0")
     other = manager(2, 1)
     description = pcp_layout.install_fast_pcp_layout(other)
-    assert description["installed"] is False and description["reason"] == "vLLM 0.33.0, pinned 0.32.0"
+    assert description["installed"] is False
+    assert description["reason"] == "vLLM 0.34.0: no pins for this release (pinned: 0.32.0, 0.33.0)"
     assert "runner_fsm" not in other._build_batch_layout.__func__.__module__
+
+    # 0.33.0's pinned bodies are 0.32.0's, byte for byte: the layout stays on there
+    monkeypatch.setattr(vllm, "__version__", "0.33.0")
+    assert pcp_layout.install_fast_pcp_layout(manager(2, 1))["installed"] is True
 
 
 def test_not_installed_where_rank_segment_is_not_the_pinned_one(monkeypatch):

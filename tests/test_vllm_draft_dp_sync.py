@@ -37,7 +37,7 @@ def test_installed_the_speculator_takes_its_own_dp_syncs():
     spec, calls = _speculator()
     done = draft_dp_sync.install(spec, dp_size=2, pcp_size=2, version=vllm.__version__)
     assert done["installed"] is True and "dp_sync_state=None" in done["action"], done
-    assert set(done["pinned"]) == {name for _, name in draft_dp_sync.PINNED}
+    assert set(done["pinned"]) == {name for _, name in draft_dp_sync.PINNED["0.32.0"]}
     target_state = object()
     # as vLLM's two callers pass it: by keyword (sample_tokens, _dummy_run) ...
     assert spec.propose("batch", dp_sync_state=target_state, dummy_run=True) == "drafted"
@@ -64,10 +64,23 @@ def test_left_to_vllm_where_its_reuse_is_sound(dp_size, pcp_size):
     assert calls == [((), {"dp_sync_state": "target's"})]
 
 
-def test_left_to_vllm_for_another_vllm_or_speculator():
+def test_left_to_vllm_for_another_vllm_or_speculator(monkeypatch, capsys):
     spec, _ = _speculator()
+    other = draft_dp_sync.install(spec, dp_size=2, pcp_size=2, version="0.34.0")
+    assert other["installed"] is False
+    assert "vLLM 0.34.0: no pins for this release (pinned: 0.32.0, 0.33.0)" in other["reason"]
+    # 0.33.0's pins are its own source's: the installed 0.32 source does not match them
     other = draft_dp_sync.install(spec, dp_size=2, pcp_size=2, version="0.33.0")
-    assert other["installed"] is False and "vLLM 0.33.0, pinned 0.32.0" in other["reason"]
+    assert "TargetDependentARSpeculator.propose: source digest 55c66c96992f7eca, pinned 7e919b6a89f0ae05" \
+        in other["reason"]
+    # Pins that hold on a release the reproduction never ran on: off, said on stderr
+    monkeypatch.setitem(draft_dp_sync.PINNED, "0.33.0", draft_dp_sync.PINNED["0.32.0"])
+    monkeypatch.setattr(draft_dp_sync, "_warned", set())
+    capsys.readouterr()
+    unverified = draft_dp_sync.install(spec, dp_size=2, pcp_size=2, version="0.33.0")
+    assert unverified["installed"] is False and "has not run on it (verified: 0.32.0)" in unverified["reason"]
+    assert "runner_fsm: draft_dp_sync is off: vLLM 0.33.0 matches its pins" in capsys.readouterr().err
+    assert not getattr(spec, "_runner_fsm_draft_dp_sync", False)
     overriding, _ = _speculator(propose=lambda self, *a, **k: None)
     assert "overrides propose" in draft_dp_sync.install(overriding, dp_size=2, pcp_size=2, version="0.32.0")["reason"]
     assert "is not a TargetDependentARSpeculator" in draft_dp_sync.install(

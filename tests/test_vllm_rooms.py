@@ -105,11 +105,12 @@ def adapter_tables() -> set[str]:
             names.update(part.partition("[")[0] for part in path.split("."))
         for listed in adapter.READS.values():
             names.update(listed)
-    for path in evidence.MANAGER_NAMES + layout.MANAGER_NAMES:
+    for path in (*evidence.manager_names("0.32.0"), *evidence.manager_names("0.33.0"), *layout.MANAGER_NAMES):
         names.update(path.split("."))
-    for hooks in DP_HOOKS.values():
-        for listed in (*hooks.names.values(), *hooks.methods.values()):
-            names.update(listed)
+    for by_release in DP_HOOKS.values():
+        for hooks in by_release.values():
+            for listed in (*hooks.names.values(), *hooks.methods.values()):
+                names.update(listed)
     return names
 
 

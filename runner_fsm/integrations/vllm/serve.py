@@ -11,16 +11,24 @@ top-level parser (`python -m runner_fsm.integrations.vllm.serve --help` lists ev
 
 from __future__ import annotations
 
+import importlib
 import sys
+
+from runner_fsm.integrations.vllm.common import versions
+from runner_fsm.integrations.vllm.common.schema import installed_version
+
+# Where `vllm`'s own CLI finds the set-up it runs first, by release (0.33 moved it).
+CLI_ENV_SETUP = {"0.32.0": "vllm.entrypoints.serve.utils.api_utils",
+                 "0.33.0": "vllm.entrypoints.common.startup"}
 
 
 def main(argv: list[str] | None = None) -> None:
     # vLLM's CLI modules must be imported lazily (vllm/entrypoints/cli/main.py says why).
     from vllm.entrypoints.cli.serve import ServeSubcommand
-    from vllm.entrypoints.serve.utils.api_utils import cli_env_setup
     from vllm.logger import configure_logging_from_args
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    cli_env_setup = importlib.import_module(versions.pick(CLI_ENV_SETUP, installed_version())).cli_env_setup
     cli_env_setup()  # what `vllm` does first: the multiprocessing start method vLLM needs
     parser = FlexibleArgumentParser(prog="python -m runner_fsm.integrations.vllm.serve",
                                     description="vLLM's `vllm serve`")

@@ -52,6 +52,8 @@ def job_record(worker: Any, hosts: dict[str, list[int]], front: bool = False) ->
     describe = getattr(worker, "describe_emulation", None)  # the device emulation's worker (`emulation/worker.py`)
     if describe is not None:
         changed["device_emulation"] = describe()
+    if getattr(worker, "vllm_gate", None):  # a release never checked, run under the override
+        changed["vllm_unchecked"] = worker.vllm_gate
     if front:  # a SIGTERM this rank records is then a request only where its front recorded one (`rules.stops`)
         changed["stop_front"] = True
     if worker.fsm_options.inject:  # what the run is meant to test (replay: `injection_not_fired`)

@@ -49,7 +49,8 @@ from runner_fsm.process.stop_requests import record_request
 from runner_fsm.process.stop_signals import StopSignals
 
 FRONT_ENV = "RUNNER_FSM_FRONT"  # the socket name of the front this process was started below
-# vLLM 0.32's words at the start of a stop it was asked for, by logger: what the front was
+# vLLM's words at the start of a stop it was asked for, by logger: what the front was (the same
+# in 0.32.0 and 0.33.0: `runner-fsm vllm-check` reads each in the logger's module)
 SHUTDOWN_MESSAGES = {
     "vllm.entrypoints.launchers.launcher": ("[shutdown] API server: shutdown triggered", "vLLM's API server"),
     "vllm.entrypoints.cli.serve": ("Waiting up to %d seconds for processes to exit",

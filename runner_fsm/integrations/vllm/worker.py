@@ -5,7 +5,7 @@ of its calls to the worker becomes transitions of the replica (DESIGN section 10
 
 | vLLM call                         | around vLLM's own work                                    |
 |-----------------------------------|-----------------------------------------------------------|
-| `__init__`                        | schema check against the installed vLLM                   |
+| `__init__`                        | version gate, schema check against the installed vLLM     |
 | `init_device`                     | audit log + journal opened; `install_extensions()`        |
 | `load_model`                      | runner schema check; forward pre-hook on `runner.model`   |
 | `determine_available_memory`      | `capture` (warm-up and profiling run in `capturing`)      |
@@ -42,7 +42,7 @@ from typing import Any, Iterator
 from runner_fsm.audit import AuditLog
 from runner_fsm.audit.segments import flight_entries
 from runner_fsm.integrations.vllm import startup, stop_origin
-from runner_fsm.integrations.vllm.common import schema
+from runner_fsm.integrations.vllm.common import schema, versions
 from runner_fsm.integrations.vllm.cpu import rope as cpu_rope
 from runner_fsm.integrations.vllm.dp.support import DPSupport
 from runner_fsm.integrations.vllm.engine_stops import WorkerStops
@@ -76,6 +76,7 @@ class FSMWorkerMixin:
 
     def __init__(self, vllm_config, local_rank: int, rank: int, distributed_init_method: str,
                  is_driver_worker: bool = False, **kwargs: Any):
+        self.vllm_gate = versions.gate(schema.installed_version())  # an unchecked release stops here
         schema.check_schema(type(self))
         super().__init__(vllm_config, local_rank, rank, distributed_init_method,
                          is_driver_worker=is_driver_worker, **kwargs)
@@ -321,8 +322,7 @@ class FSMWorkerMixin:
     def shutdown(self) -> None:
         rec = self.recorder
         if rec is not None and not rec.audit.closed:
-            # First: vLLM may kill this process at any moment from here (its executor's
-            # shutdown force-kills workers it finds still running).
+            # First: vLLM may kill this process from here on (its executor kills workers still running)
             rec.audit.stop(rec.step_id, "shutdown", detail="vLLM shut the worker down")
         if self.stops is not None:
             self.stops.restore()

@@ -20,7 +20,7 @@ from typing import Any, Callable, Iterable
 
 from runner_fsm.integrations.vllm.common.errors import VLLMSchemaError
 
-WRITTEN_AGAINST = "0.32.0"
+WRITTEN_AGAINST = "0.32.0"  # the release the device emulation (`emulation/`) was written for
 
 FIELDS: dict[str, tuple[str, ...]] = {
     "vllm.v1.core.sched.output.SchedulerOutput": (
@@ -110,7 +110,9 @@ def find_problems(worker_cls: type, *, lookup: Callable[[str], Any] = resolve,
 
 def _raise(what: str, problems: list[str]) -> None:
     if problems:
-        raise VLLMSchemaError(f"{what} was written against vLLM {WRITTEN_AGAINST}; the installed vLLM"
+        from runner_fsm.integrations.vllm.common.versions import KNOWN
+
+        raise VLLMSchemaError(f"{what} was checked against vLLM {', '.join(KNOWN)}; the installed vLLM"
                               f" {installed_version()} does not match it: " + "; ".join(problems))
 
 

@@ -109,6 +109,10 @@ class AgreementTap:
         self.joined_target = NO_STEP  # the last step whose TARGET agreement this replica entered
         self.last_phase: int | None = None  # the last phase of a step, when the drafter's K is known
         self._status = dp.STATUS_OK
+        # The collective that carries the rows, `(tensor, group) -> None`, in place; None: a SUM
+        # `torch.distributed.all_reduce` (the runner's sync makes that one; MRV2 on vLLM 0.33 sets
+        # vLLM's own `cpu_all_reduce_`, which its sync makes: `runners/mrv2_dp.install`).
+        self.all_reduce: Callable | None = None
 
     def begin_step(self, step_id: int, *, dummy: bool) -> None:
         self.step_id, self.kind, self.draft_syncs = step_id, KIND_DUMMY if dummy else KIND_REAL, 0
@@ -170,7 +174,10 @@ class AgreementTap:
         if rows.kind == KIND_DUMMY:
             more["kind"] = KIND_NAMES[KIND_DUMMY]
         self._record(logged, rows, "enqueue", [[n + len(AGREEMENT_ROWS), self.dp_size]], sent=sent, **more)
-        dist.all_reduce(carried, group=group)
+        if self.all_reduce is None:
+            dist.all_reduce(carried, group=group)
+        else:
+            self.all_reduce(carried, group)
         gathered = carried.cpu().tolist()
         vllm_rows = gathered[:n]
         agreed = check_columns(gathered[n:], vllm_rows[num_tokens_row], vllm_rows[graph_row],

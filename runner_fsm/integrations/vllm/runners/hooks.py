@@ -2,10 +2,12 @@
 
 V1 (`v1_dp`) replaces the module global `vllm.v1.worker.dp_utils._run_ar` and tags the runner's
 and the drafter's `_determine_batch_execution_and_padding`; Model Runner V2 (`mrv2_dp`) replaces
-MRV2 dp_utils' `dist`, whose `all_reduce` `sync_cudagraph_and_dp_padding` calls inline; faults
-wrap the runner's and the drafter's dummy runs. None of these is public API, so before anything is
-patched each is checked against the installed vLLM, by name, signature and (for the inline
-collectives) source: only the tables of the adapter in use (`DP_HOOKS[adapter.name]`).
+the global through which MRV2 dp_utils' `sync_cudagraph_and_dp_padding` makes its collective
+inline (0.32: `dist`, for `dist.all_reduce`; 0.33: `get_dp_group`, for its `cpu_all_reduce_`);
+faults wrap the runner's and the drafter's dummy runs. None of these is public API, so before
+anything is patched each is checked against the installed vLLM, by name, signature and (for the
+inline collectives) source: only the tables of the adapter in use, for the installed release
+(`DP_HOOKS[adapter.name]`, one table per release: `common/versions.pick`).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import importlib
 import inspect
 
 from runner_fsm.integrations.vllm.common.errors import VLLMSchemaError
-from runner_fsm.integrations.vllm.common.schema import WRITTEN_AGAINST, installed_version
+from runner_fsm.integrations.vllm.common import versions
+from runner_fsm.integrations.vllm.common.schema import installed_version
 from runner_fsm.integrations.vllm.runners.v1_dp import RUN_AR_PARAMS
 
 
@@ -43,13 +46,29 @@ V1 = DPHooks(
     sources=(("vllm.v1.worker.dp_utils", "_synchronize_dp_ranks", "_run_ar("),),
     signatures={"vllm.v1.worker.dp_utils._run_ar": RUN_AR_PARAMS},
 )
-MRV2 = DPHooks(
-    names={"vllm.v1.worker.gpu.dp_utils": ("dist", "sync_cudagraph_and_dp_padding"),
-           "vllm.v1.worker.gpu.model_runner": ("GPUModelRunner",)},
-    methods={"vllm.v1.worker.gpu.model_runner.GPUModelRunner": ("prepare_attn", "prepare_dummy_attn", "_dummy_run")},
+_MRV2_RUNNER = {"vllm.v1.worker.gpu.model_runner": ("GPUModelRunner",)}
+_MRV2_METHODS = {"vllm.v1.worker.gpu.model_runner.GPUModelRunner": ("prepare_attn", "prepare_dummy_attn", "_dummy_run")}
+MRV2 = DPHooks(  # vLLM 0.32: `dist.all_reduce(tensor, group=group)` on a [6, dp] tensor
+    names={"vllm.v1.worker.gpu.dp_utils": ("dist", "sync_cudagraph_and_dp_padding"), **_MRV2_RUNNER},
+    methods=_MRV2_METHODS,
     sources=(("vllm.v1.worker.gpu.dp_utils", "sync_cudagraph_and_dp_padding", "dist.all_reduce(tensor"),),
 )
-DP_HOOKS = {"v1": V1, "mrv2": MRV2, "ascend-mrv2": MRV2}
+MRV2_0_33 = DPHooks(  # vLLM 0.33: `get_dp_group().cpu_all_reduce_(tensor)` on a [7, dp] tensor
+    names={"vllm.v1.worker.gpu.dp_utils": ("get_dp_group", "sync_cudagraph_and_dp_padding"), **_MRV2_RUNNER},
+    methods={**_MRV2_METHODS, "vllm.distributed.parallel_state.GroupCoordinator": ("cpu_all_reduce_",)},
+    sources=(("vllm.v1.worker.gpu.dp_utils", "sync_cudagraph_and_dp_padding", "get_dp_group().cpu_all_reduce_(tensor)"),),
+)
+# adapter -> release -> its hooks' table (`versions.pick` chooses by the installed release)
+DP_HOOKS: dict[str, dict[str, DPHooks]] = {
+    "v1": {"0.32.0": V1},
+    "mrv2": {"0.32.0": MRV2, "0.33.0": MRV2_0_33},
+    "ascend-mrv2": {"0.32.0": MRV2, "0.33.0": MRV2_0_33},
+}
+
+
+def hooks_for(adapter_name: str, version: str | None = None) -> DPHooks:
+    """The DP hooks' table of `adapter_name` for `version` (default: the installed vLLM)."""
+    return versions.pick(DP_HOOKS[adapter_name], installed_version() if version is None else version)
 
 
 def _resolve(path: str):
@@ -93,8 +112,9 @@ def find_problems(hooks: DPHooks) -> list[str]:
 
 def check_dp_hooks(adapter_name: str) -> None:
     """Raise `VLLMSchemaError` naming every problem of the DP hooks of the adapter `adapter_name`."""
-    problems = find_problems(DP_HOOKS[adapter_name])
+    version = installed_version()
+    problems = find_problems(hooks_for(adapter_name, version))
     if problems:
-        raise VLLMSchemaError(f"the DP support of FSMWorker ({adapter_name} runner) was written against vLLM"
-                              f" {WRITTEN_AGAINST}; the installed vLLM {installed_version()} does not match it: "
-                              + "; ".join(problems))
+        raise VLLMSchemaError(f"the DP support of FSMWorker ({adapter_name} runner) was checked against vLLM"
+                              f" {', '.join(versions.KNOWN)}; the installed vLLM {version} does not match"
+                              f" {versions.release(version)}'s table: " + "; ".join(problems))

@@ -42,7 +42,7 @@ class MRV2Runner(RunnerAdapter):
                 "cudagraph_manager.run_fullgraph", "cudagraph_manager.graphs", "cudagraph_manager.dispatch")
     READS = {"runner": ("parallel_config", "pcp_manager_cls"),
              "speculator": ("propose", "num_speculative_steps", "model")}
-    DP_ROWS = len(mrv2_dp.MRV2_ROWS)
+    DP_ROWS = len(mrv2_dp.MRV2_ROWS)  # vLLM 0.32's; the installed release's from `__init__` on
     GRAPH_MANAGER = True
     # Speculators whose forwards join no DP sync (they reuse the target's agreement).
     SYNC_FREE_SPECULATORS = ("vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator.StandaloneARSpeculator",)
@@ -58,6 +58,7 @@ class MRV2Runner(RunnerAdapter):
         self._pcp_fault: Callable[[str], bool] | None = None
         self._demote: Callable[[], bool] | None = None  # demote-graph-mode (`install_faults`)
         self._fast_pcp_layout = False  # install it on the PCP manager once that exists (`attach_kv`)
+        self.DP_ROWS = len(mrv2_dp.sync_shape().rows)  # the rows of the installed release's DP sync
 
     def attach(self, step_of: Callable[[], int] | None = None, inputs: bool = True) -> None:
         """Observe each forward's inputs; `step_of()` names the worker's current step."""
@@ -70,17 +71,17 @@ class MRV2Runner(RunnerAdapter):
 
     def problems(self, *, kv_cache: bool = False) -> list[str]:
         """With `kv_cache`, also every name the PCP evidence reads on the PCP manager, where the
-        runner built one (PCP > 1): `pcp.evidence.MANAGER_NAMES`."""
+        runner built one (PCP > 1): `pcp_evidence.manager_names()`, the installed release's."""
         problems = super().problems(kv_cache=kv_cache)
         manager = getattr(self.runner, "pcp_manager", None) if kv_cache else None
         if manager is not None:
-            from runner_fsm.integrations.vllm.runners.pcp_evidence import MANAGER_NAMES
+            from runner_fsm.integrations.vllm.runners.pcp_evidence import manager_names
 
             # Looked up without running a property (`input_buffers` asserts until its buffers
             # exist): the first name of each path, on the instance or its class.
             missing = object()
             problems += [f"{type(manager).__qualname__}.{name} is missing ({self.name} runner's PCP manager)"
-                         for name in dict.fromkeys(path.split(".")[0] for path in MANAGER_NAMES)
+                         for name in dict.fromkeys(path.split(".")[0] for path in manager_names())
                          if inspect.getattr_static(manager, name, missing) is missing]
         return problems
 
@@ -276,7 +277,8 @@ class MRV2Runner(RunnerAdapter):
 
         def gated(propose, args, kwargs):
             dummy = bool(kwargs.get("dummy_run"))
-            steps = kwargs.get("num_speculative_tokens") or int(speculator.num_speculative_steps)
+            steps = kwargs.get("num_speculative_tokens")  # 0 where every replica agreed to skip drafts (0.33)
+            steps = int(speculator.num_speculative_steps) if steps is None else steps
             if gate(dummy, int(steps)) == 0:
                 if dummy:
                     return None

@@ -37,17 +37,31 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from runner_fsm.integrations.vllm.common import schema, versions
 from runner_fsm.integrations.vllm.runners.base import wrap_method
 from runner_fsm.rules.checks import dispatch_inputs
 
 PAD_SLOT_ID = -1  # vllm.v1.attention.backends.utils.PAD_SLOT_ID: a token whose KV is not written
 CHUNKING = "mrv2"  # runner_fsm.pcp.plan's policy that is MRV2's partition
 BUFFERS = ("input_ids", "positions", "query_start_loc", "seq_lens")
-# Every name read from the PCP manager (vLLM's `PCPManager`, vLLM-Ascend's `AscendPCPManager`):
-# tests/test_vllm_ascend_source.py resolves each on the manager vLLM-Ascend's runner builds.
-MANAGER_NAMES = ("pcp_world_size", "shard_decode_requests", "get_num_tokens_for_dispatch", "prepare_inputs_to_capture",
-                 "get_dummy_slot_mappings", "_hidden_restore_idx", "_gathered_kv_slot_mappings",
-                 *(f"input_buffers.{name}" for name in BUFFERS))
+# The manager's staging of a capture or dummy batch in its persistent buffers, by release:
+# vLLM 0.33 renamed it and expands the batch's padding mask to the rows the MoE routes there
+# (`moe_is_padding`, into `_moe_is_padding`; vllm/v1/worker/gpu/pcp_manager.py:735-763 in 0.33.0).
+CAPTURE_PREPARATION = {"0.32.0": ("prepare_inputs_to_capture", ()),
+                       "0.33.0": ("prepare_inputs_for_capture_or_profile", ("moe_is_padding", "_moe_is_padding"))}
+_COMMON_NAMES = ("pcp_world_size", "shard_decode_requests", "get_num_tokens_for_dispatch", "get_dummy_slot_mappings",
+                 "_hidden_restore_idx", "_gathered_kv_slot_mappings", *(f"input_buffers.{name}" for name in BUFFERS))
+
+
+def manager_names(version: str | None = None) -> tuple[str, ...]:
+    """Every name read from the PCP manager (vLLM's `PCPManager`, vLLM-Ascend's `AscendPCPManager`)
+    on `version` (default: the installed vLLM); tests/test_vllm_ascend_source.py resolves each on
+    the manager vLLM-Ascend's runner builds."""
+    name, more = versions.pick(CAPTURE_PREPARATION, schema.installed_version() if version is None else version)
+    return (*_COMMON_NAMES, name, *more)
+
+
+MANAGER_NAMES = manager_names("0.32.0")  # vLLM 0.32's (the CPU build's), for the tests that read it
 
 
 def layout_digest(restore_idx: Any, slot_mapping: Any, query_lens: Any) -> int | None:
@@ -90,7 +104,9 @@ class PCPEvidence:
         self._forward: tuple | None = None  # (batch, slot mappings) handed to the next forward
         self._last_real_slots: torch.Tensor | None = None
         wrap_method(manager, "get_num_tokens_for_dispatch", self._dispatch_count)
-        wrap_method(manager, "prepare_inputs_to_capture", self._stage_dummy)
+        # the installed release's name (`manager_names` checked it exists: the runner adapter's `problems`)
+        self._capture_name = next(name for name, _ in CAPTURE_PREPARATION.values() if hasattr(manager, name))
+        wrap_method(manager, self._capture_name, self._stage_dummy)
         wrap_method(manager, "get_dummy_slot_mappings", self._dummy_slots)
 
     # -- the dispatch count
@@ -137,9 +153,18 @@ class PCPEvidence:
             # Injected: the dummy's views point at the PCP buffers as the last real batch left them.
             bufs, n, r = self.manager.input_buffers, batch.num_tokens_after_padding, batch.num_reqs_after_padding
             return dataclasses.replace(batch, input_ids=bufs.input_ids[:n], positions=bufs.positions[:n],
-                                       is_padding=bufs.is_padding[:n], query_start_loc=bufs.query_start_loc[:r + 1],
-                                       seq_lens=bufs.seq_lens[:r])
+                                       is_padding=self._stale_padding(bufs, n),
+                                       query_start_loc=bufs.query_start_loc[:r + 1], seq_lens=bufs.seq_lens[:r])
         return stage(*args, **kwargs)
+
+    def _stale_padding(self, bufs, n: int):
+        """The padding mask the dummy's forward reads, as the last real batch left it: on vLLM 0.33
+        with an MoE that gathers tokens, the expanded mask (`_moe_is_padding`, PCP x n rows, which
+        the real batch wrote: pcp_manager.py:630 in 0.33.0), else the manager's own `is_padding`."""
+        expanded = getattr(self.manager, "_moe_is_padding", None)
+        if expanded is not None:
+            return expanded[:self.pcp_size * int(n)]
+        return bufs.is_padding[:n]
 
     def _dummy_slots(self, dummy_slots, args, kwargs):
         num_tokens = int(args[0] if args else kwargs["num_tokens"])

@@ -30,17 +30,17 @@ import numpy as np
 import torch
 
 from runner_fsm.errors import BatchError
+from runner_fsm.integrations.vllm.common import versions
 from runner_fsm.integrations.vllm.runners.pcp_segments import FIELDS, SegmentsByRank
 from runner_fsm.integrations.vllm.runners.pinning import source_digest
 from runner_fsm.pcp import layout, native, rows
 from runner_fsm.pcp.plan import _check_padding, _validate, num_tokens_for_dispatch
 
-PINNED_VERSION = "0.32.0"
 MODULE = "vllm.v1.worker.gpu.pcp_manager"
 
 # The layout's methods, their signatures and the sha256 (first 16 hex) of their source as
 # in vLLM 0.32.0, which the property test compares against.
-PINNED: dict[str, tuple[str, str]] = {
+_PINNED_0_32: dict[str, tuple[str, str]] = {
     "_build_batch_layout": (
         "(self, num_scheduled_tokens: numpy.ndarray, num_computed_tokens: numpy.ndarray,"
         " is_prefilling: numpy.ndarray, query_start_loc_np: numpy.ndarray,"
@@ -60,12 +60,16 @@ PINNED: dict[str, tuple[str, str]] = {
     "replicated_requests": (
         "(self, num_scheduled_tokens: numpy.ndarray, is_prefilling: numpy.ndarray) -> numpy.ndarray", "0082bcf20f8b32f4"),
 }
+# release -> its pins. vLLM 0.33.0's six methods and `RankSegment` are byte-identical to 0.32.0's
+# (their digests, read from the 0.33.0 wheel's source by `runner-fsm vllm-check`): the property
+# test's verdict carries over, so the layout stays on there.
+PINNED: dict[str, dict[str, tuple[str, str]]] = {"0.32.0": _PINNED_0_32, "0.33.0": _PINNED_0_32}
 SEGMENT_FIELDS = FIELDS
 SEGMENT_DIGEST = "9e08c4b26c3b2bb4"  # RankSegment's source: a frozen dataclass, no __post_init__, no slots
 INSTANCE_ATTRS = ("pcp_world_size", "pcp_rank", "shard_decode_requests", "dcp_world_size", "device")
 METHODS = ("_build_batch_layout", "get_num_tokens_for_dispatch")
 # Every name read from the PCP manager and its module (tests/test_vllm_rooms.py).
-MANAGER_NAMES = (*PINNED, *INSTANCE_ATTRS, "RankSegment")
+MANAGER_NAMES = (*_PINNED_0_32, *INSTANCE_ATTRS, "RankSegment")
 _MARK = "_runner_fsm_fast_pcp_layout"
 _PLANNER = f"{_MARK}_planner"  # the manager's `native.Planner`, where the compiled layout writes
 
@@ -76,8 +80,11 @@ def schema_problems(manager_cls: type, version: str) -> list[str]:
 
     from vllm.v1.worker.gpu import pcp_manager
 
-    problems = [] if version == PINNED_VERSION else [f"vLLM {version}, pinned {PINNED_VERSION}"]
-    for name, (signature, digest) in PINNED.items():
+    rel = versions.release(version)
+    if rel not in PINNED:
+        return [f"vLLM {version}: no pins for this release (pinned: {', '.join(PINNED)})"]
+    problems = []
+    for name, (signature, digest) in PINNED[rel].items():
         method = inspect.getattr_static(manager_cls, name, None)
         if method is None:
             problems.append(f"PCPManager.{name} is missing")
