@@ -242,30 +242,9 @@ def _add_vllm_check(sub) -> None:
 
 
 def _cmd_vllm_check(args) -> int:
-    import importlib.util
-    from pathlib import Path
+    from runner_fsm.integrations.vllm.vllm_check import run
 
-    from runner_fsm.integrations.vllm.common.source_index import SourceTree
-    from runner_fsm.integrations.vllm.vllm_check import check_tree, report
-
-    if args.installed:
-        spec = importlib.util.find_spec("vllm")  # finds the package; runs none of its code
-        if spec is None or not spec.submodule_search_locations:
-            print("runner-fsm vllm-check: no vLLM is installed for this Python", file=sys.stderr)
-            return 2
-        root = Path(list(spec.submodule_search_locations)[0]).parent
-    else:
-        root = Path(args.source)
-        root = root.parent if root.name == "vllm" and (root / "__init__.py").is_file() else root
-    tree = SourceTree(root)  # OSError (exit 2) where it holds no vllm/
-    try:
-        checker = check_tree(tree)
-    except (SyntaxError, UnicodeDecodeError) as exc:
-        print(f"runner-fsm vllm-check: {root}: unreadable ({type(exc).__name__}: {exc})", file=sys.stderr)
-        return 2
-    lines, code = report(checker)
-    print("\n".join(lines))
-    return code
+    return run(args.source, installed=args.installed)
 
 
 class _Parser(argparse.ArgumentParser):

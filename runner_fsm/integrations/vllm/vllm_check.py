@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import importlib.util
+import sys
 from pathlib import Path
 from typing import Any, Iterable
 
+from runner_fsm.integrations.vllm.common import versions
 from runner_fsm.integrations.vllm.common.source_index import Found, SourceTree, parameters
 from runner_fsm.integrations.vllm.common.source_signature import signature_text
 
@@ -85,7 +88,6 @@ class Checker:
 
 def check_tree(tree: SourceTree) -> Checker:
     """Every table's names against `tree`."""
-    versions = _versions()
     release = versions.release(tree.version)
     checker = Checker(tree)
     checker.tables = versions.pick({v: v for v in versions.KNOWN}, tree.version)
@@ -100,7 +102,7 @@ def check_tree(tree: SourceTree) -> Checker:
 
 
 def _common(checker: Checker, release: str) -> None:
-    from runner_fsm.integrations.vllm import platform_worker, stop_origin
+    from runner_fsm.integrations.vllm import platform_worker, serve, stop_origin
     from runner_fsm.integrations.vllm.common import schema
     from runner_fsm.integrations.vllm.cpu import collectives
 
@@ -114,6 +116,8 @@ def _common(checker: Checker, release: str) -> None:
                             None if field in have else f"{path}.{field} is missing (expected by the worker's schema: FIELDS)")
     for path in schema.SYMBOLS:
         checker.name("common", path, "the worker's schema (SYMBOLS)")
+    checker.name("common", f"{versions.pick(serve.CLI_ENV_SETUP, release)}.cli_env_setup",
+                 "runner_fsm.integrations.vllm.serve (CLI_ENV_SETUP)")
     for logger, (words, front) in stop_origin.SHUTDOWN_MESSAGES.items():
         module = tree.module(logger)
         by = f"stop_origin, which hears {front} stop"
@@ -153,40 +157,9 @@ def _worker(checker: Checker) -> None:
                     " expected by FSMWorker's CONTRACT)")
 
 
-def dp_hooks_for(adapter_name: str, release: str) -> Any:
-    from runner_fsm.integrations.vllm.runners.hooks import DP_HOOKS
-
-    return _for_release(DP_HOOKS[adapter_name], release, _versions())
-
-
-def _versions() -> Any:
-    """`common/versions` (the releases checked, `pick`); until it lands, the one release written against."""
-    try:
-        from runner_fsm.integrations.vllm.common import versions
-    except ImportError:
-        import re
-        import types
-
-        from runner_fsm.integrations.vllm.common.schema import WRITTEN_AGAINST
-
-        def release(version: str) -> str:
-            match = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", version)
-            return version if match is None else f"{match[1]}.{match[2]}.{match[3] or 0}"
-        return types.SimpleNamespace(KNOWN=(WRITTEN_AGAINST,), release=release,
-                                     known=lambda v: release(v) == WRITTEN_AGAINST,
-                                     pick=lambda tables, v: tables[WRITTEN_AGAINST])
-    return versions
-
-
-def _for_release(table: Any, release: str, versions: Any) -> Any:
-    """A per-release table (`{release: table}`, `common/versions.py`) picked for `release`."""
-    if isinstance(table, dict) and table and all(isinstance(k, str) and k[:1].isdigit() for k in table):
-        return versions.pick(table, release)
-    return table
-
-
 def _adapters(checker: Checker, release: str) -> None:
     from runner_fsm.integrations.vllm.runners import ADAPTERS
+    from runner_fsm.integrations.vllm.runners.hooks import hooks_for
 
     for adapter in ADAPTERS:
         group = adapter.name
@@ -198,7 +171,7 @@ def _adapters(checker: Checker, release: str) -> None:
             first = [path.split(".")[0].partition("[")[0] for path in adapter.ATTRS + adapter.KV_ATTRS]
             checker.members(group, cls_path, first, f"the {group} runner adapter (ATTRS, KV_ATTRS)")
             checker.members(group, cls_path, adapter.READS.get("runner", ()), f"the {group} runner adapter (READS)")
-        _dp_hooks(checker, group, dp_hooks_for(group, release))
+        _dp_hooks(checker, group, hooks_for(group, release))
 
 
 def _dp_hooks(checker: Checker, group: str, hooks: Any) -> None:
@@ -233,14 +206,12 @@ def _mrv2(checker: Checker, release: str) -> None:
     from runner_fsm.integrations.vllm.runners import draft_dp_sync, pcp_evidence, pcp_layout
     from runner_fsm.integrations.vllm.runners.mrv2 import MRV2Runner
 
-    versions = _versions()
     tree, manager = checker.tree, f"{pcp_layout.MODULE}.PCPManager"
-    evidence_names = _for_release(pcp_evidence.MANAGER_NAMES, release, versions)
-    checker.members("mrv2", manager, [path.split(".")[0] for path in evidence_names],
+    checker.members("mrv2", manager, [path.split(".")[0] for path in pcp_evidence.manager_names(release)],
                     "the MRV2 PCP evidence (pcp_evidence.MANAGER_NAMES)")
     checker.members("mrv2", manager, pcp_layout.INSTANCE_ATTRS, "fast_pcp_layout (pcp_layout.INSTANCE_ATTRS)")
     by = "fast_pcp_layout (pcp_layout.PINNED)"
-    for method, (signature, pinned) in _for_release(pcp_layout.PINNED, release, versions).items():
+    for method, (signature, pinned) in versions.pick(pcp_layout.PINNED, release).items():
         found = checker.digest("mrv2", f"{manager}.{method}", pinned, by)
         if found is not None and found.kind == "function":
             have = signature_text(tree, found)
@@ -253,8 +224,11 @@ def _mrv2(checker: Checker, release: str) -> None:
         checker.add("mrv2", "RankSegment fields", "pcp_layout.SEGMENT_FIELDS",
                     None if fields == tuple(pcp_layout.SEGMENT_FIELDS) else
                     f"RankSegment fields {fields}, pinned {tuple(pcp_layout.SEGMENT_FIELDS)} (fast_pcp_layout)")
-    for (module, qualname), pinned in _for_release(draft_dp_sync.PINNED, release, versions).items():
+    for (module, qualname), pinned in versions.pick(draft_dp_sync.PINNED, release).items():
         checker.digest("mrv2", f"{module}.{qualname}", pinned, "draft_dp_sync (PINNED)")
+    if release not in draft_dp_sync.VERIFIED:
+        checker.notes.setdefault("mrv2", []).append(
+            f"draft_dp_sync stays off on {release}: its reproduction has not run there (VERIFIED)")
     checker.members("mrv2", draft_dp_sync.SPECULATOR, MRV2Runner.READS.get("speculator", ()),
                     "the mrv2 runner adapter (READS, speculator)")
     for path in MRV2Runner.SYNC_FREE_SPECULATORS:
@@ -302,3 +276,27 @@ def report(checker: Checker) -> tuple[list[str], int]:
             held = sum(1 for c in checks if not c.moved)
             lines.append(f"[moved] {group}: {held} of {len(checks)} names hold, {len(checks) - held} moved{notes}")
     return lines, 1 if checker.unknown or any(c.moved for c in checker.checks) else 0
+
+
+def run(source: str | None, *, installed: bool = False) -> int:
+    """The subcommand: check the tree at `source` (a directory holding `vllm/`, or `vllm/`
+    itself), or the installed vLLM's, found without running any of its code; print the report;
+    the exit status (2: no tree, or one that cannot be parsed)."""
+    if installed:
+        spec = importlib.util.find_spec("vllm")  # finds the package; imports none of it
+        if spec is None or not spec.submodule_search_locations:
+            print("runner-fsm vllm-check: no vLLM is installed for this Python", file=sys.stderr)
+            return 2
+        root = Path(list(spec.submodule_search_locations)[0]).parent
+    else:
+        root = Path(source)
+        root = root.parent if root.name == "vllm" and (root / "__init__.py").is_file() else root
+    tree = SourceTree(root)  # OSError (the CLI's exit status 2) where it holds no vllm/
+    try:
+        checker = check_tree(tree)
+    except (SyntaxError, UnicodeDecodeError) as exc:
+        print(f"runner-fsm vllm-check: {root}: unreadable ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    lines, code = report(checker)
+    print("\n".join(lines))
+    return code
