@@ -112,7 +112,7 @@ def test_a_doctored_copy_names_each_moved_name(tmp_path):
         f"[moved] v1: {run_ar} takes (dp_group, {', '.join(RUN_AR_PARAMS)}), expected ({', '.join(RUN_AR_PARAMS)})"
         " by the v1 runner's DP hooks",
         "[moved] mrv2: vllm.v1.worker.gpu.pcp_manager.PCPManager.get_dummy_slot_mappings is missing"
-        " (expected by the MRV2 PCP evidence (pcp_evidence.MANAGER_NAMES))",
+        " (expected by the MRV2 PCP evidence (pcp_evidence.manager_names))",
         f"[moved] mrv2: {layout}: source digest {_digest_of(checker, layout)}, pinned 19404ed764bc19ae"
         " (expected by fast_pcp_layout (pcp_layout.PINNED))",
     ]

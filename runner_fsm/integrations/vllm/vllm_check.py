@@ -208,7 +208,7 @@ def _mrv2(checker: Checker, release: str) -> None:
 
     tree, manager = checker.tree, f"{pcp_layout.MODULE}.PCPManager"
     checker.members("mrv2", manager, [path.split(".")[0] for path in pcp_evidence.manager_names(release)],
-                    "the MRV2 PCP evidence (pcp_evidence.MANAGER_NAMES)")
+                    "the MRV2 PCP evidence (pcp_evidence.manager_names)")
     checker.members("mrv2", manager, pcp_layout.INSTANCE_ATTRS, "fast_pcp_layout (pcp_layout.INSTANCE_ATTRS)")
     by = "fast_pcp_layout (pcp_layout.PINNED)"
     for method, (signature, pinned) in versions.pick(pcp_layout.PINNED, release).items():
