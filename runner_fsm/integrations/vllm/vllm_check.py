@@ -1,19 +1,16 @@
 """`runner-fsm vllm-check`: every vLLM name the worker relies on, checked against a vLLM source
 tree before it is installed (docs/vllm.md, "Before upgrading vLLM").
 
-The tables are the ones the worker's start-up checks read on the imported vLLM (one table, two
-users): the schema's (`common/schema.py`: FIELDS, SYMBOLS, OVERRIDDEN, CONTRACT over
-CALLER_MODULES), the platform workers (`platform_worker.WORKERS`), each runner adapter's
-CLASSES, ATTRS, KV_ATTRS and READS, its DP hooks (`runners/hooks.DP_HOOKS`: names, methods,
-signatures, source texts), the PCP manager's names (`pcp_evidence`, `pcp_layout`: signatures
-and source digests), the draft DP sync's pinned digests, the shutdown words `stop_origin` hears,
-the device emulation's names, the CPU collectives, and every `from vllm... import` statement of
-this package. Here they are read from the tree's source (`common/source_index`), never imported.
+It reads the tables the start-up checks read on the imported vLLM (one table, two users), each
+picked for the tree's release (`common/versions`): the schema's, the platform workers, each
+runner adapter's CLASSES, ATTRS, KV_ATTRS, READS and DP hooks, the PCP manager's names and pins,
+the draft DP sync's pins, `serve`'s CLI_ENV_SETUP, `stop_origin`'s shutdown words, the emulation's
+names, the CPU collectives, and every `from vllm... import` of this package; from the tree's
+source (`common/source_index`), never importing it.
 
-What only the start-up checks see: an attribute path of ATTRS/KV_ATTRS beyond its first name
-(`input_buffers.input_ids`: the first name is looked for on the runner class, as a `self.X`
-assignment, a method or a property, inherited ones included; what it holds is known once vLLM
-built it), names read on the runner's other parts (drafter), and anything vLLM makes at run time.
+Only the start-up checks see an attribute path of ATTRS/KV_ATTRS beyond its first name (that one
+is looked for on the runner class: a `self.X` assignment, a method or a property, inherited ones
+included), names read on the drafter, and anything vLLM makes at run time.
 """
 
 from __future__ import annotations
@@ -96,7 +93,7 @@ def check_tree(tree: SourceTree) -> Checker:
     _worker(checker)
     _adapters(checker, release)
     _mrv2(checker, release)
-    _emulation(checker)
+    _emulation(checker, release)
     _imports(checker)
     return checker
 
@@ -235,9 +232,13 @@ def _mrv2(checker: Checker, release: str) -> None:
         checker.name("mrv2", path, "the mrv2 runner adapter (SYNC_FREE_SPECULATORS)")
 
 
-def _emulation(checker: Checker) -> None:
+def _emulation(checker: Checker, release: str) -> None:
+    from runner_fsm.integrations.vllm.common.schema import WRITTEN_AGAINST
     from runner_fsm.integrations.vllm.emulation import graphs
 
+    if release.split(".")[:2] != WRITTEN_AGAINST.split(".")[:2]:
+        checker.notes.setdefault("emulation", []).append(
+            f"it installs on vLLM {WRITTEN_AGAINST} only: emulation/graphs.install refuses {release}")
     for path in graphs.NAMES:
         checker.name("emulation", path, "the device emulation (emulation/graphs.NAMES)")
 
