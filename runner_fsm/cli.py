@@ -224,6 +224,29 @@ def _cmd_log(args) -> int:
     return print_log(args.run_dir, ranks=args.rank, steps=args.steps, last=args.last)
 
 
+def _add_vllm_check(sub) -> None:
+    p = sub.add_parser("vllm-check", help="check every vLLM name the worker uses against a vLLM source tree"
+                                          " (exit 0 all hold, 1 some moved, 2 unreadable)",
+                       description="Check every vLLM name, signature and pinned source digest that FSMWorker"
+                                   " relies on against a vLLM source tree, read statically (vLLM is never"
+                                   " imported: a tree for another release or device works): one line per"
+                                   " group that holds, one per name that moved. Run it before upgrading"
+                                   " vLLM. Exit status 0 when every name holds, 1 when one moved, 2 when"
+                                   " the tree cannot be read.")
+    where = p.add_mutually_exclusive_group(required=True)
+    where.add_argument("--source", metavar="PATH",
+                       help="a directory holding vllm/ (an unpacked wheel or sdist), or vllm/ itself")
+    where.add_argument("--installed", action="store_true",
+                       help="the vLLM installed for this Python (found without importing it)")
+    p.set_defaults(func=_cmd_vllm_check)
+
+
+def _cmd_vllm_check(args) -> int:
+    from runner_fsm.integrations.vllm.vllm_check import run
+
+    return run(args.source, installed=args.installed)
+
+
 class _Parser(argparse.ArgumentParser):
     """argparse, but a usage error is one line on stderr (exit status 2), like every user error."""
 
@@ -241,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_make_model(sub)
     _add_replay(sub)
     _add_log(sub)
+    _add_vllm_check(sub)
     return parser
 
 

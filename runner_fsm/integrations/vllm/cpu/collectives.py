@@ -14,6 +14,12 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+BASE = "vllm.distributed.device_communicators.base_device_communicator.DeviceCommunicatorBase"
+COMMUNICATOR = "vllm.distributed.device_communicators.cpu_communicator.CpuCommunicator"
+# The collectives supplied where the communicator inherits the base's stubs (also read by
+# `runner-fsm vllm-check`, on a vLLM source tree).
+EXCHANGES = ("all_gatherv", "reduce_scatterv")
+
 
 def _gather_one(comm, tensor: torch.Tensor, sizes: list[int] | None) -> torch.Tensor:
     world = comm.world_size
@@ -58,8 +64,7 @@ def missing(cls) -> list[str]:
     """The exchange collectives `cls` still inherits as `NotImplementedError` stubs."""
     from vllm.distributed.device_communicators.base_device_communicator import DeviceCommunicatorBase
 
-    return [name for name in ("all_gatherv", "reduce_scatterv")
-            if getattr(cls, name) is getattr(DeviceCommunicatorBase, name)]
+    return [name for name in EXCHANGES if getattr(cls, name) is getattr(DeviceCommunicatorBase, name)]
 
 
 def install(cls=None) -> list[str]:
