@@ -3,8 +3,8 @@ holds, and vLLM is never imported), a copy of it doctored the ways a release mov
 named, exit 1), and vLLM 0.33.0's released source (a CUDA wheel: it cannot be imported here).
 
 0.33.0's source is pip-downloaded once (`pip download vllm==0.33.0 --no-deps`, 336 MB) and only
-its `.py` files kept, in RUNNER_FSM_VLLM_SRC (default ~/.cache/runner_fsm/vllm-src/<version>);
-a test that cannot fetch it fails.
+its `.py` files kept, in $RUNNER_FSM_CACHE/vllm-src/<version> (default ~/.cache/runner-fsm, beside
+the vLLM-Ascend sdist); a test that cannot fetch it fails.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from runner_fsm.integrations.vllm.vllm_check import check_tree, report
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
 
 REPO = Path(__file__).resolve().parents[1]
-SRC_CACHE = Path(os.environ.get("RUNNER_FSM_VLLM_SRC", Path.home() / ".cache" / "runner_fsm" / "vllm-src"))
+SRC_CACHE = Path(os.environ.get("RUNNER_FSM_CACHE", Path.home() / ".cache" / "runner-fsm")) / "vllm-src"
 
 
 def installed_root() -> Path:
