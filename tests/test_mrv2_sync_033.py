@@ -15,14 +15,13 @@ does not have (AttributeError at install), and the tap's abort all-reduced with 
 
 from __future__ import annotations
 
-import json
-import os
 import sys
 import traceback
 from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
+
+from gloo_pair import finish, run_pair
 
 pytestmark = [pytest.mark.multiproc]
 
@@ -130,30 +129,13 @@ def _child(rank: int, init: str, out_dir: str) -> None:
         dist.destroy_process_group()
     except BaseException:
         result["error"] = traceback.format_exc()
-    Path(out_dir, f"result-{rank}.json").write_text(json.dumps(result))
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)  # as tests/test_vllm_mrv2_sync.py: gloo's teardown at exit is not the subject
+    finish(out_dir, rank, result)
 
 
 @pytest.fixture(scope="module")
 def gloo_run(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("gloo033")
-    init = f"file://{tmp_path / 'rendezvous'}"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_child, args=(rank, init, str(tmp_path))) for rank in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=120)
-    stuck = [p.pid for p in procs if p.exitcode is None]
-    for p in procs:
-        p.kill()
-    assert stuck == [], "a rank never came out of a collective (the abort and the sync did not meet)"
-    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
-    for res in results:
-        assert "error" not in res, res["error"]
-    return tmp_path, results
+    return tmp_path, run_pair(_child, tmp_path, timeout_s=120)
 
 
 def test_the_033_sync_carries_the_agreement_in_vllms_own_collective(gloo_run):

@@ -7,14 +7,11 @@ function level: vLLM's DP group is the gloo world group of the two processes.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import traceback
-from pathlib import Path
 
 import pytest
-import torch.multiprocessing as mp
+
+from gloo_pair import finish, run_pair
 
 pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
 
@@ -133,32 +130,14 @@ def _child(rank: int, init: str, out_dir: str) -> None:
         dist.destroy_process_group()
     except BaseException:
         result["error"] = traceback.format_exc()
-    Path(out_dir, f"result-{rank}.json").write_text(json.dumps(result))
-    # The gloo group outlives destroy_process_group() here (references held outside Python's
-    # gc: refcount 12, no gc referrers), and about one exit in ten then destroys it with its
-    # loop threads running: std::terminate, exit code -6, after the result was written. The
-    # result file is the outcome; the interpreter's teardown is skipped.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish(out_dir, rank, result)
 
 
 @pytest.fixture(scope="module")
 def gloo_run(tmp_path_factory):
     """Both tests' cases in one pair of gloo processes (vLLM imports once per process)."""
     tmp_path = tmp_path_factory.mktemp("gloo")
-    init = f"file://{tmp_path / 'rendezvous'}"
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_child, args=(rank, init, str(tmp_path))) for rank in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join(timeout=300)
-    assert [p.exitcode for p in procs] == [0, 0]
-    results = [json.loads((tmp_path / f"result-{r}.json").read_text()) for r in range(2)]
-    for res in results:
-        assert "error" not in res, res["error"]
-    return tmp_path, results
+    return tmp_path, run_pair(_child, tmp_path, timeout_s=300)
 
 
 def test_mrv2_sync_carries_agreement_and_detects_desync(gloo_run):
