@@ -35,7 +35,7 @@ import signal
 from typing import Callable
 
 from runner_fsm.process.signal_watch import WATCH
-from runner_fsm.process.stop_signals import STOP_SIGNALS, StopSignals, hand_on
+from runner_fsm.process.stop_signals import STOP_SIGNALS, StopSignals, arrivals_held, hand_on, hand_on_in_order
 
 
 class StartupStops:
@@ -62,12 +62,16 @@ class StartupStops:
             self._write_pending()
 
     def _write_pending(self) -> None:
-        while True:
-            try:
-                name, detail = self._pending.popleft()
-            except IndexError:
-                return
-            self._audit.stop(self._step(), "signal", name, detail=detail)
+        # a stop arriving meanwhile (the launcher's relay of the same Ctrl-C) must not be handed on
+        # (KeyboardInterrupt) in the middle of this write: held until it is done (`arrivals_held`)
+        with arrivals_held() as held:
+            while True:
+                try:
+                    name, detail = self._pending.popleft()
+                except IndexError:
+                    break
+                self._audit.stop(self._step(), "signal", name, detail=detail)
+        hand_on_in_order(held, None)
 
     def arm(self) -> None:
         """From now on a stop request is recorded, held until the log exists (`log_opened`)."""
