@@ -253,3 +253,46 @@ def test_a_second_signal_while_a_held_request_is_written_loses_neither_record(tm
     else:
         assert (out.returncode, out.stdout.split()) == (-signal.SIGTERM, []), out.stderr
     assert _stops(tmp_path) == [("stop", None, "SIGINT", ""), ("stop", None, second.name, "")]
+
+
+def test_a_sigterm_in_the_hand_over_is_recorded_then_takes_its_default_action(tmp_path):
+    """Between `hand_over` and the loop's handlers SIGTERM had its default action: the rank died at once,
+    unrecorded. The start-up's SIGTERM handler stays through the hand-over (only SIGINT's goes, for
+    asyncio's own), so the SIGTERM is recorded at the replica's step, then kills as before."""
+    out = _child("""
+    stops.steps_of(lambda: -1)
+    stops.hand_over()
+    print("handed over", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    print("survived")
+    """, tmp_path)
+    assert (out.returncode, out.stdout.split()) == (-signal.SIGTERM, ["handed", "over"]), out.stderr
+    assert _stops(tmp_path) == [("stop", -1, "SIGTERM", "")]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_in_the_serving_loop_after_the_hand_over_is_recorded_once_and_handed_on_as_before(tmp_path, signum):
+    """The loop's handlers (`stops_on_loop`) hand a SIGTERM on to its default action, not to the start-up's
+    handler kept through the hand-over (which would record it a second time); a SIGINT cancels the run."""
+    out = _child("""
+    import anyio
+    from runner_fsm.process.stop_signals import stops_on_loop
+    stops.steps_of(lambda: 3)
+    stops.hand_over()
+    async def serve():
+        async with stops_on_loop(stops.record, beneath=stops.kept_through_hand_over()):
+            stops.loop_took_over()
+            os.kill(os.getpid(), int(sys.argv[2]))
+            await anyio.sleep(5)
+    try:
+        anyio.run(serve)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    """.replace("int(sys.argv[2])", str(int(signum))), tmp_path)
+    if signum == signal.SIGINT:
+        assert (out.returncode, out.stdout.split()) == (0, ["interrupted", "True", "True"]), out.stderr
+    else:
+        assert out.returncode == -signal.SIGTERM, out.stderr
+    assert _stops(tmp_path) == [("stop", 3, signum.name, "")]

@@ -69,13 +69,17 @@ class StopSignals:
                 self._subscriptions[signum] = WATCH.subscribe(signum, self._heard)
         return self.installed
 
-    def restore(self) -> None:
+    def restore(self, keep: tuple[int, ...] = ()) -> None:
+        """The previous handlers back; those of `keep` stay chained (recording, without the watch)
+        until a later `restore()`."""
         if threading.current_thread() is not threading.main_thread():
             return
-        for signum, previous in self._previous.items():
+        for signum, previous in list(self._previous.items()):
+            if signum in keep:
+                continue
             if signal.getsignal(signum) == self._handle:
                 signal.signal(signum, previous)
-        self._previous.clear()
+            del self._previous[signum]
         for subscription in self._subscriptions.values():
             WATCH.unsubscribe(subscription)
         self._subscriptions.clear()
@@ -154,18 +158,21 @@ def hand_on(previous, signum: int, frame) -> None:
 
 
 @contextlib.asynccontextmanager
-async def stops_on_loop(record: Callable[[str], None]) -> AsyncIterator[None]:
+async def stops_on_loop(record: Callable[[str], None], beneath: dict | None = None) -> AsyncIterator[None]:
     """SIGINT and SIGTERM recorded as `StopSignals(record, early=False)` records them, for the body
     of an anyio event loop in the main thread; what the previous handlers did (asyncio's SIGINT:
     cancel the run, then KeyboardInterrupt; SIGTERM's default: death) is done on the loop, between
     two of its callbacks, not at whatever bytecode the signal finds: after any record the handler
     queued behind a write of its own thread (see the module's docstring), never in the middle
     of a write. The loop's wakeup fd also wakes the main thread for a signal the kernel handed
-    to another of its threads."""
+    to another of its threads. `beneath` ({signum: handler}): where the handler in place only
+    records before handing on to `handler` (a rank's start-up SIGTERM handler, kept through the
+    hand-over to this loop), `handler` is the one handed on to and put back at the end."""
     if threading.current_thread() is not threading.main_thread():  # no handler can be set there
         yield
         return
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    previous.update(beneath or {})
     heard = [signum for signum, handler in previous.items() if handler != signal.SIG_IGN]  # as `install`
     try:
         with anyio.open_signal_receiver(*heard) as arrivals:
