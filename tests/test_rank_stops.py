@@ -185,3 +185,114 @@ def test_a_peer_stopped_before_its_log_existed_is_named_alone_beside_the_recorde
     assert report.summary.notes == (
         f"stop requested: SIGINT (rank {stopped_first}, step None), the first of 1 stop request(s), by rank(s)"
         f" {stopped_first}; rank(s) {stopped_first} ended after it without logging shutdown (not a finding)",)
+
+
+# The launcher's relay of the same Ctrl-C, ~1 ms behind the group's SIGINT, landing in the middle of the
+# first `stop` record's write (the log's writer wrapped: it sends the signal just before the line goes out).
+RELAYED_MID_WRITE = """
+    class SecondSignalMidWrite:  # the log's writer: the second signal lands while the first record is written
+        def __init__(self, logger, signum):
+            self.logger, self.signum, self.sent = logger, signum, False
+        def msg(self, line):
+            if not self.sent and b"stop" in line:
+                self.sent = True
+                os.kill(os.getpid(), self.signum)  # its Python handler runs here, before the line is written
+            return self.logger.msg(line)
+    log._logger = SecondSignalMidWrite(log._logger, int(sys.argv[2]))
+"""
+
+
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_while_the_first_is_written_loses_neither_record(tmp_path, second):
+    """A Ctrl-C reaches a rank twice: the group's SIGINT, and the launcher's relay of it a moment later.
+    The relay's handler ran inside the first handler's record, handed on (KeyboardInterrupt) there, and
+    the write was abandoned with both records (the second queued behind it): the rank's log ended at its
+    `job` record (issue 53 item 6: 3 runs in 60 of tests/test_stop_race.py). Both are recorded, in order,
+    then handed on: the first SIGINT's KeyboardInterrupt, or the SIGTERM's default action."""
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent(PRELUDE + RELAYED_MID_WRITE + """
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        time.sleep(5)  # the model's load
+    except KeyboardInterrupt:
+        print("interrupted", stops.recorded, flush=True)
+    """))
+    out = subprocess.run([sys.executable, str(script), str(tmp_path), str(int(second))], capture_output=True,
+                         text=True, timeout=60)
+    if second == signal.SIGINT:
+        assert (out.returncode, out.stdout.split()) == (0, ["interrupted", "2"]), out.stderr
+    else:
+        assert (out.returncode, out.stdout.split()) == (-signal.SIGTERM, []), out.stderr
+    assert _stops(tmp_path) == [("stop", None, "SIGINT", ""), ("stop", None, second.name, "")]
+
+
+@pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
+def test_a_second_signal_while_a_held_request_is_written_loses_neither_record(tmp_path, second):
+    """The group's SIGINT came before the log existed (held), the relay while `log_opened` writes it."""
+    script = tmp_path / "child.py"
+    script.write_text(textwrap.dedent("""
+    import os, signal, sys, time
+    from pathlib import Path
+    from runner_fsm.audit import AuditLog
+    from runner_fsm.engine.rank_stops import StartupStops
+    stops = StartupStops()
+    stops.arm()
+    os.kill(os.getpid(), signal.SIGINT)
+    time.sleep(0.1)  # held
+    log = AuditLog(Path(sys.argv[1]) / "run", "r", 1, 1, 0)
+    """ + RELAYED_MID_WRITE + """
+    try:
+        stops.log_opened(log)
+    except KeyboardInterrupt:
+        print("interrupted", stops.recorded, flush=True)
+    """))
+    out = subprocess.run([sys.executable, str(script), str(tmp_path), str(int(second))], capture_output=True,
+                         text=True, timeout=60)
+    if second == signal.SIGINT:
+        assert (out.returncode, out.stdout.split()) == (0, ["interrupted", "2"]), out.stderr
+    else:
+        assert (out.returncode, out.stdout.split()) == (-signal.SIGTERM, []), out.stderr
+    assert _stops(tmp_path) == [("stop", None, "SIGINT", ""), ("stop", None, second.name, "")]
+
+
+def test_a_sigterm_in_the_hand_over_is_recorded_then_takes_its_default_action(tmp_path):
+    """Between `hand_over` and the loop's handlers SIGTERM had its default action: the rank died at once,
+    unrecorded. The start-up's SIGTERM handler stays through the hand-over (only SIGINT's goes, for
+    asyncio's own), so the SIGTERM is recorded at the replica's step, then kills as before."""
+    out = _child("""
+    stops.steps_of(lambda: -1)
+    stops.hand_over()
+    print("handed over", flush=True)
+    os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(5)
+    print("survived")
+    """, tmp_path)
+    assert (out.returncode, out.stdout.split()) == (-signal.SIGTERM, ["handed", "over"]), out.stderr
+    assert _stops(tmp_path) == [("stop", -1, "SIGTERM", "")]
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_stop_in_the_serving_loop_after_the_hand_over_is_recorded_once_and_handed_on_as_before(tmp_path, signum):
+    """The loop's handlers (`stops_on_loop`) hand a SIGTERM on to its default action, not to the start-up's
+    handler kept through the hand-over (which would record it a second time); a SIGINT cancels the run."""
+    out = _child("""
+    import anyio
+    from runner_fsm.process.stop_signals import stops_on_loop
+    stops.steps_of(lambda: 3)
+    stops.hand_over()
+    async def serve():
+        async with stops_on_loop(stops.record, beneath=stops.kept_through_hand_over()):
+            stops.loop_took_over()
+            os.kill(os.getpid(), int(sys.argv[2]))
+            await anyio.sleep(5)
+    try:
+        anyio.run(serve)
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+    print(signal.getsignal(signal.SIGTERM) == signal.SIG_DFL, signal.getsignal(signal.SIGINT) is signal.default_int_handler)
+    """.replace("int(sys.argv[2])", str(int(signum))), tmp_path)
+    if signum == signal.SIGINT:
+        assert (out.returncode, out.stdout.split()) == (0, ["interrupted", "True", "True"]), out.stderr
+    else:
+        assert out.returncode == -signal.SIGTERM, out.stderr
+    assert _stops(tmp_path) == [("stop", 3, signum.name, "")]

@@ -14,14 +14,18 @@ after the first log appeared). So `StartupStops` records from the log's first mo
   `job` record and installing them met a Ctrl-C 40 ms later with Python's handler (2 runs in
   80). A request that arrives before the log exists is held: recorded as the log's first record
   after `job`, then handed on (the rank stops a few ms later than it would have);
-- in the hand-over itself (our handlers put back so that asyncio installs its own SIGINT
-  handler, the event loop starting, `stops_on_loop` not yet in place: a few ms) no handler of
-  ours runs. `signal_watch`'s thread still hears a SIGINT there (its wakeup fd stays until the
+- in the hand-over itself (our SIGINT handler put back so that asyncio installs its own, the
+  event loop starting, `stops_on_loop` not yet in place: a few ms) no SIGINT handler of ours
+  runs. `signal_watch`'s thread still hears a SIGINT there (its wakeup fd stays until the
   loop sets its own) and records it, whatever the main thread then does with it (asyncio's
   cancel, a `KeyboardInterrupt` met by the launcher's second SIGINT); `missed` records a
   `KeyboardInterrupt` that comes out of the loop with nothing recorded (only SIGINT raises that
-  in a rank), for the microseconds after the loop took the wakeup fd. A SIGTERM there takes its
-  default action at once, unrecorded: its peers' records of the same stop explain its end.
+  in a rank), for the microseconds after the loop took the wakeup fd. The SIGTERM handler
+  stays until the loop's is in (it had the default action there: a rank killed unrecorded);
+  the loop hands a SIGTERM on past it (`kept_through_hand_over`), so it is recorded once.
+
+A Ctrl-C reaches a rank twice (the group's SIGINT, the launcher's relay a moment later): the
+second's handler must not hand on in the middle of the first's record (`arrivals_held`).
 
 Before `arm` (the process's start, the rendezvous) nothing can be recorded: a rank stopped then
 leaves no log. Replay names that rank alone (`missing_rank`) beside a peer's recorded stop; where
@@ -35,7 +39,7 @@ import signal
 from typing import Callable
 
 from runner_fsm.process.signal_watch import WATCH
-from runner_fsm.process.stop_signals import STOP_SIGNALS, StopSignals, hand_on
+from runner_fsm.process.stop_signals import STOP_SIGNALS, StopSignals, arrivals_held, hand_on, hand_on_in_order
 
 
 class StartupStops:
@@ -47,6 +51,7 @@ class StartupStops:
         self._pending: collections.deque = collections.deque()  # (name, detail) not written yet
         self._step: Callable[[], int | None] = lambda: None  # before the replica exists: no step
         self._startup: _HeldUntilLogged | None = None
+        self._kept: _HeldUntilLogged | None = None  # its SIGTERM handler, through the hand-over
         self._watching: list = []  # the watch's subscriptions through the hand-over
 
     @property
@@ -62,12 +67,16 @@ class StartupStops:
             self._write_pending()
 
     def _write_pending(self) -> None:
-        while True:
-            try:
-                name, detail = self._pending.popleft()
-            except IndexError:
-                return
-            self._audit.stop(self._step(), "signal", name, detail=detail)
+        # a stop arriving meanwhile (the launcher's relay of the same Ctrl-C) must not be handed on
+        # (KeyboardInterrupt) in the middle of this write: held until it is done (`arrivals_held`)
+        with arrivals_held() as held:
+            while True:
+                try:
+                    name, detail = self._pending.popleft()
+                except IndexError:
+                    break
+                self._audit.stop(self._step(), "signal", name, detail=detail)
+        hand_on_in_order(held, None)
 
     def arm(self) -> None:
         """From now on a stop request is recorded, held until the log exists (`log_opened`)."""
@@ -87,22 +96,39 @@ class StartupStops:
         self._step = step
 
     def hand_over(self) -> None:
-        """The serving loop is about to record (`stops_on_loop`): the start-up handlers go, the
-        watch stays until `loop_took_over`. A request still held (the log never opened) is
-        handed on now."""
+        """The serving loop is about to record (`stops_on_loop`): the start-up's SIGINT handler goes
+        (asyncio installs its own only over Python's), its SIGTERM handler stays until the loop's
+        is in (`kept_through_hand_over`), the watch until `loop_took_over`. A request still held
+        (the log never opened) is handed on now."""
         startup, self._startup = self._startup, None
         if startup is None:
             return
         # subscribed before the handlers go, so that the watch never stops between the two
         self._watching = [WATCH.subscribe(signum, self._heard_in_hand_over) for signum in STOP_SIGNALS]
-        startup.restore()
+        if self.logged:  # else it would hold a SIGTERM for a log that never comes
+            startup.restore(keep=(signal.SIGTERM,))
+            self._kept = startup
+        else:
+            startup.restore()
         startup.release()
 
+    def kept_through_hand_over(self) -> dict:
+        """{signum: handler} for `stops_on_loop(beneath=...)`: the SIGTERM handler kept through the
+        hand-over records, then hands on to this one; the loop's handlers hand on to it directly."""
+        kept = self._kept
+        if kept is None or signal.getsignal(signal.SIGTERM) != kept._handle:
+            return {}
+        return {signal.SIGTERM: kept._handed_to.get(signal.SIGTERM, signal.SIG_DFL)}
+
     def loop_took_over(self) -> None:
-        """The loop's handlers record now (or the rank is leaving): the watch goes too."""
+        """The loop's handlers record now (or the rank is leaving): the watch and the kept SIGTERM
+        handler go too (put back only where still installed: the loop's stay)."""
         for subscription in self._watching:
             WATCH.unsubscribe(subscription)
         self._watching = []
+        kept, self._kept = self._kept, None
+        if kept is not None:
+            kept.restore()
 
     def _heard_in_hand_over(self, signum: int) -> None:
         """From the watch thread, for an arrival no handler of ours claimed: one our start-up

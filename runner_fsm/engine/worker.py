@@ -135,7 +135,7 @@ async def _serve(runner: ReplicaRunner, sched: Scheduler, cfg: EngineConfig, cou
     # read as a death). A rank may hear the launcher's forwarded signal before the group's own
     # Ctrl-C (whichever of its threads the kernel hands each to): the launcher forwards the
     # signal it got (`launch.spawn`), so the request is named alike either way.
-    async with stops_on_loop(stops.record):
+    async with stops_on_loop(stops.record, beneath=stops.kept_through_hand_over()):
         stops.loop_took_over()  # the start-up's watch goes: the loop's handlers record from here
         await _serve_events(runner, sched, cfg, counts)
 

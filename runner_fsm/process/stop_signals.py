@@ -30,7 +30,7 @@ import contextlib
 import os
 import signal
 import threading
-from typing import AsyncIterator, Callable
+from typing import AsyncIterator, Callable, Iterator
 
 import anyio
 
@@ -69,13 +69,17 @@ class StopSignals:
                 self._subscriptions[signum] = WATCH.subscribe(signum, self._heard)
         return self.installed
 
-    def restore(self) -> None:
+    def restore(self, keep: tuple[int, ...] = ()) -> None:
+        """The previous handlers back; those of `keep` stay chained (recording, without the watch)
+        until a later `restore()`."""
         if threading.current_thread() is not threading.main_thread():
             return
-        for signum, previous in self._previous.items():
+        for signum, previous in list(self._previous.items()):
+            if signum in keep:
+                continue
             if signal.getsignal(signum) == self._handle:
                 signal.signal(signum, previous)
-        self._previous.clear()
+            del self._previous[signum]
         for subscription in self._subscriptions.values():
             WATCH.unsubscribe(subscription)
         self._subscriptions.clear()
@@ -90,12 +94,57 @@ class StopSignals:
         self._record(signal.Signals(signum).name)
 
     def _handle(self, signum: int, frame) -> None:
-        if not WATCH.settle(self._subscriptions.get(signum)):  # not recorded from the watch yet
-            try:
-                self._record(signal.Signals(signum).name)
-            except Exception:  # noqa: BLE001 - recording must never change how the signal is handled
-                pass
-        hand_on(self._previous.get(signum, signal.SIG_DFL), signum, frame)
+        with arrivals_held() as held:  # another stop while this one is written waits for the write
+            if not WATCH.settle(self._subscriptions.get(signum)):  # not recorded from the watch yet
+                try:
+                    self._record(signal.Signals(signum).name)
+                except Exception:  # noqa: BLE001 - recording must never change how the signal is handled
+                    pass
+        hand_on_in_order([(self._previous.get(signum, signal.SIG_DFL), signum), *held], frame)
+
+
+@contextlib.contextmanager
+def arrivals_held() -> Iterator[list]:
+    """For a stop record written on the main thread: a SIGINT or SIGTERM arriving meanwhile is held
+    until the write is done, then handed on (`hand_on_in_order`) to the handler that was in place,
+    given as the list of (handler, signum) this yields.
+
+    A Ctrl-C reaches an embedded rank twice: the group's SIGINT, and the launcher's relay of it
+    about a millisecond later. The relay's handler ran inside the first one's record, recorded
+    nothing itself (the log's lock was its own thread's), and handed on (`KeyboardInterrupt`)
+    there: the write was abandoned with both records and the rank's log ended at its `job`
+    record (3 runs in 60 of tests/test_stop_race.py; seen in a trace: the second handler between
+    the first's lock and its line). Nested, the inner region hands what it held to the outer's."""
+    held: list = []
+    if threading.current_thread() is not threading.main_thread():  # no handler runs there anyway
+        yield held
+        return
+    in_place = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+
+    def hold(signum: int, frame) -> None:
+        held.append((in_place[signum], signum))
+
+    for signum, handler in in_place.items():
+        if handler is not None and handler != signal.SIG_IGN:  # set from C, or ignored: left alone
+            signal.signal(signum, hold)
+    try:
+        yield held
+    finally:
+        for signum, handler in in_place.items():
+            if signal.getsignal(signum) is hold:
+                signal.signal(signum, handler)
+
+
+def hand_on_in_order(arrivals, frame) -> None:
+    """`hand_on` each (handler, signum), in order; one that raises (`KeyboardInterrupt`) does not keep
+    the next from its turn (a SIGTERM behind a SIGINT still takes its default action)."""
+    if not arrivals:
+        return
+    (handler, signum), rest = arrivals[0], arrivals[1:]
+    try:
+        hand_on(handler, signum, frame)
+    finally:
+        hand_on_in_order(rest, frame)
 
 
 def hand_on(previous, signum: int, frame) -> None:
@@ -109,18 +158,21 @@ def hand_on(previous, signum: int, frame) -> None:
 
 
 @contextlib.asynccontextmanager
-async def stops_on_loop(record: Callable[[str], None]) -> AsyncIterator[None]:
+async def stops_on_loop(record: Callable[[str], None], beneath: dict | None = None) -> AsyncIterator[None]:
     """SIGINT and SIGTERM recorded as `StopSignals(record, early=False)` records them, for the body
     of an anyio event loop in the main thread; what the previous handlers did (asyncio's SIGINT:
     cancel the run, then KeyboardInterrupt; SIGTERM's default: death) is done on the loop, between
     two of its callbacks, not at whatever bytecode the signal finds: after any record the handler
     queued behind a write of its own thread (see the module's docstring), never in the middle
     of a write. The loop's wakeup fd also wakes the main thread for a signal the kernel handed
-    to another of its threads."""
+    to another of its threads. `beneath` ({signum: handler}): where the handler in place only
+    records before handing on to `handler` (a rank's start-up SIGTERM handler, kept through the
+    hand-over to this loop), `handler` is the one handed on to and put back at the end."""
     if threading.current_thread() is not threading.main_thread():  # no handler can be set there
         yield
         return
     previous = {signum: signal.getsignal(signum) for signum in STOP_SIGNALS}
+    previous.update(beneath or {})
     heard = [signum for signum, handler in previous.items() if handler != signal.SIG_IGN]  # as `install`
     try:
         with anyio.open_signal_receiver(*heard) as arrivals:
