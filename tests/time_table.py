@@ -33,8 +33,9 @@ def load(directory: Path) -> dict[str, list[dict]]:
     return tiers
 
 
-def table(tiers: dict[str, list[dict]], *, top: int = 8) -> str:
-    out = ["| tier (-m) | tests | total s | setup s | call s | teardown s |", "|---|---|---|---|---|---|"]
+def table(tiers: dict[str, list[dict]], *, top: int = 8, measured: str = "") -> str:
+    out = ([measured, ""] if measured else []) + ["| tier (-m) | tests | total s | setup s | call s | teardown s |",
+                                                  "|---|---|---|---|---|---|"]
     files_out, tests_out = [], []
     for tier, rows in tiers.items():
         phase = collections.Counter()
@@ -74,7 +75,15 @@ def main(argv: list[str] | None = None) -> int:
     if not tiers:
         print(f"no phase durations in {args.directory}: run the tiers with RUNNER_FSM_TEST_TIMES set", file=sys.stderr)
         return 1
-    write_readme(args.readme, table(tiers))
+    import datetime
+    import os
+    import platform
+
+    newest = max(path.stat().st_mtime for path in args.directory.glob("*.jsonl"))
+    when = datetime.datetime.fromtimestamp(newest, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+    measured = (f"Measured {when} on {platform.node() or 'this machine'} ({os.cpu_count()} CPUs): seconds summed"
+                " over each tier's tests, run one after another (other work on the machine slows them alike).")
+    write_readme(args.readme, table(tiers, measured=measured))
     print(f"wrote the table of {len(tiers)} tier(s) into {args.readme}")
     return 0
 
