@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     newest = max(path.stat().st_mtime for path in args.directory.glob("*.jsonl"))
     when = datetime.datetime.fromtimestamp(newest, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     measured = (f"Measured {when} on {platform.node() or 'this machine'} ({os.cpu_count()} CPUs): seconds summed"
-                " over each tier's tests, run one after another (other work on the machine slows them alike).")
+                " over each tier's tests, run one after another (other work on the machine then counts in them).")
     write_readme(args.readme, table(tiers, measured=measured))
     print(f"wrote the table of {len(tiers)} tier(s) into {args.readme}")
     return 0
