@@ -202,6 +202,18 @@ RELAYED_MID_WRITE = """
 """
 
 
+def _both_recorded_then_handed_on(script, tmp_path, second) -> None:
+    """The child's two stops are in its log, in order, and then handed on: the first SIGINT's
+    KeyboardInterrupt (caught, printing how many were recorded), or the SIGTERM's default action."""
+    out = subprocess.run([sys.executable, str(script), str(tmp_path), str(int(second))], capture_output=True,
+                         text=True, timeout=60)
+    if second == signal.SIGINT:
+        assert (out.returncode, out.stdout.split()) == (0, ["interrupted", "2"]), out.stderr
+    else:
+        assert (out.returncode, out.stdout.split()) == (-signal.SIGTERM, []), out.stderr
+    assert _stops(tmp_path) == [("stop", None, "SIGINT", ""), ("stop", None, second.name, "")]
+
+
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
 def test_a_second_signal_while_the_first_is_written_loses_neither_record(tmp_path, second):
     """A Ctrl-C reaches a rank twice: the group's SIGINT, and the launcher's relay of it a moment later.
@@ -217,13 +229,7 @@ def test_a_second_signal_while_the_first_is_written_loses_neither_record(tmp_pat
     except KeyboardInterrupt:
         print("interrupted", stops.recorded, flush=True)
     """))
-    out = subprocess.run([sys.executable, str(script), str(tmp_path), str(int(second))], capture_output=True,
-                         text=True, timeout=60)
-    if second == signal.SIGINT:
-        assert (out.returncode, out.stdout.split()) == (0, ["interrupted", "2"]), out.stderr
-    else:
-        assert (out.returncode, out.stdout.split()) == (-signal.SIGTERM, []), out.stderr
-    assert _stops(tmp_path) == [("stop", None, "SIGINT", ""), ("stop", None, second.name, "")]
+    _both_recorded_then_handed_on(script, tmp_path, second)
 
 
 @pytest.mark.parametrize("second", [signal.SIGINT, signal.SIGTERM])
@@ -246,13 +252,7 @@ def test_a_second_signal_while_a_held_request_is_written_loses_neither_record(tm
     except KeyboardInterrupt:
         print("interrupted", stops.recorded, flush=True)
     """))
-    out = subprocess.run([sys.executable, str(script), str(tmp_path), str(int(second))], capture_output=True,
-                         text=True, timeout=60)
-    if second == signal.SIGINT:
-        assert (out.returncode, out.stdout.split()) == (0, ["interrupted", "2"]), out.stderr
-    else:
-        assert (out.returncode, out.stdout.split()) == (-signal.SIGTERM, []), out.stderr
-    assert _stops(tmp_path) == [("stop", None, "SIGINT", ""), ("stop", None, second.name, "")]
+    _both_recorded_then_handed_on(script, tmp_path, second)
 
 
 def test_a_sigterm_in_the_hand_over_is_recorded_then_takes_its_default_action(tmp_path):
