@@ -50,8 +50,8 @@ class Checker:
         self.tree = tree
         self.checks: list[Check] = []
         self.notes: dict[str, list[str]] = {}
-        self.tables = tree.version  # the release whose tables were read
-        self.unknown = False  # the tree's release is not one this package was checked against
+        self.tables = versions.nearest(tree.version)  # the release whose tables were read
+        self.unknown = not versions.known(tree.version)  # not a release this package was checked against
 
     def add(self, group: str, name: str, by: str, moved: str | None = None) -> None:
         self.checks.append(Check(group, name, by, moved))
@@ -87,8 +87,6 @@ def check_tree(tree: SourceTree) -> Checker:
     """Every table's names against `tree`."""
     release = versions.release(tree.version)
     checker = Checker(tree)
-    checker.tables = versions.pick({v: v for v in versions.KNOWN}, tree.version)
-    checker.unknown = not versions.known(tree.version)
     _common(checker, release)
     _worker(checker)
     _adapters(checker, release)

@@ -60,6 +60,11 @@ def pick(tables: Mapping[str, T], version: str) -> T:
     return tables[max(older, key=_key) if older else min(tables, key=_key)]
 
 
+def nearest(version: str) -> str:
+    """The known release whose tables serve `version` (its own where known: `pick`)."""
+    return pick({v: v for v in KNOWN}, version)
+
+
 def unchecked_allowed(environ: Mapping[str, str] | None = None) -> bool:
     value = (os.environ if environ is None else environ).get(UNCHECKED_ENV, "")
     return value.strip().lower() not in ("", "0", "false", "no")
@@ -76,7 +81,7 @@ def gate(version: str, environ: Mapping[str, str] | None = None, *, stderr=None)
             f" `runner-fsm vllm-check --installed` lists what holds and what moved in it. To run anyway,"
             f" with every change of vLLM behaviour that cannot be verified turned off:"
             f" {UNCHECKED_ENV}=1")
-    tables = pick({v: v for v in KNOWN}, version)
+    tables = nearest(version)
     note = {"version": version, "known": list(KNOWN), "tables": tables,
             "override": f"{UNCHECKED_ENV}=1",
             "turned_off": ["draft_dp_sync (pinned to a checked release)",
