@@ -234,7 +234,7 @@ def _emulation(checker: Checker, release: str) -> None:
     from runner_fsm.integrations.vllm.common.schema import WRITTEN_AGAINST
     from runner_fsm.integrations.vllm.emulation import graphs
 
-    if release.split(".")[:2] != WRITTEN_AGAINST.split(".")[:2]:
+    if not graphs.written_for(release):
         checker.notes.setdefault("emulation", []).append(
             f"it installs on vLLM {WRITTEN_AGAINST} only: emulation/graphs.install refuses {release}")
     for path in graphs.NAMES:

@@ -157,6 +157,14 @@ def check() -> list[str]:
     return missing
 
 
+def written_for(version: str) -> bool:
+    """The emulation replaces names inside vLLM: only on the release line it was written for
+    (`schema.WRITTEN_AGAINST`'s major.minor); `install` refuses another, `vllm-check` says so."""
+    from runner_fsm.integrations.vllm.common.schema import WRITTEN_AGAINST
+
+    return version.split(".")[:2] == WRITTEN_AGAINST.split(".")[:2]
+
+
 def install() -> dict:
     """Graphs emulated in this process (idempotent); what was done, for the job record."""
     module = importlib.import_module(MANAGER_MODULE)
@@ -169,7 +177,7 @@ def install() -> dict:
     from runner_fsm.integrations.vllm.common.schema import WRITTEN_AGAINST, installed_version
 
     version = installed_version()
-    if version.split(".")[:2] != WRITTEN_AGAINST.split(".")[:2]:
+    if not written_for(version):
         raise VLLMSchemaError(f"the device emulation was written against vLLM {WRITTEN_AGAINST}; vLLM {version}"
                               " is installed: unset RUNNER_FSM_EMULATE_DEVICE")
     missing = check()
