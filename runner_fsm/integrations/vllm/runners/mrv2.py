@@ -42,7 +42,6 @@ class MRV2Runner(RunnerAdapter):
                 "cudagraph_manager.run_fullgraph", "cudagraph_manager.graphs", "cudagraph_manager.dispatch")
     READS = {"runner": ("parallel_config", "pcp_manager_cls"),
              "speculator": ("propose", "num_speculative_steps", "model")}
-    DP_ROWS = len(mrv2_dp.MRV2_ROWS)  # vLLM 0.32's; the installed release's from `__init__` on
     GRAPH_MANAGER = True
     # Speculators whose forwards join no DP sync (they reuse the target's agreement).
     SYNC_FREE_SPECULATORS = ("vllm.v1.worker.gpu.spec_decode.standalone_ar.speculator.StandaloneARSpeculator",)

@@ -143,15 +143,15 @@ def install(tap, decide=None, eager_vote=None, *, version: str | None = None) ->
     shape = sync_shape(version)
     carrier = _Carrier(tap, len(shape.rows), decide, eager_vote)
     original = getattr(dp_utils, shape.global_name)
-    if isinstance(original, (_CarryingDist, _CarryingGroup)) or getattr(original, "_runner_fsm_carrier", False):
-        raise RuntimeError(f"vllm.v1.worker.gpu.dp_utils.{shape.global_name} is {original!r}: another"
-                           " interception is installed")
     if shape.global_name == "dist":
         if original is not torch.distributed:
             raise RuntimeError(f"vllm.v1.worker.gpu.dp_utils.dist is {original!r}, not torch.distributed:"
                                " another interception is installed")
         dp_utils.dist = _CarryingDist(carrier)
     else:
+        if getattr(original, "_runner_fsm_carrier", False):
+            raise RuntimeError(f"vllm.v1.worker.gpu.dp_utils.get_dp_group is {original!r}: another"
+                               " interception is installed")
         def get_dp_group():
             return _CarryingGroup(original(), carrier)
         get_dp_group._runner_fsm_carrier = True
