@@ -1,7 +1,7 @@
 """The static index `runner-fsm vllm-check` reads a vLLM source tree with (`common/source_index`),
 on a small tree written here (no vLLM needed): it must see what an import would, and give the
 source digest and signature exactly as the start-up checks compute them on the imported objects
-(`runners/pinning.source_digest`, `inspect.signature`)."""
+(`common/pinning.source_digest`, `inspect.signature`)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import pytest
 
 from runner_fsm.integrations.vllm.common.source_index import SourceTree, parameters
 from runner_fsm.integrations.vllm.common.source_signature import signature_text
-from runner_fsm.integrations.vllm.runners.pinning import source_digest
+from runner_fsm.integrations.vllm.common.pinning import source_digest
 
 FILES = {
     "vllm/__init__.py": """

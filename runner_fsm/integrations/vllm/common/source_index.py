@@ -6,7 +6,7 @@ wheel, unpacked) cannot be imported here, so this reads the same facts from its 
 and the names a lazy module `__getattr__` serves), a class's members (methods, properties, class
 attributes, annotated fields, and every `self.X = ...` in its methods), inherited ones through
 bases resolved across modules, a function's parameters and source, and the source digest exactly
-as `runners/pinning.source_digest` computes it on the imported function (`inspect.getsource` is
+as `common/pinning.source_digest` computes it on the imported function (`inspect.getsource` is
 `inspect.getblock` over the file's lines from the first decorator line).
 
 What an import would do and this cannot: run code (a name made by `setattr` or `globals()` at
@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
-import hashlib
 import inspect
 import re
 from functools import cached_property, lru_cache
 from pathlib import Path
+
+from runner_fsm.integrations.vllm.common.pinning import text_digest
 
 _VERSION = re.compile(r"""^__version__\s*(?:=\s*version\s*)?=\s*['"]([^'"]+)['"]""", re.M)
 
@@ -244,8 +245,8 @@ class SourceTree:
         return "".join(inspect.getblock(found.module.lines[start - 1:]))
 
     def digest(self, found: Found) -> str:
-        """As `runners.pinning.source_digest`: sha256 (first 16 hex) of the source."""
-        return hashlib.sha256(self.source(found).encode()).hexdigest()[:16]
+        """As `pinning.source_digest` gives it on the imported object."""
+        return text_digest(self.source(found))
 
 
 def _class_body(node: ast.ClassDef) -> dict[str, ast.AST]:

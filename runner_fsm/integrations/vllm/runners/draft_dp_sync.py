@@ -43,7 +43,7 @@ from typing import Any
 
 from runner_fsm.integrations.vllm.common import versions
 from runner_fsm.integrations.vllm.runners.base import wrap_method
-from runner_fsm.integrations.vllm.runners.pinning import source_digest
+from runner_fsm.integrations.vllm.common.pinning import source_digest
 
 SPECULATOR = "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator.TargetDependentARSpeculator"
 _SPECULATOR_MODULE = "vllm.v1.worker.gpu.spec_decode.target_dependent_ar.speculator"

@@ -32,7 +32,7 @@ import torch
 from runner_fsm.errors import BatchError
 from runner_fsm.integrations.vllm.common import versions
 from runner_fsm.integrations.vllm.runners.pcp_segments import FIELDS, SegmentsByRank
-from runner_fsm.integrations.vllm.runners.pinning import source_digest
+from runner_fsm.integrations.vllm.common.pinning import source_digest
 from runner_fsm.pcp import layout, native, rows
 from runner_fsm.pcp.plan import _check_padding, _validate, num_tokens_for_dispatch
 
