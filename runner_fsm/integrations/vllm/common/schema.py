@@ -19,6 +19,7 @@ import re
 from typing import Any, Callable, Iterable
 
 from runner_fsm.integrations.vllm.common.errors import VLLMSchemaError
+from runner_fsm.integrations.vllm.common.versions import KNOWN
 
 WRITTEN_AGAINST = "0.32.0"  # the release the device emulation (`emulation/`) was written for
 
@@ -110,8 +111,6 @@ def find_problems(worker_cls: type, *, lookup: Callable[[str], Any] = resolve,
 
 def _raise(what: str, problems: list[str]) -> None:
     if problems:
-        from runner_fsm.integrations.vllm.common.versions import KNOWN
-
         raise VLLMSchemaError(f"{what} was checked against vLLM {', '.join(KNOWN)}; the installed vLLM"
                               f" {installed_version()} does not match it: " + "; ".join(problems))
 
