@@ -1,5 +1,6 @@
 """tests/time_table.py: the README's table of where the tiers' time goes, from the phase
-durations each pytest session writes (tests/conftest.py)."""
+durations each pytest session writes (tests/conftest.py). Mutation seen to fail the first test:
+`write_readme` appending a new block instead of replacing the one between the markers."""
 
 from __future__ import annotations
 

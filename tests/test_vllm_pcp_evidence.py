@@ -225,7 +225,8 @@ def test_skip_buffer_refresh_is_stale_inputs_at_its_step():
 
 
 def test_vllm_033s_capture_preparation_is_wrapped_under_its_name():
-    """0.33 renamed the manager's staging and expands its mask: the evidence follows it."""
+    """0.33 renamed the manager's staging and expands its mask: the evidence follows it. Failed on
+    a16b93e (the evidence wrapped `prepare_inputs_to_capture` only, which 0.33's manager lacks)."""
     run = _two_real_then_two_dummies(Run(manager_cls=FakeManager033))
     assert findings(run) == {}
     staged, mask = run.staged[-1]  # the dummy's mask, expanded to PCP x 2 rows, all padding
@@ -235,6 +236,8 @@ def test_vllm_033s_capture_preparation_is_wrapped_under_its_name():
 
 
 def test_skip_buffer_refresh_on_033_reads_the_expanded_mask_the_real_batch_left():
+    """Mutation seen to fail it: `_stale_padding` returning the manager's own `is_padding` (0.32's
+    stale view), which is not the mask 0.33's MoE reads."""
     run = _two_real_then_two_dummies(Run("skip-buffer-refresh", at_step=2, manager_cls=FakeManager033))
     found = findings(run)
     assert list(found) == [2]
@@ -245,6 +248,7 @@ def test_skip_buffer_refresh_on_033_reads_the_expanded_mask_the_real_batch_left(
 
 
 def test_manager_names_follow_the_release():
+    """Failed on a16b93e: one list of names, 0.32's, for every release."""
     from runner_fsm.integrations.vllm.runners.pcp_evidence import manager_names
 
     assert "prepare_inputs_to_capture" in manager_names("0.32.0")

@@ -1,7 +1,8 @@
 """Which vLLM releases the package knows (`common/versions.py`), the tables chosen by release, and
 the gate at the worker's start: a release never checked stops with one message, unless the user
 sets the override; then the run says what it turned off. No vLLM needed (the real run through
-the worker is tests/test_vllm_version_gate.py)."""
+the worker is tests/test_vllm_version_gate.py). Mutation seen to fail 4 of them: `gate` letting
+every release through (returning None before its `known` test)."""
 
 from __future__ import annotations
 
