@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -59,6 +60,11 @@ def add_run(sub) -> None:
 
 def _cmd_run(args) -> int:
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # What the run makes lies in its run directory, temporary files included: the ranks' fork
+    # server (engine/launch.py) listens on a socket in multiprocessing's temporary directory,
+    # removed at exit, which a job killed whole (SIGKILL to its process group) leaves behind.
+    tempfile.tempdir = str(out)
     model, draft = _models(args, out)
     cfg = EngineConfig(
         model_dir=model, draft_dir=draft, run_dir=str(out), dtype=args.dtype,

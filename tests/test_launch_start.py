@@ -1,0 +1,47 @@
+"""How `engine.launch.spawn` starts ranks: forks of one fork server that has torch imported, each
+given the launcher's environment as it is at that job's `spawn`.
+
+Mutations seen to fail it: the `spawn` start method (every rank's parent is the launcher); the fork
+server without `child_env` (the second job sees the first job's variable, and the removed one).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from runner_fsm.config import ParallelLayout
+from runner_fsm.engine.launch import spawn
+
+pytestmark = pytest.mark.multiproc
+
+LAYOUT = ParallelLayout(dp_size=1, pcp_size=2)
+NAME = "RUNNER_FSM_TEST_LAUNCH_ENV"
+GONE = "RUNNER_FSM_TEST_LAUNCH_GONE"
+
+
+def _seen(groups) -> dict:
+    return {"value": os.environ.get(NAME), "gone": os.environ.get(GONE), "omp": os.environ.get("OMP_NUM_THREADS"),
+            "parent": os.getppid()}
+
+
+def test_each_job_sees_the_environment_the_launcher_had_at_its_spawn(monkeypatch):
+    monkeypatch.setenv(NAME, "first")
+    monkeypatch.setenv(GONE, "here")
+    first = spawn(_seen, LAYOUT, timeout_s=60)
+    monkeypatch.setenv(NAME, "second")
+    monkeypatch.delenv(GONE)
+    second = spawn(_seen, LAYOUT, timeout_s=60)
+    assert [r["value"] for r in first] == ["first", "first"]
+    assert [r["gone"] for r in first] == ["here", "here"]
+    assert [r["value"] for r in second] == ["second", "second"]
+    assert [r["gone"] for r in second] == [None, None]
+    assert {r["omp"] for r in first + second} == {"1"}  # the children's own setting, not the launcher's
+
+
+def test_ranks_of_every_job_are_forks_of_one_server_not_of_the_launcher():
+    first = spawn(_seen, LAYOUT, timeout_s=60)
+    second = spawn(_seen, LAYOUT, timeout_s=60)
+    parents = {r["parent"] for r in first + second}
+    assert len(parents) == 1 and os.getpid() not in parents, parents
