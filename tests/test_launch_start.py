@@ -45,3 +45,9 @@ def test_ranks_of_every_job_are_forks_of_one_server_not_of_the_launcher():
     second = spawn(_seen, LAYOUT, timeout_s=60)
     parents = {r["parent"] for r in first + second}
     assert len(parents) == 1 and os.getpid() not in parents, parents
+
+
+def test_fresh_interpreters_are_the_launchers_own_children():
+    """`runner-fsm run`'s start (nothing in TMPDIR while it runs: test_nothing_outside)."""
+    ranks = spawn(_seen, LAYOUT, timeout_s=60, fresh_interpreters=True)
+    assert {r["parent"] for r in ranks} == {os.getpid()}

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -265,6 +266,7 @@ def test_a_main_thread_blocked_in_c_still_records_the_stop_before_the_kill(tmp_p
     child = subprocess.Popen([sys.executable, str(script), str(tmp_path)], stdout=subprocess.PIPE, text=True)
     try:
         assert child.stdout.readline().strip() == "ready"
+        _wait_until_asleep_in_c(child.pid)
         log = tmp_path / "run" / "rank-0.jsonl"
         child.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + 10
@@ -276,6 +278,17 @@ def test_a_main_thread_blocked_in_c_still_records_the_stop_before_the_kill(tmp_p
         child.wait()
     assert child.returncode == -signal.SIGKILL
     assert [(r["event"], r["step_id"], r["signal"]) for r in _records(log)] == [("stop", 7, "SIGTERM")]
+
+
+def _wait_until_asleep_in_c(pid: int, timeout_s: float = 30.0) -> None:
+    """Until the main thread sleeps in the kernel (its `time.sleep`): sent between its "ready" and
+    that sleep (a loaded machine), the signal finds it running bytecode, its handler runs at once,
+    and the default action ends the process (SIGTERM, not the test's SIGKILL: seen under load)."""
+    deadline = time.monotonic() + timeout_s
+    wchan = Path(f"/proc/{pid}/task/{pid}/wchan")
+    while "nanosleep" not in wchan.read_text():
+        assert time.monotonic() < deadline, f"the child's main thread never slept: {wchan.read_text()!r}"
+        time.sleep(0.01)
 
 
 def test_each_arrival_is_recorded_once_though_both_the_watch_and_the_handler_hear_it(tmp_path):

@@ -70,8 +70,9 @@ class EngineResult:
 
 
 def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float = 600.0,
-               in_process: bool | None = None) -> EngineResult:
-    """Serve `requests` to completion; a 1x1 layout runs in this process unless told not to."""
+               in_process: bool | None = None, fresh_interpreters: bool = False) -> EngineResult:
+    """Serve `requests` to completion; a 1x1 layout runs in this process unless told not to.
+    `fresh_interpreters`: how ranks start (`engine.launch.spawn`)."""
     cfg = prepare(cfg, requests)  # a user error stops here, before any process or step
     os.makedirs(cfg.run_dir, exist_ok=True)
     if in_process is None:
@@ -86,7 +87,8 @@ def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float =
             ranks = [_as_result(r, cfg) for r in spawn(
                 run_rank, cfg.layout, cfg, requests, timeout_s=timeout_s,
                 pg_timeout_s=cfg.collective_timeout_s + 30, collect_failures=True, host=cfg.listen_address,
-                failed=lambda rank: rank.error is not None, on_stop=lambda *request: _stop_asked(cfg, *request))]
+                failed=lambda rank: rank.error is not None, on_stop=lambda *request: _stop_asked(cfg, *request),
+                fresh_interpreters=fresh_interpreters)]
     outputs: dict[str, list[int]] = {}
     for rank in ranks:
         if rank.pcp_rank == 0:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -60,11 +59,6 @@ def add_run(sub) -> None:
 
 def _cmd_run(args) -> int:
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    # What the run makes lies in its run directory, temporary files included: the ranks' fork
-    # server (engine/launch.py) listens on a socket in multiprocessing's temporary directory,
-    # removed at exit, which a job killed whole (SIGKILL to its process group) leaves behind.
-    tempfile.tempdir = str(out)
     model, draft = _models(args, out)
     cfg = EngineConfig(
         model_dir=model, draft_dir=draft, run_dir=str(out), dtype=args.dtype,
@@ -82,7 +76,9 @@ def _cmd_run(args) -> int:
                                       max_new_tokens=args.max_new_tokens, arrival_every=1)
     from runner_fsm.engine.api import run_engine
 
-    result = run_engine(cfg, requests, timeout_s=max(300.0, 4 * args.collective_timeout))
+    # Fresh interpreters, not forks of a fork server: a run killed whole (SIGKILL to its process
+    # group) leaves nothing outside its run directory, and the server's socket lies in TMPDIR.
+    result = run_engine(cfg, requests, timeout_s=max(300.0, 4 * args.collective_timeout), fresh_interpreters=True)
     if result.primary:
         print(format_summary(result, f"DP={args.dp} x PCP={args.pcp}"))
         if result.ok:

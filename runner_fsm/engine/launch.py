@@ -85,6 +85,7 @@ def spawn(
     host: str = LOOPBACK,
     failed: Callable[[Any], bool] | None = None,
     on_stop: Callable[[str, list[int], list[int]], None] | None = None,
+    fresh_interpreters: bool = False,
 ) -> list[Any]:
     """Run `fn(groups, *args)` on every global rank; return the results in rank order.
 
@@ -98,9 +99,12 @@ def spawn(
     has reported, instead of being given time to leave their groups. `on_stop(signal_name,
     alive_ranks, gone_ranks)`: told of a stop request to the launcher before any rank is (the
     stop recorded where it started, `process.stop_requests`); it must not raise.
+    `fresh_interpreters`: start each rank as a new interpreter (`spawn`), leaving nothing outside
+    the run when the job is killed whole; by default ranks are forks of a fork server
+    (`_start_context`), whose socket lies in TMPDIR while this process lives.
     """
     layout.validate()
-    context = _start_context()
+    context = mp.get_context("spawn") if fresh_interpreters else _start_context()
     # One pipe per rank for its result: a `Queue` is guarded by named POSIX semaphores
     # (/dev/shm/sem.mp-*) that only the launcher's resource tracker removes, and a job killed
     # whole (SIGKILL to its process group) leaves them behind; a pipe is gone with its holders.
