@@ -61,6 +61,10 @@ JOBS = {
     "external-lb": ("external-lb", "each-node", "sigint-node-first"),
     "node-killed": ("headless", "replica-1-then-kill", "sigkill-node-b"),
 }
+# uvicorn's words when vLLM's shutdown of a node is done but for a request still open: at times LONG's,
+# which the engines that shutdown killed never answer (at others vLLM fails it first). The node then
+# waits for its client for ever and writes nothing more; it was SIGKILLed after 90 s, now at once.
+OPEN_REQUEST_WAIT = "Waiting for connections to close"
 AT_ONCE = 3  # jobs whose servers run at once (six servers: what this machine's memory and cores bear)
 
 
@@ -109,6 +113,15 @@ class Node:
             return self.proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             return None
+
+    def wait_shut_down(self, timeout_s: float) -> None:
+        """Until the node has exited, or has done all of its shutdown but its HTTP server's wait
+        for a request still open (`OPEN_REQUEST_WAIT`): at most `timeout_s` seconds."""
+        deadline = time.monotonic() + timeout_s
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            if OPEN_REQUEST_WAIT in self.log_path.read_text(errors="replace"):
+                return
+            time.sleep(0.2)
 
     def kill(self) -> None:
         if self.proc.poll() is None:
@@ -220,7 +233,7 @@ def run_job(root: Path, job: str, model: str, env: dict) -> dict:
             for n, r in ((first, rank), (second, 1 - rank)):
                 _freeze_worker(n.run_dir, r)
                 n.signal(signal.SIGINT)
-                n.wait(90)
+                n.wait_shut_down(90)
     finally:
         for n in nodes:
             n.kill()
