@@ -98,28 +98,40 @@ def complete(port: int, model: str, req) -> tuple[str, list[int]]:
     return req.req_id, list(out.choices[0].token_ids)
 
 
-def test_http_server_answers_equal_the_default_worker(vllm_models, tmp_path):
-    model = vllm_models["llama"]
-    with h.open_llm(**h.llm_kwargs(model, worker=None)) as llm:
-        reference, _ = h.generate(llm, REQUESTS)
-    run_dir, port, log_path = tmp_path / "run", free_port(), tmp_path / "server.log"
+# One in-process vLLM engine at a time in this process: the references are computed in threads
+# beside the servers, and vLLM keeps an engine's configuration in module globals.
+ONE_ENGINE = threading.Lock()
+
+
+def reference_of(model: str, requests) -> dict[str, list[int]]:
+    """vLLM's default worker's answers (DP=1, in this process)."""
+    with ONE_ENGINE, h.open_llm(**h.llm_kwargs(model, worker=None)) as llm:
+        return h.generate(llm, requests)[0]
+
+
+def _http_job(model: str, root) -> dict:
+    """test_http_server_answers_equal_the_default_worker's job: its server is started first and
+    the reference computed while the server starts (neither waits for the other)."""
+    run_dir, port, log_path = root / "run", free_port(), root / "server.log"
     with open(log_path, "w") as log:
         proc = start_server(model, str(run_dir), port, log, *SHUTDOWN_TIMEOUT)
         try:
+            reference = reference_of(model, REQUESTS)
             wait_ready(proc, port, log_path)
             with concurrent.futures.ThreadPoolExecutor(len(REQUESTS)) as pool:
                 answers = dict(pool.map(lambda req: complete(port, model, req), REQUESTS))
         finally:
             stop(proc)
-    assert answers == reference
-    triggers = transitions(run_dir)
-    assert "prefill" in triggers and "decode" in triggers
-    # The stop, recorded the moment SIGINT arrived, then (vLLM waits for its engine: SHUTDOWN_TIMEOUT)
-    # the worker's shutdown.
-    stops = [r for r in records(run_dir, 0) if r["event"] == "stop" and r["source"] == "signal"]
-    assert stops and stops[0]["signal"] == "SIGINT", f"server exit status {proc.returncode}\n" + log_tail(log_path)
-    assert triggers[-1] == "shutdown", f"server exit status {proc.returncode}\n" + log_tail(log_path)
-    assert_replays_sound(run_dir)
+    return {"run_dir": run_dir, "log": log_path, "code": proc.returncode, "answers": answers, "reference": reference}
+
+
+@pytest.fixture(scope="module")
+def http_job(vllm_models, tmp_path_factory):
+    """That job, run in the background from its first need on. `served_dp2` needs it first, so
+    that it runs beside the four DP=2 servers' start-ups: alone it keeps about one core busy (each
+    of its processes starts after the one before it), and this machine has two."""
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        yield pool.submit(_http_job, vllm_models["llama"], tmp_path_factory.mktemp("http"))
 
 
 # --- a served DP=2 job, stopped four ways (all four servers run at once) ---------------------
@@ -142,7 +154,7 @@ def records_of(path):
 
 
 @pytest.fixture(scope="module")
-def served_dp2(vllm_models, tmp_path_factory):
+def served_dp2(http_job, vllm_models, tmp_path_factory):
     """`--data-parallel-size 2` with an MoE model (DP engines step together), one request, so one
     replica serves it while the other runs idle dummies; then each way to end it:
     - ctrl-c: SIGINT to the server's process group, its workers frozen first (SIGSTOP: as a
@@ -195,8 +207,7 @@ def served_dp2(vllm_models, tmp_path_factory):
     threads = [threading.Thread(target=one, args=(ending,)) for ending in ENDINGS]
     for thread in threads:
         thread.start()
-    with h.open_llm(**h.llm_kwargs(model, worker=None)) as llm:  # vLLM's own worker, meanwhile
-        reference, _ = h.generate(llm, [req])
+    reference = reference_of(model, [req])  # vLLM's own worker, meanwhile
     for thread in threads:
         thread.join()
     return out, reference
@@ -254,6 +265,21 @@ def test_served_dp2_injection_that_never_fired_is_named_after_ctrl_c(served_dp2)
         report.format() + _server_tail(run_dir, code, answers)
     assert code == 0 and answers
     assert re.match(r"stop requested: (SIGINT|a stop signal received by vLLM's API server)", stop_note(report))
+
+
+# After the DP=2 tests: its job (`http_job`) runs beside theirs.
+def test_http_server_answers_equal_the_default_worker(http_job):
+    job = http_job.result()
+    run_dir, log_path, code = job["run_dir"], job["log"], job["code"]
+    assert job["answers"] == job["reference"]
+    triggers = transitions(run_dir)
+    assert "prefill" in triggers and "decode" in triggers
+    # The stop, recorded the moment SIGINT arrived, then (vLLM waits for its engine: SHUTDOWN_TIMEOUT)
+    # the worker's shutdown.
+    stops = [r for r in records(run_dir, 0) if r["event"] == "stop" and r["source"] == "signal"]
+    assert stops and stops[0]["signal"] == "SIGINT", f"server exit status {code}\n" + log_tail(log_path)
+    assert triggers[-1] == "shutdown", f"server exit status {code}\n" + log_tail(log_path)
+    assert_replays_sound(run_dir)
 
 
 def _server_tail(run_dir, code, answers) -> str:
