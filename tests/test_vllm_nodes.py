@@ -66,6 +66,12 @@ JOBS = {
 # waits for its client for ever and writes nothing more; it was SIGKILLed after 90 s, now at once.
 OPEN_REQUEST_WAIT = "Waiting for connections to close"
 AT_ONCE = 3  # jobs whose servers run at once (six servers: what this machine's memory and cores bear)
+# Each node's one local DP rank binds its worker's OpenMP threads where VLLM_CPU_OMP_THREADS_BIND
+# says; vLLM's default, `auto`, binds a server's local rank 0 to CPU 0 (Cpus_allowed_list in /proc,
+# test_vllm_server's servers), so the six workers shared one core of two. Node A's worker on CPU 0,
+# node B's (headless or not, its own environment) on CPU 1, as two machines would each have their
+# own: one OpenMP thread either way, so what each worker computes is the same.
+NODE_BINDS = ({"VLLM_CPU_OMP_THREADS_BIND": "0"}, {"VLLM_CPU_OMP_THREADS_BIND": "1"})
 
 
 def readme_block(name: str) -> list[str]:
@@ -187,8 +193,8 @@ def run_job(root: Path, job: str, model: str, env: dict) -> dict:
     options = {"inject": INJECTION, "collective_timeout_s": TIMEOUT_S} if job == "injected" else {}
     lines = readme_block(block)
     assert len(lines) == 2, lines
-    nodes = [Node(root / job, name, node_command(line, model, rpc, free_port(), options), env)
-             for name, line in zip(("nodeA", "nodeB"), lines)]
+    nodes = [Node(root / job, name, node_command(line, model, rpc, free_port(), options), {**env, **bind})
+             for name, line, bind in zip(("nodeA", "nodeB"), lines, NODE_BINDS)]
     head, node = nodes
     answers: dict[str, list[int]] = {}
     try:

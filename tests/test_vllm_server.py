@@ -48,6 +48,14 @@ def free_port() -> int:
 # that checks that path asks for it.
 SHUTDOWN_TIMEOUT = ("--shutdown-timeout", "10")
 
+# vLLM's CPU executor binds each worker's OpenMP threads to the cores VLLM_CPU_OMP_THREADS_BIND
+# gives its local rank. Its default, `auto`, bound the worker of every server here to CPU 0
+# (/proc/<pid>/task/*/status: Cpus_allowed_list 0 for all eight VLLM::Worker of the four DP=2
+# servers and the DP=1 one), so the workers shared one core of two: one core per DP rank instead,
+# and the DP=1 worker on CPU 1. Neither changes what a worker computes (one thread either way).
+DP2_BIND = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+DP1_BIND = {"VLLM_CPU_OMP_THREADS_BIND": "1"}
+
 
 def start_server(model: str, run_dir: str, port: int, log, *extra: str, options: dict | None = None,
                  env: dict | None = None) -> subprocess.Popen:
@@ -114,7 +122,7 @@ def _http_job(model: str, root) -> dict:
     the reference computed while the server starts (neither waits for the other)."""
     run_dir, port, log_path = root / "run", free_port(), root / "server.log"
     with open(log_path, "w") as log:
-        proc = start_server(model, str(run_dir), port, log, *SHUTDOWN_TIMEOUT)
+        proc = start_server(model, str(run_dir), port, log, *SHUTDOWN_TIMEOUT, env=DP1_BIND)
         try:
             reference = reference_of(model, REQUESTS)
             wait_ready(proc, port, log_path)
@@ -167,7 +175,7 @@ def served_dp2(http_job, vllm_models, tmp_path_factory):
     {ending: (run_dir, answers, server exit status)}."""
     model = vllm_models["mixtral"]
     root = tmp_path_factory.mktemp("served-dp2")
-    env = plugin_env(root)
+    env = {**plugin_env(root), **DP2_BIND}
     req = REQUESTS[1]
     out = {}
 

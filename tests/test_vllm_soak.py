@@ -21,7 +21,7 @@ import threading
 import time
 
 import pytest
-from test_vllm_server import free_port, start_server, stop, wait_ready
+from test_vllm_server import DP2_BIND, free_port, start_server, stop, wait_ready
 
 from runner_fsm.audit import read_records
 from runner_fsm.replay.judge import replay
@@ -76,7 +76,8 @@ def test_a_long_served_run_stays_under_its_cap_and_keeps_the_fault(vllm_models, 
     started = time.monotonic()
     with open(log_path, "w") as log:
         proc = start_server(model, str(run_dir), port, log, "--data-parallel-size", "2",
-                            "--data-parallel-address", "127.0.0.1", options=options)
+                            "--data-parallel-address", "127.0.0.1", options=options,
+                            env=DP2_BIND)  # one core per DP rank: see test_vllm_server
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
         try:
