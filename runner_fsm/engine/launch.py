@@ -305,9 +305,11 @@ def _start_context() -> mp.context.BaseContext:
     return context
 
 
-# Children inherit the environment at start: OMP must see 1 thread before torch loads, and
-# gloo listens on the loopback interface only (nothing beyond 127.0.0.1), unless the user
-# chose an interface.
+# OMP must see 1 thread before torch loads, and gloo listens on the loopback interface only
+# (nothing beyond 127.0.0.1), unless the user chose an interface. Torch loads before any rank
+# code runs (a fresh interpreter unpickling `_child_main`, or the fork server at its start), so
+# these are in the launcher's environment while processes start (`_single_threaded_children`);
+# each rank also gets them in `child_env`.
 _CHILD_ENV = {"OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", "lo")}
 
 
