@@ -202,6 +202,42 @@ def test_sources_that_disagree_are_a_finding(hang_run, tmp_path):
     assert found[0].evidence == ("audit", "flight_recorder")
 
 
+def _one_fewer_in_the_dump(run, rank: int, group: str) -> None:
+    """Rank `rank`'s dump as if torch never issued the last collective its log announced in `group`."""
+    path = run / f"fr-rank-{rank}.json"
+    dump = json.loads(path.read_text())
+    pg = dump["groups"][group]["pg_name"]
+    last = max(e["collective_seq_id"] for e in dump["trace"]["entries"] if e["process_group"][0] == pg)
+    dump["trace"]["entries"] = [e for e in dump["trace"]["entries"]
+                                if not (e["process_group"][0] == pg and e["collective_seq_id"] == last)]
+    status = dump["trace"]["pg_status"][pg if pg in dump["trace"]["pg_status"] else str(pg)]
+    status["last_enqueued_collective"] = str(int(status["last_enqueued_collective"]) - 1)
+    path.write_text(json.dumps(dump))
+
+
+@pytest.mark.multiproc
+@pytest.mark.parametrize("rank", [0, 2])
+@pytest.mark.parametrize("stopped", [True, False])
+def test_a_collective_announced_then_stopped_before_torch_is_no_disagreement(hang_run, tmp_path, rank, stopped):
+    """A Ctrl-C lands between a collective's `enqueue` record and the call (the cancel takes effect
+    at the wait for the group's thread): the log counts one more than torch. With the rank's own
+    stop request on record, and that collective never logged done, that is the stop, not a
+    disagreement of the sources. Without the stop it is one; and so it is for rank 2 (the hang's
+    culprit), whose last agreement was logged done: torch had it, whatever came after."""
+    run = tmp_path / "run"
+    shutil.copytree(hang_run, run)
+    _one_fewer_in_the_dump(run, rank, "dp")
+    if stopped:
+        with open(run / f"rank-{rank}.jsonl", "ab") as log:  # as a handler records it, after the enqueue
+            log.write(b'{"t":1,"e":"stop","source":"signal","signal":"SIGINT","detail":""}\n')
+    found = [v for v in replay(run).verdicts if v.kind == "source_disagreement"]
+    if stopped and rank == 0:
+        assert found == []
+    else:
+        assert [v.ranks for v in found] == [(rank,)]
+        assert "the log announced a collective torch never issued" in found[0].detail
+
+
 @pytest.mark.multiproc
 def test_skip_draft_sync_verdict_joins_the_flight_recorder(models, tmp_path):
     _run(models, tmp_path, "skip-draft-sync@replica=1,step=4")

@@ -34,6 +34,13 @@ until the write is done. Each rank now records the stop itself: runs of this cas
 old code and the fixed one on the same loaded box, 2 of 60 old runs left a rank silent, 0 of 60
 fixed ones (the old code's rate is low: 4 runs of this test on it found none in 79 complete runs;
 tests/test_rank_stops.py sends the second signal inside the first's write and fails on it always).
+Later, in CI, 1 run of 20: one rank's log held no stop. The group's SIGINT had met Python's handler in
+the hand-over, and the relay landed in `missed`'s record before it held arrivals: counted, never
+written (tests/test_rank_stops.py, the relay before the hold). And 1 of 80 runs here read UNSOUND:
+a rank recorded the stop, then announced its next agreement and was cancelled waiting for the
+group's thread before torch had it; replay took the one collective torch never counted for a
+disagreement of the sources (tests/test_flight_recorder.py, announced then stopped). A failure
+prints where each rank's log ends.
 Takes 75-330 s on 2 loaded cores: `slow`.
 """
 
@@ -87,8 +94,12 @@ def _ctrl_c(run: Path, model: str, offset_ms: int) -> dict:
     stops = {rank: [(r["signal"], r["step_id"]) for r in _records(run / f"rank-{rank}.jsonl")
                     if r["event"] == "stop"] for rank in (0, 1)}
     report = replay(run)
+    # where each rank's log ends (what a failure prints: a silent rank's last records say where it was)
+    ends = {rank: [(r["event"], r["step_id"], r.get("trigger") or r.get("op"))
+                   for r in _records(run / f"rank-{rank}.jsonl")][-4:] for rank in (0, 1)}
     return {"offset_ms": offset_ms, "code": proc.returncode, "stops": stops, "sound": report.sound,
-            "notes": report.summary.notes, "verdicts": [(v.kind, v.ranks, v.step) for v in report.verdicts]}
+            "notes": report.summary.notes, "verdicts": [(v.kind, v.ranks, v.step, v.detail) for v in report.verdicts],
+            "ends": ends}
 
 
 def _explained(outcome: dict) -> bool:

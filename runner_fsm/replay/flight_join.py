@@ -47,6 +47,8 @@ class AuditTail:
     last_transition: dict | None = None
     collectives: dict[tuple[str, int], dict] = dataclasses.field(default_factory=dict)  # (group, pg_seq)
     last_pg: dict[str, int] = dataclasses.field(default_factory=dict)  # group -> last enqueued pg_seq
+    done: set[tuple[str, int]] = dataclasses.field(default_factory=set)  # (group, pg_seq) logged done
+    stopped: bool = False  # a stop request is on record in the end of its log
 
     def where(self) -> str:
         """Which transition the rank was in when its log ends, in words."""
@@ -76,6 +78,10 @@ def read_tail(info: RankInfo) -> AuditTail:
             if record.get("stage") == "enqueue":
                 tail.collectives[key] = record
                 tail.last_pg[key[0]] = key[1]
+            elif record.get("stage") == "done":
+                tail.done.add(key)
+        elif event == "stop":
+            tail.stopped = True
     return tail
 
 
@@ -214,6 +220,12 @@ def _disagreements(view, name: str, tails) -> Iterable[Verdict]:
         logged = tail.last_pg.get(name)
         counted = view.enqueued[rank]
         step = tail.collectives[(name, logged)]["step_id"] if logged is not None else None
+        if logged is not None and logged == counted and tail.stopped and (name, logged) not in tail.done:
+            # Stopped on purpose between the record and the call: the rank's handler records the
+            # request at once, the run is cancelled at its next await, which is the wait for this
+            # collective's worker thread; it may never have handed it to torch (seen: a Ctrl-C
+            # at step 0 of a DP=2 run, tests/test_stop_race.py). The stop is named in the notes.
+            continue
         if logged is not None and logged + 1 != counted:
             why = ("a collective ran unlogged or its record is lost" if counted > logged + 1 else
                    "the log announced a collective torch never issued (stopped between the record and the call?)")
