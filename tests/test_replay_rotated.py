@@ -29,15 +29,21 @@ from runner_fsm.testing.synth import Defect, SynthSpec, write_run
 CAPPED = SynthSpec(dp_size=3, pcp_size=2, steps=3000, max_log_bytes=8 * MIN_SEGMENT, pinned_steps=20)
 
 
+@pytest.fixture(scope="module")
+def clean_run(tmp_path_factory):
+    """The capped run without defects, written once for the tests that only read it (a write of
+    3000 steps x 6 ranks through `AuditLog` is most of each test's time)."""
+    return write_run(tmp_path_factory.mktemp("clean"), CAPPED)
+
+
 def kinds(report) -> list[tuple]:
     return [(v.kind, v.replica, v.step) for v in report.verdicts]
 
 
-def test_a_rotated_run_replays_sound_and_says_which_steps_it_did_not_see(tmp_path):
+def test_a_rotated_run_replays_sound_and_says_which_steps_it_did_not_see(clean_run):
     """Mutation: the merger ignoring rotated ranges (`StepMerger.blind` always False) ->
     missing_replica for the steps one rank rotated away before its peers."""
-    run = write_run(tmp_path, CAPPED)
-    report = replay(run)
+    report = replay(clean_run)
     assert report.sound, report.format()
     rotated = report.summary.rotated
     assert rotated and all(span.first == 0 and span.last > 1000 for span in rotated)
@@ -66,12 +72,11 @@ def test_a_finding_in_kept_steps_is_named_and_one_rotated_away_is_not(tmp_path, 
     assert ("agreed_mismatch", replica, 2900) in found
 
 
-def test_ranks_that_lost_different_steps_are_paired_on_the_steps_they_share(tmp_path):
+def test_ranks_that_lost_different_steps_are_paired_on_the_steps_they_share(tmp_path, clean_run):
     """One rank lost more than its peers: the steps only its peers hold are judged among them
     (a finding there is named), never as that rank missing. Mutation: `_note_absent` counting
     a rank whose log no longer holds the step -> missing_replica."""
-    probe = write_run(tmp_path / "probe", CAPPED)
-    common = replay(probe).summary.first_step
+    common = replay(clean_run).summary.first_step
     defects = [Defect("agreed_mismatch", 0, common + 150)]
     run = write_run(tmp_path / "run", CAPPED, defects)
     segments = sorted((int(m[1]), name) for name in os.listdir(run) if (m := re.match(r"^rank-5\.(\d+)\.jsonl$", name)))
@@ -152,11 +157,10 @@ def test_a_segment_rotated_away_while_replay_reads_is_skipped(tmp_path, monkeypa
     assert any(0 in span.ranks for span in report.summary.rotated)
 
 
-def test_the_cli_prints_the_rotated_range_and_judges_the_last_steps(tmp_path):
+def test_the_cli_prints_the_rotated_range_and_judges_the_last_steps(clean_run):
     """Mutation: `resolve_window` counting the last N steps from the log's first step -> the
     wrong window."""
-    run = write_run(tmp_path, CAPPED)
-    out = subprocess.run([sys.executable, "-m", "runner_fsm.cli", "replay", "--json", "--last", "100", str(run)],
+    out = subprocess.run([sys.executable, "-m", "runner_fsm.cli", "replay", "--json", "--last", "100", str(clean_run)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     summary = json.loads(out.stdout)["summary"]
