@@ -202,7 +202,9 @@ def test_a_capped_log_keeps_its_digests(tmp_path):
     """Written under a byte cap (segments rotated away), the digests are still on every kept
     `finish` and a divergence after the rotation is named. Mutation: the capped writer dropping
     `decided` from the transition -> sound."""
-    spec = SynthSpec(dp_size=2, pcp_size=3, steps=300, decisions=True, compact=True, max_log_bytes=40_000,
+    # 80 kB keeps about the last 26 steps: a compact record's size follows the time between records,
+    # so under load a rank rotates a segment (13 steps) sooner; with 40 kB rank 5 once kept only 298..
+    spec = SynthSpec(dp_size=2, pcp_size=3, steps=300, decisions=True, compact=True, max_log_bytes=80_000,
                      pinned_steps=5)
     run = write_run(tmp_path, spec, [Defect("rank_graph_mode", 1, 292, 2)])
     report = replay(run)
