@@ -76,6 +76,12 @@ ERRORS = {
 }
 # One draft-decode forward needs K >= 2 speculative tokens.
 OVERRIDES = {"draft-count-mismatch": {"num_speculative_tokens": 2}}
+# A kind whose every rank stops on a typed error, no wait timed out, gets a watchdog it never
+# needs: on a box loaded by other jobs (load 40) a rank once took more than 3 s to reach its first
+# agreement, and wrong-dispatch-count's run ended in CollectiveTimeout instead.
+for _kind, _errors in ERRORS.items():
+    if "CollectiveTimeout" not in _errors:
+        OVERRIDES.setdefault(_kind, {})["collective_timeout_s"] = 30.0
 
 
 def culprit_text(kind, culprit, pcp_size):
