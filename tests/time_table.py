@@ -1,7 +1,9 @@
 """Where the test tiers' time goes: the table in tests/README.md, from the phase durations that
 `make test-times` has each pytest session write (tests/conftest.py, RUNNER_FSM_TEST_TIMES).
 
-    python tests/time_table.py DIR [--readme tests/README.md]
+    python tests/time_table.py DIR [--readme tests/README.md | --readme -]
+
+(`-`: the table to standard output, as `.ci/run` prints it at its end.)
 
 Per tier: tests run, total seconds, and how much went to setup (fixtures a test is the first to
 need: model builds, engine start-ups), to the tests' own calls and to teardown; then the files
@@ -83,6 +85,9 @@ def main(argv: list[str] | None = None) -> int:
     when = datetime.datetime.fromtimestamp(newest, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
     measured = (f"Measured {when} on {platform.node() or 'this machine'} ({os.cpu_count()} CPUs): seconds summed"
                 " over each tier's tests, run one after another (other work on the machine then counts in them).")
+    if str(args.readme) == "-":
+        print(table(tiers, measured=measured))
+        return 0
     write_readme(args.readme, table(tiers, measured=measured))
     print(f"wrote the table of {len(tiers)} tier(s) into {args.readme}")
     return 0
