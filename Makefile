@@ -27,7 +27,7 @@ $(NATIVE): runner_fsm/pcp/_mrv2_layout.c
 # (find-links: where the CPU build of torch 2.13.0 lies) are handed to it; without them
 # torch==2.13.0 is the multi-GB CUDA build, from pip as from uv.
 UV_PIN     ?= uv==0.13.9
-FIND_LINKS := $(sort $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null) $(PIP_FIND_LINKS))
+FIND_LINKS  = $(sort $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null) $(PIP_FIND_LINKS))
 UV_ARGS     = -q --compile-bytecode $(foreach links,$(FIND_LINKS),--find-links $(links))
 
 $(STAMP): pyproject.toml
