@@ -210,7 +210,7 @@ def _one_fewer_in_the_dump(run, rank: int, group: str) -> None:
     last = max(e["collective_seq_id"] for e in dump["trace"]["entries"] if e["process_group"][0] == pg)
     dump["trace"]["entries"] = [e for e in dump["trace"]["entries"]
                                 if not (e["process_group"][0] == pg and e["collective_seq_id"] == last)]
-    status = dump["trace"]["pg_status"][pg if pg in dump["trace"]["pg_status"] else str(pg)]
+    status = dump["trace"]["pg_status"][pg]
     status["last_enqueued_collective"] = str(int(status["last_enqueued_collective"]) - 1)
     path.write_text(json.dumps(dump))
 
@@ -223,7 +223,8 @@ def test_a_collective_announced_then_stopped_before_torch_is_no_disagreement(han
     at the wait for the group's thread): the log counts one more than torch. With the rank's own
     stop request on record, and that collective never logged done, that is the stop, not a
     disagreement of the sources. Without the stop it is one; and so it is for rank 2 (the hang's
-    culprit), whose last agreement was logged done: torch had it, whatever came after."""
+    culprit), whose last agreement was logged done: torch had it, whatever came after. Mutation
+    seen to fail it: `_disagreements` without the stop's case -> source_disagreement on rank 0."""
     run = tmp_path / "run"
     shutil.copytree(hang_run, run)
     _one_fewer_in_the_dump(run, rank, "dp")

@@ -154,7 +154,8 @@ def test_the_relay_landing_before_the_late_record_holds_arrivals_loses_nothing(t
     `missed` records it as the rank leaves; the launcher's relay lands a moment later, before that
     write holds arrivals, and Python's handler raises there too. The request was counted but never
     written, the watch saw it counted and stayed silent: the rank's log held no stop (CI, one run
-    of 20 of tests/test_stop_race.py). Here the relay lands just before the first hold is taken."""
+    of 20 of tests/test_stop_race.py). Here the relay lands just before the first hold is taken.
+    Mutation seen to fail it: `missed` recording once, without taking the write up again -> no record."""
     out = _child("""
     import runner_fsm.engine.rank_stops as rank_stops
     stops.steps_of(lambda: 0)
