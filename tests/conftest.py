@@ -21,22 +21,27 @@ EXPECTED_RUNNER = "mrv2" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" el
 
 # `make test-times`: each test phase's duration (setup: the fixtures it is the first to need, such
 # as model builds and engine start-ups; call; teardown), one JSON line each, into a file per pytest
-# session in this directory, named after the tier (its -m expression and model runner);
-# tests/time_table.py turns them into the table in tests/README.md.
+# session in this directory, named after the tier (its -m expression and model runner), and at the
+# session's end one `session` line: its wall time and how many tests ran at once (pytest-xdist's
+# workers; 1 without). tests/time_table.py turns them into the table in tests/README.md. Under
+# xdist only the controller writes: it gets every worker's reports through the same hook.
 _TIMES_DIR = os.environ.get("RUNNER_FSM_TEST_TIMES")
 _times_file = None
+_session_started = 0.0
 
 
 def pytest_configure(config):
-    global _times_file
-    if _TIMES_DIR:
+    global _times_file, _session_started
+    if _TIMES_DIR and not hasattr(config, "workerinput"):
         import re
+        import time
         from pathlib import Path
 
         tier = (config.option.markexpr or "all") + ("+mrv2" if EXPECTED_RUNNER == "mrv2" else "")
         name = re.sub(r"[^A-Za-z0-9+]+", "_", tier).strip("_")
         Path(_TIMES_DIR).mkdir(parents=True, exist_ok=True)
         _times_file = open(Path(_TIMES_DIR) / f"{name}.jsonl", "a", encoding="utf-8")  # noqa: SIM115 - session-long
+        _session_started = time.monotonic()
 
 
 def pytest_runtest_logreport(report):
@@ -45,6 +50,17 @@ def pytest_runtest_logreport(report):
 
         _times_file.write(json.dumps({"test": report.nodeid, "when": report.when, "s": round(report.duration, 3),
                                       "outcome": report.outcome}) + "\n")
+        _times_file.flush()
+
+
+def pytest_sessionfinish(session):
+    if _times_file is not None:
+        import json
+        import time
+
+        workers = getattr(session.config.option, "numprocesses", None) or 1
+        _times_file.write(json.dumps({"session": True, "wall_s": round(time.monotonic() - _session_started, 1),
+                                      "workers": workers}) + "\n")
         _times_file.flush()
 
 

@@ -5,7 +5,8 @@
 
 (`-`: the table to standard output, as `.ci/run` prints it at its end.)
 
-Per tier: tests run, total seconds, and how much went to setup (fixtures a test is the first to
+Per tier: tests run, its sessions' wall time and how many tests ran at once (pytest-xdist's
+workers), the tests' seconds summed, and how much went to setup (fixtures a test is the first to
 need: model builds, engine start-ups), to the tests' own calls and to teardown; then the files
 that cost most, and the slowest tests. The README's table sits between two marker lines and is
 replaced whole, so the numbers there are always the last run's, never typed.
@@ -36,19 +37,24 @@ def load(directory: Path) -> dict[str, list[dict]]:
 
 
 def table(tiers: dict[str, list[dict]], *, top: int = 8, measured: str = "") -> str:
-    out = ([measured, ""] if measured else []) + ["| tier (-m) | tests | total s | setup s | call s | teardown s |",
-                                                  "|---|---|---|---|---|---|"]
+    out = ([measured, ""] if measured else []) + [
+        "| tier (-m) | tests | wall s | at once | summed s | setup s | call s | teardown s |",
+        "|---|---|---|---|---|---|---|---|"]
     files_out, tests_out = [], []
     for tier, rows in tiers.items():
         phase = collections.Counter()
         per_file, per_test = collections.Counter(), collections.Counter()
+        sessions = [row for row in rows if row.get("session")]
+        rows = [row for row in rows if not row.get("session")]
+        wall = f"{sum(row['wall_s'] for row in sessions):.0f}" if sessions else "?"
+        at_once = "/".join(sorted({str(row["workers"]) for row in sessions})) or "?"
         for row in rows:
             phase[row["when"]] += row["s"]
             per_file[row["test"].split("::")[0]] += row["s"]
             per_test[row["test"]] += row["s"]
         tests = len({row["test"] for row in rows if row["when"] == "call" or row["outcome"] != "passed"})
         total = sum(phase.values())
-        out.append(f"| `{tier}` | {tests} | {total:.0f} | {phase['setup']:.0f} | {phase['call']:.0f} |"
+        out.append(f"| `{tier}` | {tests} | {wall} | {at_once} | {total:.0f} | {phase['setup']:.0f} | {phase['call']:.0f} |"
                    f" {phase['teardown']:.0f} |")
         files_out.append(f"- `{tier}`: " + ", ".join(f"{name} {s:.0f} s" for name, s in per_file.most_common(top)))
         tests_out.append(f"- `{tier}`: " + ", ".join(f"{name.split('/')[-1]} {s:.0f} s"
@@ -83,8 +89,9 @@ def main(argv: list[str] | None = None) -> int:
 
     newest = max(path.stat().st_mtime for path in args.directory.glob("*.jsonl"))
     when = datetime.datetime.fromtimestamp(newest, datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
-    measured = (f"Measured {when} on {platform.node() or 'this machine'} ({os.cpu_count()} CPUs): seconds summed"
-                " over each tier's tests, run one after another (other work on the machine then counts in them).")
+    measured = (f"Measured {when} on {platform.node() or 'this machine'} ({os.cpu_count()} CPUs): wall time of each"
+                " tier's pytest sessions, how many tests they ran at once, and seconds summed over their tests (other"
+                " work on the machine then counts in them).")
     if str(args.readme) == "-":
         print(table(tiers, measured=measured))
         return 0
