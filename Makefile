@@ -8,6 +8,13 @@ STAMP  := $(VENV)/.runner-fsm-installed
 
 .PHONY: demo test test-slow venv clean
 
+# Python writes its bytecode caches (__pycache__, ignored by git) in whatever make runs, even where
+# the environment says not to (PYTHONDONTWRITEBYTECODE, set on some CI images): the test tiers
+# start hundreds of interpreters, and without the caches each compiled this project's modules
+# again (0.26 s of CPU an interpreter) and each pytest worker rewrote every test module's asserts
+# again (collection 9.6 s instead of 4.3 s).
+unexport PYTHONDONTWRITEBYTECODE
+
 # The compiled PCP layout (runner_fsm/pcp/native.py): a plain C shared library next to its
 # source, loaded with ctypes by any venv that imports this checkout. The package's own build
 # (setup.py) makes it too, for pip install, wheels and sdists; this rule builds it in place.
@@ -29,7 +36,7 @@ $(NATIVE): runner_fsm/pcp/_mrv2_layout.c
 # torch==2.13.0 is the multi-GB CUDA build, from pip as from uv.
 UV_PIN     ?= uv==0.13.9
 FIND_LINKS  = $(sort $(shell $(PYTHON) -m pip config get global.find-links 2>/dev/null) $(PIP_FIND_LINKS))
-UV_ARGS     = -q --compile-bytecode $(foreach links,$(FIND_LINKS),--find-links $(links))
+UV_ARGS     = -q $(foreach links,$(FIND_LINKS),--find-links $(links))
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
