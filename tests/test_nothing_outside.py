@@ -44,13 +44,13 @@ def killed_at(moment: str, root: Path, cmd: list[str], run_dir: Path, ranks: int
 
 def killed_at_each(moments, root: Path, job, timeout_s: float = 240, at_once: int = 5) -> dict:
     """`killed_at` for every moment, `at_once` jobs at a time (threads; the jobs are processes):
-    `job(run_dir)` -> (cmd, ranks, env)."""
+    `job(run_dir, moment)` -> (cmd, ranks, env)."""
     from concurrent.futures import ThreadPoolExecutor
 
     def one(moment: str) -> dict:
         where = root / moment
         where.mkdir()
-        cmd, ranks, env = job(where / "run")
+        cmd, ranks, env = job(where / "run", moment)
         return killed_at(moment, where, cmd, where / "run", ranks, env, timeout_s)
 
     with ThreadPoolExecutor(at_once) as pool:
@@ -61,9 +61,14 @@ def killed_at_each(moments, root: Path, job, timeout_s: float = 240, at_once: in
 
 @pytest.fixture(scope="module")
 def embedded_killed(models, tmp_path_factory):
-    def job(run: Path):
+    def job(run: Path, moment: str):
+        # Killed mid-run or stopped at step 3, the job must still be running when the driver looks:
+        # at 16 new tokens (19 steps) a run on a loaded box once ended before the driver, polling its
+        # logs, sent the stop (`after-stop` never reached). The other moments come before the run's
+        # steps or at its end, so they need no more.
+        tokens = 96 if moment in ("mid-run", "after-stop") else 16
         cmd = [sys.executable, "-m", "runner_fsm.cli", "run", "--model", models[0], "--dp", "2", "--pcp", "2",
-               "--consensus", "--requests", "4", "--max-new-tokens", "16", "--out", str(run)]
+               "--consensus", "--requests", "4", "--max-new-tokens", str(tokens), "--out", str(run)]
         return cmd, 4, {"PYTHONPATH": f"{TESTS / 'segment_site'}:{Path.cwd()}"}
     return killed_at_each(MOMENTS, tmp_path_factory.mktemp("outside"), job)
 

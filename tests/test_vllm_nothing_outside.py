@@ -56,7 +56,7 @@ def vllm_killed(vllm_models, tmp_path_factory):
     script = root / "child.py"
     script.write_text(textwrap.dedent(CHILD))
 
-    def job(run: Path):
+    def job(run: Path, moment: str):  # every moment the same job
         kw = h.llm_kwargs(vllm_models["llama"], run_dir=str(run), tensor_parallel_size=2,
                           runner_fsm={"consensus": True, "collective_timeout_s": 60})
         (run.parent / "rpc").mkdir()
