@@ -74,9 +74,18 @@ def _plain_job(out_dir, counts):
         assert proc.wait(timeout=120) == 0
 
 
+@pytest.fixture(scope="module")
+def rank_2_skips_one_of_four(tmp_path_factory):
+    """The dumps of one plain four-rank job whose rank 2 skips one of four all_reduces, for the
+    tests that each delete some of them from a copy (four interpreters importing torch: once)."""
+    out = tmp_path_factory.mktemp("plain-4-4-3-4")
+    _plain_job(out, [4, 4, 3, 4])
+    return out
+
+
 @pytest.mark.multiproc
-def test_flight_recorder_only_names_a_plain_job_s_rank_without_a_dump(tmp_path):
-    _plain_job(tmp_path, [4, 4, 3, 4])  # rank 2 skips one of four
+def test_flight_recorder_only_names_a_plain_job_s_rank_without_a_dump(rank_2_skips_one_of_four, tmp_path):
+    shutil.copytree(rank_2_skips_one_of_four, tmp_path, dirs_exist_ok=True)
     (tmp_path / "fr-rank-1.json").unlink()
     report = replay(tmp_path)
     assert [(v.kind, v.ranks) for v in report.verdicts] == [("missing_rank", (1,)), ("hang", (2,))]
@@ -85,11 +94,11 @@ def test_flight_recorder_only_names_a_plain_job_s_rank_without_a_dump(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_a_plain_job_s_highest_ranks_without_dumps_need_the_world_size(tmp_path):
+def test_a_plain_job_s_highest_ranks_without_dumps_need_the_world_size(rank_2_skips_one_of_four, tmp_path):
     """The issue's case: four ranks, rank 2 skips an all_reduce, the dumps of ranks 2 and 3
     deleted. The gloo dumps name no members, so only the user's --world-size can say the job
     had four ranks; given it, both are named; without it, the note says what cannot be seen."""
-    _plain_job(tmp_path, [4, 4, 3, 4])
+    shutil.copytree(rank_2_skips_one_of_four, tmp_path, dirs_exist_ok=True)
     for rank in (2, 3):
         (tmp_path / f"fr-rank-{rank}.json").unlink()
     report = replay(tmp_path, world_size=4)
