@@ -29,8 +29,10 @@ $(NATIVE): runner_fsm/pcp/_mrv2_layout.c
 		-DMRV2_SOURCE_DIGEST=\"$$( (sha256sum $< 2>/dev/null || shasum -a 256 $<) | cut -c1-16)\" -o $@ $<
 
 # Packages go in through uv, a Rust installer that pip installs first (a few seconds): from an
-# empty uv cache the test venv took 24 s on this two-core box (bytecode compiled, as pip does; a
-# venv without it ran tests 30% slower), with pip 135 s; the vLLM venv 26 s.
+# empty uv cache the test venv took 11 s on this two-core box, with pip 135 s; the vLLM venv 21 s.
+# uv compiles no bytecode at install (pip compiles all of site-packages, 13 s more for the test
+# venv): the first imports write the caches of what is used (see PYTHONDONTWRITEBYTECODE above;
+# with neither, the tests ran 30% slower).
 # uv reads none of pip's configuration, so the local wheel folders pip is set to look in
 # (find-links: where the CPU build of torch 2.13.0 lies) are handed to it; without them
 # torch==2.13.0 is the multi-GB CUDA build, from pip as from uv.
