@@ -221,7 +221,7 @@ def test_idle_replica_replays_graphs_under_dp(tmp_path):
     models = c.make_models(tmp_path / "models")
     run_dir = tmp_path / "run"
     graphs = {"enforce_eager": False, "compilation_config": {"cudagraph_capture_sizes": SIZES}}
-    dp2 = c.run([Job({**c.kwargs(models, "mixtral", drafting=False, run_dir=str(run_dir), executor=c.ASYNC_UNDER_DP),
+    dp2 = c.run([Job({**c.kwargs(models, "mixtral", drafting=False, run_dir=str(run_dir), executor=c.VLLM_DEFAULT_LAYOUT),
                       **graphs}, c.PER_RANK)], 2, tmp_path)
     dp1 = c.run([Job(c.kwargs(models, "mixtral", drafting=False, worker=None), [c.ALL])], 1, tmp_path)
     assert dp2.codes == [0, 0] and dp1.codes == [0], (dp2.logs[-1][-3000:], dp1.logs[-1][-3000:])

@@ -37,7 +37,7 @@ def _faulted_run(tmp_path, models, injection: str, per_rank):
 
     run_dir = tmp_path / "run"
     kw = {**c.kwargs(models, "mixtral", drafting=False, run_dir=str(run_dir), options={"inject": injection},
-                     executor=c.ASYNC_UNDER_DP), **GRAPHS}
+                     executor=c.VLLM_DEFAULT_LAYOUT), **GRAPHS}
     result = c.run([Job(kw, per_rank)], 2, tmp_path)
     assert result.codes == [0, 0], result.logs[-1][-4000:]
     tokens = {rid: toks for per_rank_out in result.outputs[0] for rid, toks in per_rank_out.items()}

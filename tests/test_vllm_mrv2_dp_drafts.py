@@ -24,7 +24,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.runner_independent]
 def test_mrv2_draft_model_speculator_fails_under_dp_in_vllm_itself(tmp_path):
     models = c.make_models(tmp_path / "models")
     run_dir = tmp_path / "run"
-    job = Job(c.kwargs(models, "mixtral", drafting=True, run_dir=str(run_dir), executor=None), c.PER_RANK)
+    job = Job(c.kwargs(models, "mixtral", drafting=True, run_dir=str(run_dir), executor=c.VLLM_DEFAULT_LAYOUT), c.PER_RANK)
     result = c.run([job], 2, tmp_path, timeout_s=600, env=mrv2_env())
     assert all(code not in (0, None) for code in result.codes), result.codes
     busy = result.logs[0]

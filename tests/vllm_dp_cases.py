@@ -34,18 +34,20 @@ def make_models(root: Path) -> dict[str, str]:
 
 
 # A DP rank whose own world is one worker (TP x PP x PCP = 1) runs that worker in its own process:
-# vLLM's "uni" executor. vLLM's default under DP is "mp", a worker process beside each rank's engine,
-# fed over a shared-memory queue that its waiters poll: test_vllm_dp took 118 s and 162 s of CPU so,
-# 58 s and 102 s with "uni" (2026-12-07, this 2-core box). The tests of vLLM's own DP layout (a
-# worker process under each engine) are the served ones (test_vllm_server, test_vllm_nodes) and the
-# reproduction of vLLM's own failure (test_vllm_mrv2_dp_drafts), which keep vLLM's default.
+# vLLM's "uni" executor. vLLM's default under DP is "mp": a worker process beside each rank's engine,
+# spawned (it imports vLLM again). test_vllm_dp took 118 s and 162 s of CPU so, 58 s and 102 s with
+# "uni" (2026-12-07, this 2-core box; vLLM's shared-memory readers not spinning saved nothing, so
+# the start-ups are the likelier cost). The served tests (test_vllm_server, test_vllm_nodes, the
+# soak) start their own servers on vLLM's default layout.
 ONE_PROCESS_A_RANK = {"distributed_executor_backend": "uni"}
-# ...and the device configuration's DP runs: under async scheduling vLLM's "uni" executor runs the
-# step it was asked to start without waiting for (execute_model, non_block) to its end in the
-# engine's thread, so an engine whose forward waits in a DP collective cannot reach the engines'
-# own DP all-reduce (has_unfinished_dp) that the idle replica waits in: both hang (seen
-# 2026-12-07: every DP test of test-vllm-device timed out so). A device's forward returns at once.
-ASYNC_UNDER_DP = None
+# vLLM's default layout, kept where `uni` would change the subject or cannot run:
+# - the reproduction of vLLM's own failure (test_vllm_mrv2_dp_drafts), as vLLM runs it;
+# - the device configuration's DP runs: under async scheduling the "uni" executor runs the step it
+#   was asked to start without waiting for (execute_model, non_block) to its end in the engine's
+#   thread, so an engine whose forward waits in a DP collective cannot reach the engines' own DP
+#   all-reduce (has_unfinished_dp) that the idle replica waits in: both hang (seen 2026-12-07:
+#   every DP test of test-vllm-device timed out so). A device's forward returns at once.
+VLLM_DEFAULT_LAYOUT = None
 
 
 def kwargs(models: dict, arch: str, *, drafting: bool, worker=h.FSM_WORKER, run_dir=None, options=None,
