@@ -77,7 +77,9 @@ def models(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def _vllm_must_import(request):
-    """A `vllm`-marked test fails (never skips) when vLLM cannot be imported in this venv."""
+    """A `vllm`-marked test fails (never skips) when vLLM cannot be imported in this venv, or runs
+    on another model runner or platform than its leg's (the Makefile's vLLM targets check nothing
+    before pytest: each such check imported vLLM once more, about 9 s of CPU here)."""
     if request.node.get_closest_marker("vllm") is not None:
         import vllm  # noqa: F401  - an ImportError here is the test's failure
 
@@ -86,6 +88,11 @@ def _vllm_must_import(request):
 
             assert HAS_TRITON, ("the MRV2 leg needs vLLM's Triton check to pass: run it as `make test-vllm-mrv2`"
                                 " (PYTHONPATH=tests/mrv2_site, TRITON_INTERPRET=1)")
+        if request.node.get_closest_marker("device") is not None:  # never the CPU platform unseen
+            from vllm.platforms import current_platform
+
+            assert getattr(current_platform, "emulated_device", False), (
+                "the device tests need RUNNER_FSM_EMULATE_DEVICE=1 before vLLM starts: run `make test-vllm-device`")
 
 
 @pytest.fixture(scope="session")

@@ -24,15 +24,6 @@ GREEDY = h.mixed_workload(num=10, seed=1)  # 10 requests > max_num_seqs=8; a 90-
 SEEDED = [h.Req(f"s{i}", tuple(range(5 + i, 12 + 2 * i)), 6, seed=100 + i) for i in range(5)]
 
 
-@pytest.fixture(autouse=True)
-def _emulated(request):
-    """The leg runs on the emulated platform, or fails: never the CPU platform unseen."""
-    from vllm.platforms import current_platform
-
-    assert getattr(current_platform, "emulated_device", False), (
-        "the device tests need RUNNER_FSM_EMULATE_DEVICE=1 before vLLM starts: run `make test-vllm-device`")
-
-
 def _kwargs(model_dir: str, *, worker: str | None = h.FSM_WORKER, run_dir=None, eager: bool = False, **extra):
     kw = h.llm_kwargs(model_dir, worker=worker, run_dir=run_dir, **extra)
     kw["enforce_eager"] = eager

@@ -59,9 +59,12 @@ def vllm_killed(vllm_models, tmp_path_factory):
     def job(run: Path, moment: str):  # every moment the same job
         kw = h.llm_kwargs(vllm_models["llama"], run_dir=str(run), tensor_parallel_size=2,
                           runner_fsm={"consensus": True, "collective_timeout_s": 60})
-        (run.parent / "rpc").mkdir()
+        # A short name: vLLM puts a 36-character socket name in it, and a Unix socket's path holds
+        # at most 107 bytes (under pytest-xdist's `popen-gwN` folder "<moment>/rpc" passed that).
+        rpc = root / f"rpc{MOMENTS.index(moment)}"
+        rpc.mkdir()
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
-               "VLLM_RPC_BASE_PATH": str(run.parent / "rpc"),
+               "VLLM_RPC_BASE_PATH": str(rpc),
                "PYTHONPATH": os.pathsep.join([str(TESTS / "segment_site"), str(TESTS), str(Path.cwd()),
                                               os.environ.get("PYTHONPATH", "")])}
         return [sys.executable, str(script), json.dumps(kw)], 2, env
