@@ -78,8 +78,8 @@ def models(tmp_path_factory):
 @pytest.fixture(autouse=True)
 def _vllm_must_import(request):
     """A `vllm`-marked test fails (never skips) when vLLM cannot be imported in this venv, or runs
-    on another model runner or platform than its leg's (the Makefile's vLLM targets check nothing
-    before pytest: each such check imported vLLM once more, about 9 s of CPU here)."""
+    on another model runner or platform than its leg's (before pytest the Makefile's vLLM targets
+    only look for the package: a check there that imported vLLM cost 7 to 9 s of CPU here)."""
     if request.node.get_closest_marker("vllm") is not None:
         import vllm  # noqa: F401  - an ImportError here is the test's failure
 
