@@ -55,7 +55,16 @@ def _run(model_dir: str, **kwargs) -> dict[str, list[int]]:
         greedy, _ = h.generate(llm, GREEDY)
         seeded, _ = h.generate(llm, SEEDED)
         structured = _structured(llm) if STRUCTURED else {}
+    _assert_no_group_left()  # the next LLM in this process starts from nothing
     return {**greedy, **seeded, **structured}
+
+
+def _assert_no_group_left() -> None:
+    """`close_llm` tears down only what the engine's shutdown left: nothing may be left after it."""
+    import torch.distributed as dist
+    from vllm.distributed.parallel_state import model_parallel_is_initialized
+
+    assert not dist.is_initialized() and not model_parallel_is_initialized()
 
 
 @pytest.mark.parametrize("arch", ["llama", "mixtral", "qwen3_moe"])
