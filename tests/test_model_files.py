@@ -15,7 +15,8 @@ from runner_fsm.model import (
 )
 from runner_fsm.model_files.make import TARGET_SPEC, with_overrides
 from runner_fsm.model_files.safetensors_io import load_file, save_file
-from runner_fsm.model_files.weights import expected_shapes, read_checkpoint
+from runner_fsm.model_files.shapes import expected_shapes
+from runner_fsm.model_files.weights import read_checkpoint
 
 FILES = {"config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json", "generation_config.json"}
 

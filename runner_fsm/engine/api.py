@@ -1,4 +1,9 @@
-"""Run the embedded engine: one process per rank (DP x PCP) on gloo, or in-process for 1x1."""
+"""Run the embedded engine: one process per rank (DP x PCP) on gloo, or in-process for 1x1.
+
+The launcher side imports no torch (about 1.4 s of CPU): the ranks load it, each in its own
+process, and `runner-fsm run` starts them that much sooner. The rank's code (`engine.worker`) is
+imported where a rank runs: in this process only for an in-process run or under torchrun.
+"""
 
 from __future__ import annotations
 
@@ -7,16 +12,14 @@ import dataclasses
 import os
 from pathlib import Path
 
-import torch.distributed as dist
-
 from runner_fsm.audit.seek import last_step_of
 from runner_fsm.audit.segments import flight_entries
 from runner_fsm.engine.config import EngineConfig
-from runner_fsm.engine.groups import init_process_groups_from_env, under_torchrun
 from runner_fsm.engine.launch import RankFailure, spawn
 from runner_fsm.engine.preflight import prepare
+from runner_fsm.engine.rank_result import RankResult
+from runner_fsm.engine.rendezvous import under_torchrun
 from runner_fsm.engine.requests import Request
-from runner_fsm.engine.worker import RankResult, run_rank
 from runner_fsm.faults import Injection
 from runner_fsm.process import flight_recorder
 from runner_fsm.process.stop_requests import record_request
@@ -80,12 +83,12 @@ def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float =
     if under_torchrun():
         ranks = _run_under_torchrun(cfg, requests)
     elif in_process:
-        ranks = [run_rank(None, cfg, requests)]
+        ranks = [serve_rank(None, cfg, requests)]
     else:
         # on by default (see flight_recorder), its dump within the log cap
         with flight_recorder.enabled_for_children(flight_entries(cfg.max_log_bytes)):
             ranks = [_as_result(r, cfg) for r in spawn(
-                run_rank, cfg.layout, cfg, requests, timeout_s=timeout_s,
+                serve_rank, cfg.layout, cfg, requests, timeout_s=timeout_s,
                 pg_timeout_s=cfg.collective_timeout_s + 30, collect_failures=True, host=cfg.listen_address,
                 failed=lambda rank: rank.error is not None, on_stop=lambda *request: _stop_asked(cfg, *request),
                 fresh_interpreters=fresh_interpreters)]
@@ -94,6 +97,18 @@ def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float =
         if rank.pcp_rank == 0:
             outputs.update(rank.outputs)
     return EngineResult(outputs, tuple(ranks), cfg.run_dir)
+
+
+def serve_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
+    """One rank's run (`engine.worker.run_rank`), named from here so that `spawn` pickles a
+    reference to a module without torch: the launcher never imports the worker. The rank checks
+    the Flight Recorder's dump call the launcher turned on without loading torch (before any
+    step: a missing one fails the rank at its start, saying how to run without it)."""
+    from runner_fsm.engine.worker import run_rank
+
+    if groups is not None and flight_recorder.active():
+        flight_recorder.require_api()
+    return run_rank(groups, cfg, requests)
 
 
 def _stop_asked(cfg: EngineConfig, signal_name: str, alive: list[int], gone: list[int]) -> None:
@@ -105,10 +120,14 @@ def _stop_asked(cfg: EngineConfig, signal_name: str, alive: list[int], gone: lis
 
 def _run_under_torchrun(cfg: EngineConfig, requests: list[Request]) -> list[RankResult]:
     """This process is one rank of a `torchrun` job: serve, then share every rank's report."""
+    import torch.distributed as dist
+
+    from runner_fsm.engine.groups import init_process_groups_from_env
+
     flight_recorder.enable(flight_entries(cfg.max_log_bytes))  # before the first process group: torch reads it
     groups = init_process_groups_from_env(cfg.layout, timeout_s=cfg.collective_timeout_s + 30)
     try:
-        mine = run_rank(groups, cfg, requests)
+        mine = serve_rank(groups, cfg, requests)
         ranks: list = [None] * cfg.layout.world_size
         dist.all_gather_object(ranks, mine, group=groups.world)
         return ranks

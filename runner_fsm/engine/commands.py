@@ -104,19 +104,24 @@ def _log_bytes(text: str) -> int | None:
 
 
 def _models(args, out: Path) -> tuple[str, str | None]:
-    """The model dirs; tiny random ones are made in OUT when none are given."""
-    from runner_fsm.model import DRAFT_SPEC, TARGET_SPEC, make_random_model
-
+    """The model dirs; tiny random ones are made in OUT when none are given (torch is imported
+    only then: the launcher of a run on given models never loads it)."""
     model, draft = args.model, args.draft
     if model is None:
         model = str(out / "model")
         if not (out / "model" / "config.json").exists():
-            make_random_model(model, TARGET_SPEC, seed=args.seed)
+            _make_model(model, "target", seed=args.seed)
     if args.spec_tokens > 0 and draft is None:
         draft = str(out / "draft")
         if not (out / "draft" / "config.json").exists():
-            make_random_model(draft, DRAFT_SPEC, seed=args.seed + 1)
+            _make_model(draft, "draft", seed=args.seed + 1)
     return model, draft
+
+
+def _make_model(path: str, kind: str, seed: int) -> None:
+    from runner_fsm.model_files.make import DRAFT_SPEC, TARGET_SPEC, make_random_model
+
+    make_random_model(path, TARGET_SPEC if kind == "target" else DRAFT_SPEC, seed=seed)
 
 
 def write_outputs(path: Path, requests, result: EngineResult) -> None:

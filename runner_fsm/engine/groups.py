@@ -43,11 +43,6 @@ def init_process_groups(
     return _create_groups(layout, global_rank, timeout)
 
 
-def under_torchrun() -> bool:
-    """True in a process started by `torchrun` (or anything that sets its variables)."""
-    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
-
-
 def init_process_groups_from_env(layout: ParallelLayout, *, timeout_s: float = 60.0) -> ProcessGroups:
     """Join a job started by `torchrun`: RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT."""
     world_size = int(os.environ["WORLD_SIZE"])

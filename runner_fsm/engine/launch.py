@@ -9,30 +9,24 @@ store (a c10d `TCPStore`) listens on a socket bound to `host` (default 127.0.0.1
 the per-rank results. It never hangs: past its deadline it kills every child and raises, and
 when a child raises it kills the others at once (they may be blocked in a collective with it).
 A child leaves with `os._exit` after reporting and flushing logging and stdio: anything `fn`
-leaves buffered elsewhere must be flushed by `fn` itself.
+leaves buffered elsewhere must be flushed by `fn` itself. The children's side is
+`engine.rank_main`; this side imports no torch.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import multiprocessing as mp
 import multiprocessing.connection as mp_connection
 import os
 import pickle
 import signal
-import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import torch
-import torch.distributed as dist
-
 from runner_fsm.config import ParallelLayout
-from runner_fsm.engine.groups import ProcessGroups, init_process_groups
 from runner_fsm.engine.rendezvous import LOOPBACK, free_port
 from runner_fsm.process.stop_signals import StopSignals
 
@@ -41,8 +35,6 @@ _EXIT_GRACE_S = 0.5
 _POLL_S = 0.05
 # How long children that all reported may take to leave their final barrier.
 _JOIN_GRACE_S = 3.0
-# How long a rank of a failed run keeps its groups (and rank 0 the store) after reporting.
-_STORE_GRACE_S = 2.0
 # How long the ranks of a job told to stop (SIGTERM, forwarded) may take to record it and go.
 _STOP_GRACE_S = 2.0
 
@@ -155,45 +147,11 @@ def spawn(
             writer.close()
 
 
-def _child_main(rank, fn, layout, host, port, args, pg_timeout_s, env, results) -> None:
-    os.environ.clear()
-    os.environ.update(env)
-    torch.set_num_threads(1)  # children share a few cores; intra-op threads only contend
-    ok = _run_and_report(rank, fn, layout, host, port, args, pg_timeout_s, results)
-    results.close()  # the report is in the pipe (`send` returned) before the process goes
-    logging.shutdown()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Skip interpreter teardown: unloading torch costs ~0.4 s of CPU per child, for nothing.
-    os._exit(0 if ok else 1)
+def _child_main(*args) -> None:
+    """A rank's process (`engine.rank_main`, which imports torch: this module does not)."""
+    from runner_fsm.engine.rank_main import child_main
 
-
-def _run_and_report(rank, fn, layout, host, port, args, pg_timeout_s, results) -> bool:
-    groups = None
-    try:
-        groups = init_process_groups(layout, rank, port, timeout_s=pg_timeout_s, host=host)
-        # Pickle here, so that an unpicklable result is reported as this rank's error.
-        results.send((rank, True, pickle.dumps(fn(groups, *args))))
-    except BaseException as error:  # report everything, KeyboardInterrupt included
-        results.send((rank, False, (type(error).__qualname__, str(error), traceback.format_exc())))
-        return False
-    finally:
-        if groups is not None:
-            _leave(groups)
-    return True
-
-
-def _leave(groups: ProcessGroups) -> None:
-    """Rank 0 hosts the store: nobody leaves while a peer may still need it. After a fault
-    the groups may be broken; the parent then ends the stragglers after a grace period."""
-    try:
-        dist.barrier(group=groups.world)
-    except BaseException:  # the result is already reported; leaving is best effort
-        # A failed run: rank 0 hosts the store where every rank's position lies, and peers
-        # still timing out read it to name the culprit. Keep it up a moment before leaving.
-        time.sleep(_STORE_GRACE_S)
-    finally:
-        dist.destroy_process_group()
+    child_main(*args)
 
 
 def _collect(processes, readers, deadline: float, collect_failures: bool = False) -> dict[int, Any]:
@@ -301,7 +259,7 @@ def _start_context() -> mp.context.BaseContext:
     if "forkserver" not in mp.get_all_start_methods():
         return mp.get_context("spawn")
     context = mp.get_context("forkserver")
-    context.set_forkserver_preload(["torch", "torch.distributed", __name__])
+    context.set_forkserver_preload(["torch", "torch.distributed", "runner_fsm.engine.rank_main", __name__])
     return context
 
 

@@ -40,7 +40,7 @@ def check_model_dir(model_dir: str):
     """The model's config, after checking that every tensor it implies is in the shards'
     headers with its shape (headers only: no weights are read here)."""
     from runner_fsm.model_files.hf_config import MixtralConfig
-    from runner_fsm.model_files.weights import check_state_dict
+    from runner_fsm.model_files.shapes import check_state_dict
 
     path = Path(model_dir)
     if not path.is_dir():

@@ -9,15 +9,20 @@ from __future__ import annotations
 
 import os
 import socket
+from typing import TYPE_CHECKING
 
-import torch.distributed as dist
+if TYPE_CHECKING:
+    import torch.distributed as dist
 
 LOOPBACK = "127.0.0.1"
 
 
 def rendezvous_store(host: str, port: int, is_server: bool, world_size: int, timeout) -> dist.TCPStore:
     """The job's c10d store. The server listens on a socket bound to `host` alone, handed to
-    `TCPStore` through its public `master_listen_fd` (left to itself, it binds every interface)."""
+    `TCPStore` through its public `master_listen_fd` (left to itself, it binds every interface).
+    torch is imported here, by the ranks: the launcher, which needs only `free_port`, never loads it."""
+    import torch.distributed as dist
+
     if not is_server:
         return dist.TCPStore(host, port, world_size, False, timeout)
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as listener:
@@ -43,3 +48,8 @@ def free_port(host: str) -> int:
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as probe:
         probe.bind((host, 0))
         return probe.getsockname()[1]
+
+
+def under_torchrun() -> bool:
+    """True in a process started by `torchrun` (or anything that sets its variables)."""
+    return all(name in os.environ for name in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))

@@ -7,7 +7,6 @@ none with requests still to come.
 
 from __future__ import annotations
 
-import dataclasses
 import importlib
 import sys
 import time
@@ -27,6 +26,7 @@ from runner_fsm.audit import AuditLog
 from runner_fsm.audit.shape import job_shape_fields
 from runner_fsm.dp import GlooAgreement
 from runner_fsm.engine.config import MISSING_MODEL, EngineConfig
+from runner_fsm.engine.rank_result import RankResult
 from runner_fsm.engine.rank_stops import StartupStops
 from runner_fsm.engine.requests import Request, assign
 from runner_fsm.engine.scheduler import Scheduler, SchedulerStalled
@@ -38,27 +38,6 @@ from runner_fsm.process import flight_recorder
 from runner_fsm.process.stop_signals import stops_on_loop
 from runner_fsm.replica.driver import Outcome, ReplicaRunner
 from runner_fsm.replica.replica import Replica
-
-
-@dataclasses.dataclass(frozen=True)
-class RankResult:
-    """What one rank reports back: its replica's outputs, counts and the error, if any."""
-
-    global_rank: int
-    dp_rank: int
-    pcp_rank: int
-    outputs: dict[str, list[int]]
-    num_steps: int
-    num_real_steps: int
-    num_preemptions: int
-    num_tokens: int  # tokens this replica scheduled (prompt and verify rows)
-    elapsed_s: float
-    steps_per_state: dict[str, int]  # prefill / decode / idle_dummy steps of this replica
-    num_handoffs: int  # real steps followed by an idle_dummy step
-    num_agreements: int
-    error: dict | None = None
-    # This replica's injections that never applied, with why; None from a rank that died unheard.
-    not_fired: dict[str, str] | None = None
 
 
 def _model_and_drafter(cfg: EngineConfig, groups):

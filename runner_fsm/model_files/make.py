@@ -18,7 +18,7 @@ from runner_fsm.errors import ConfigError
 from runner_fsm.model_files.hf_config import CONFIG_FILE, MixtralConfig
 from runner_fsm.model_files.safetensors_io import save_file
 from runner_fsm.model_files.tokenizer_files import write_tokenizer
-from runner_fsm.model_files.weights import expected_shapes
+from runner_fsm.model_files.shapes import expected_shapes
 
 WEIGHTS_FILE = "model.safetensors"
 LM_HEAD_GAIN = 4.0

@@ -78,14 +78,16 @@ def require_api():
     return dump
 
 
-def enable(buffer_size: int = DEFAULT_BUFFER_SIZE) -> bool:
+def enable(buffer_size: int = DEFAULT_BUFFER_SIZE, *, check_api: bool = True) -> bool:
     """Turn the recorder on for process groups created from now on (in this process and the
     processes it starts). Returns False when the user turned it off: then it is set to 0, since
-    torch records by default. A size the user set wins."""
+    torch records by default. A size the user set wins. `check_api=False`: the processes that
+    make the groups check the dump call (`require_api`) themselves, before their first group."""
     if not wanted():
         os.environ[BUFFER_ENV] = "0"
         return False
-    require_api()
+    if check_api:
+        require_api()
     os.environ.setdefault(BUFFER_ENV, str(int(buffer_size)))
     return active()
 
@@ -99,10 +101,12 @@ def disable() -> None:
 @contextlib.contextmanager
 def enabled_for_children(buffer_size: int = DEFAULT_BUFFER_SIZE) -> Iterator[bool]:
     """`enable()` for the processes started inside the block; this process's environment is
-    restored after it (children copy the environment when they start)."""
+    restored after it (children copy the environment when they start). The dump call is checked
+    by the children, where torch is (`require_api` when `active()`): a launcher that imports no
+    torch (`runner-fsm run`) does not load it for this."""
     saved = os.environ.get(BUFFER_ENV)
     try:
-        yield enable(buffer_size)
+        yield enable(buffer_size, check_api=False)
     finally:
         if saved is None:
             os.environ.pop(BUFFER_ENV, None)
