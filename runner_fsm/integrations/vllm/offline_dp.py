@@ -8,8 +8,13 @@ serving its own prompts. vLLM keeps the engines stepping together while any rank
 calls `execute_dummy_batch` on a rank that has none.
 
 `launch_dp` runs a list of jobs (one `LLM` after another, each on a fresh master port) in the
-same processes, so that model loading and imports are paid once per process;
-`python -m runner_fsm.integrations.vllm.offline_dp SPEC_JSON RANK` is the child.
+same processes, so that model loading and imports are paid once per process. The ranks are forks
+of one process that imported vLLM once (`python -m runner_fsm.integrations.vllm.offline_dp
+SPEC_JSON DP_SIZE`): importing vLLM costs 6-7 s of CPU here, which a process per rank paid again
+for every rank. The fork comes before anything of vLLM runs (no engine, no process group, no
+OpenMP pool: import only), each rank then sets its own `VLLM_DP_RANK` and output, and the forking
+process stays in the caller's process group (Ctrl-C reaches every rank) to reap the ranks and
+write when each ended.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import dataclasses
 import importlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
@@ -140,37 +146,36 @@ def launch_dp(jobs: Sequence[Job], *, dp_size: int, cwd: str | None = None, time
     spec = [{"llm": j.llm, "per_rank": [[list(r[:4]) for r in reqs] for reqs in j.per_rank],
              "port": free_port(), "run": j.run} for j in jobs]
     (work / "spec.json").write_text(json.dumps(spec))
-    procs, start = [], time.monotonic()
-    for rank in range(dp_size):
-        child_env = dict(os.environ, **(env or {}), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_HOST_IP="127.0.0.1")
-        if dp_size > 1:
-            child_env.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank), VLLM_DP_SIZE=str(dp_size),
-                             VLLM_DP_MASTER_IP="127.0.0.1")
-        log = open(work / f"rank-{rank}.log", "w")
-        # In the caller's session and process group: Ctrl-C reaches every rank (each records its
-        # stop). A session per rank (with the kernel's autogroup scheduling on, as here, a
-        # scheduling group per rank too) made every DP step wait about 1 s on this 2-core machine:
-        # median gap between steps 1.02 s against 23 ms (tests/test_vllm_capped.py). Which of
-        # vLLM's waits paid it was not traced.
-        procs.append((subprocess.Popen([sys.executable, "-m", __name__, str(work / "spec.json"), str(rank)],
-                                       env=child_env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT), log))
+    child_env = dict(os.environ, **(env or {}), VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_HOST_IP="127.0.0.1")
+    if dp_size > 1:  # each rank adds its VLLM_DP_RANK and VLLM_DP_RANK_LOCAL (`_become_rank`)
+        child_env.update(VLLM_DP_SIZE=str(dp_size), VLLM_DP_MASTER_IP="127.0.0.1")
+    start = time.monotonic()
+    # In the caller's session and process group: Ctrl-C reaches every rank (each records its
+    # stop). A session per rank (with the kernel's autogroup scheduling on, as here, a
+    # scheduling group per rank too) made every DP step wait about 1 s on this 2-core machine:
+    # median gap between steps 1.02 s against 23 ms (tests/test_vllm_capped.py). Which of
+    # vLLM's waits paid it was not traced.
+    with open(work / "ranks.log", "w") as log:
+        forker = subprocess.Popen([sys.executable, "-m", __name__, str(work / "spec.json"), str(dp_size)],
+                                  env=child_env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
     codes: list[int | None] = [None] * dp_size
     ended = [float("nan")] * dp_size
     ended_at = [float("nan")] * dp_size
     deadline = start + timeout_s
-    trees = _Trees([proc for proc, _log in procs])
+    trees = _Trees([forker])
     try:
         while any(c is None for c in codes) and time.monotonic() < deadline and not (stop_when and stop_when()):
             trees.look()
-            for rank, (proc, _log) in enumerate(procs):
-                if codes[rank] is None and proc.poll() is not None:
-                    codes[rank], ended_at[rank] = proc.returncode, time.monotonic()
+            gone = forker.poll() is not None  # before reading: what it wrote before leaving is read
+            for rank in range(dp_size):
+                if codes[rank] is None and (end := _ended(work, rank)) is not None:
+                    codes[rank], ended_at[rank] = end
                     ended[rank] = ended_at[rank] - start
+            if gone:
+                break  # the forking process left (every rank reaped, or it never forked): no more news
             time.sleep(0.1)
     finally:
         trees.kill()
-        for _proc, log in procs:
-            log.close()
     outputs, job_s, extra = [], [], []
     for j in range(len(jobs)):
         files = [work / f"out-{j}-{rank}.json" for rank in range(dp_size)]
@@ -178,8 +183,58 @@ def launch_dp(jobs: Sequence[Job], *, dp_size: int, cwd: str | None = None, time
         outputs.append([g["outputs"] if g else None for g in got])
         job_s.append([g["seconds"] if g else None for g in got])
         extra.append([g.get("extra") if g else None for g in got])
-    logs = [(work / f"rank-{rank}.log").read_text() for rank in range(dp_size)]
+    # What the forking process printed (vLLM's import, or why no rank started) heads every rank's log.
+    shared = (work / "ranks.log").read_text()
+    logs = [shared + _read(work / f"rank-{rank}.log") for rank in range(dp_size)]
     return DPRun(codes, ended, ended_at, logs, outputs, job_s, extra)
+
+
+def _read(path: Path) -> str:
+    return path.read_text() if path.exists() else ""
+
+
+def _ended(work: Path, rank: int) -> tuple[int, float] | None:
+    """(exit code, time.monotonic() it was reaped) of a rank, once the forking process wrote it."""
+    path = work / f"ended-{rank}.json"
+    if not path.exists():
+        return None
+    end = json.loads(path.read_text())
+    return end["code"], end["at"]
+
+
+def _fork_ranks(spec_path: str, dp_size: int) -> int | None:
+    """Import vLLM once, fork the ranks, reap them. Returns the rank in a rank (which then runs
+    its jobs and leaves as any Python process does: atexit, its own exit code), None here."""
+    from vllm import LLM, SamplingParams  # noqa: F401  (what each rank would import for itself)
+
+    work = Path(spec_path).parent
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the ranks' to record; this one reaps
+    sys.stdout.flush()
+    sys.stderr.flush()
+    ranks = {}
+    for rank in range(dp_size):
+        pid = os.fork()
+        if pid == 0:
+            _become_rank(work, rank, dp_size)
+            return rank
+        ranks[pid] = rank
+    while ranks:
+        pid, status = os.waitpid(-1, 0)
+        if pid in ranks:  # written whole, then renamed: the launcher never reads half of it
+            tmp = work / f"ended-{ranks[pid]}.tmp"
+            tmp.write_text(json.dumps({"code": os.waitstatus_to_exitcode(status), "at": time.monotonic()}))
+            tmp.replace(work / f"ended-{ranks.pop(pid)}.json")
+    return None
+
+
+def _become_rank(work: Path, rank: int, dp_size: int) -> None:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    if dp_size > 1:
+        os.environ.update(VLLM_DP_RANK=str(rank), VLLM_DP_RANK_LOCAL=str(rank))
+    fd = os.open(work / f"rank-{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
 
 
 def _child(spec_path: str, rank: int) -> None:
@@ -202,4 +257,5 @@ def _child(spec_path: str, rank: int) -> None:
 
 
 if __name__ == "__main__":
-    _child(sys.argv[1], int(sys.argv[2]))
+    if (me := _fork_ranks(sys.argv[1], int(sys.argv[2]))) is not None:
+        _child(sys.argv[1], me)
