@@ -11,6 +11,14 @@ This file is found as
 `sitecustomize` by every Python process whose PYTHONPATH holds this folder (the tests' DP
 children, vLLM's engine-core and executor processes, the HTTP server), and acts only when the
 MRV2 leg's environment is set: `VLLM_USE_V2_MODEL_RUNNER=1` and `TRITON_INTERPRET=1`.
+
+It also turns off the interpreter's integer-overflow sanitizer while its debug mode is off, for
+speed alone: Triton 3.9's interpreter computes each int32 add, sub and mul a second time in int64
+with bounds compares and hands the result to `device_assert`, which drops it unless `debug` is
+on (`TritonSemantic.device_assert`), so the sanitizer's work is never seen; it was a third of an
+MRV2 step's CPU here (each step's kernels are run by the interpreter). Triton has no public option
+for the interpreter's `InterpreterOptions`: its module-level builder's options are replaced, on the
+version read for this alone; on another version they are left as they are.
 """
 
 import os
@@ -48,3 +56,14 @@ if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" and os.environ.get("TRITON_
                 return "runner-fsm-triton-interpreter"
 
         backends["cpu"] = Backend(compiler=_InterpreterOnlyCompiler, driver=_InterpreterOnlyDriver)
+
+    if backends is not None:
+        import triton
+    if backends is not None and triton.__version__ == "3.9.0":
+        import dataclasses
+
+        import triton.runtime.interpreter as _interpreter
+
+        _options = _interpreter.interpreter_builder.options
+        if not _options.debug:  # with debug on, its asserts are kept: the sanitizer stays
+            _interpreter.interpreter_builder.options = dataclasses.replace(_options, sanitize_overflow=False)
