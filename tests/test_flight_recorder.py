@@ -378,17 +378,17 @@ def test_missing_dump_api_fails_clearly(monkeypatch):
 
 def test_a_rank_without_the_dump_api_fails_at_its_start(monkeypatch):
     """`runner-fsm run`'s launcher turns the recorder on without loading torch; each rank checks
-    the dump call before its first step (mutation: no check in `serve_rank` -> the run goes on
+    the dump call before its first step (mutation: no check in `run_rank` -> the run goes on
     and fails only when a rank dumps)."""
     import torch
 
-    from runner_fsm.engine.api import serve_rank
+    from runner_fsm.engine.worker import run_rank
 
     monkeypatch.delattr(torch._C._distributed_c10d, "_dump_fr_trace_json")
     monkeypatch.delenv(flight_recorder.DISABLE_ENV, raising=False)
     monkeypatch.setenv(flight_recorder.BUFFER_ENV, "2000")  # as `enabled_for_children` leaves it
     with pytest.raises(flight_recorder.FlightRecorderUnavailable, match="RUNNER_FSM_FLIGHT_RECORDER=0"):
-        serve_rank(object(), None, [])  # a rank's groups; nothing of the run is reached
+        run_rank(object(), None, [])  # a rank's groups; nothing of the run is reached
 
 
 @pytest.mark.multiproc

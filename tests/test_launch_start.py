@@ -4,7 +4,8 @@ which starts fresh interpreters, never imports torch itself (only its ranks need
 
 Mutations seen to fail it: the `spawn` start method (every rank's parent is the launcher); the fork
 server without `child_env` (the second job sees the first job's variable, and the removed one);
-`engine.api` importing `run_rank` from the worker at its top (torch in the launcher).
+`engine.api` importing `run_rank` from the worker at its top (torch in the launcher); a named entry
+imported after the rendezvous (its module then sees the groups up).
 """
 
 from __future__ import annotations
@@ -24,6 +25,15 @@ pytestmark = pytest.mark.multiproc
 LAYOUT = ParallelLayout(dp_size=1, pcp_size=2)
 NAME = "RUNNER_FSM_TEST_LAUNCH_ENV"
 GONE = "RUNNER_FSM_TEST_LAUNCH_GONE"
+
+
+def _groups_at_import() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+GROUPS_AT_IMPORT = _groups_at_import()  # in a rank that imported this module by name: must be False
 
 
 def _seen(groups) -> dict:
@@ -50,6 +60,19 @@ def test_ranks_of_every_job_are_forks_of_one_server_not_of_the_launcher():
     second = spawn(_seen, LAYOUT, timeout_s=60)
     parents = {r["parent"] for r in first + second}
     assert len(parents) == 1 and os.getpid() not in parents, parents
+
+
+def _groups_when_imported(groups) -> bool:
+    return GROUPS_AT_IMPORT
+
+
+@pytest.mark.parametrize("fresh", [False, True])
+def test_a_named_entry_is_imported_by_each_rank_before_the_rendezvous(fresh):
+    """The embedded engine names its ranks' entry (`engine.api.RUN_RANK`): each rank loads its code
+    before joining the groups, so that the ranks leave the rendezvous together (test_sigkill's
+    start-up moment, every rank logged and none stepping, is caught then)."""
+    ranks = spawn(f"{__name__}:_groups_when_imported", LAYOUT, timeout_s=60, fresh_interpreters=fresh)
+    assert ranks == [False, False]
 
 
 def test_fresh_interpreters_are_the_launchers_own_children():

@@ -26,6 +26,10 @@ from runner_fsm.process.stop_requests import record_request
 from runner_fsm.replay.discover import RANK_FILE
 from runner_fsm.replay.rundirs import ranked_segments
 
+# A rank's entry, named rather than imported: each rank imports it (torch with it) before it joins
+# the job's groups, and this launcher never does (`engine.launch.spawn`).
+RUN_RANK = "runner_fsm.engine.worker:run_rank"
+
 
 @dataclasses.dataclass(frozen=True)
 class EngineResult:
@@ -83,12 +87,14 @@ def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float =
     if under_torchrun():
         ranks = _run_under_torchrun(cfg, requests)
     elif in_process:
-        ranks = [serve_rank(None, cfg, requests)]
+        from runner_fsm.engine.worker import run_rank
+
+        ranks = [run_rank(None, cfg, requests)]
     else:
         # on by default (see flight_recorder), its dump within the log cap
         with flight_recorder.enabled_for_children(flight_entries(cfg.max_log_bytes)):
             ranks = [_as_result(r, cfg) for r in spawn(
-                serve_rank, cfg.layout, cfg, requests, timeout_s=timeout_s,
+                RUN_RANK, cfg.layout, cfg, requests, timeout_s=timeout_s,
                 pg_timeout_s=cfg.collective_timeout_s + 30, collect_failures=True, host=cfg.listen_address,
                 failed=lambda rank: rank.error is not None, on_stop=lambda *request: _stop_asked(cfg, *request),
                 fresh_interpreters=fresh_interpreters)]
@@ -97,18 +103,6 @@ def run_engine(cfg: EngineConfig, requests: list[Request], *, timeout_s: float =
         if rank.pcp_rank == 0:
             outputs.update(rank.outputs)
     return EngineResult(outputs, tuple(ranks), cfg.run_dir)
-
-
-def serve_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
-    """One rank's run (`engine.worker.run_rank`), named from here so that `spawn` pickles a
-    reference to a module without torch: the launcher never imports the worker. The rank checks
-    the Flight Recorder's dump call the launcher turned on without loading torch (before any
-    step: a missing one fails the rank at its start, saying how to run without it)."""
-    from runner_fsm.engine.worker import run_rank
-
-    if groups is not None and flight_recorder.active():
-        flight_recorder.require_api()
-    return run_rank(groups, cfg, requests)
 
 
 def _stop_asked(cfg: EngineConfig, signal_name: str, alive: list[int], gone: list[int]) -> None:
@@ -123,11 +117,12 @@ def _run_under_torchrun(cfg: EngineConfig, requests: list[Request]) -> list[Rank
     import torch.distributed as dist
 
     from runner_fsm.engine.groups import init_process_groups_from_env
+    from runner_fsm.engine.worker import run_rank
 
     flight_recorder.enable(flight_entries(cfg.max_log_bytes))  # before the first process group: torch reads it
     groups = init_process_groups_from_env(cfg.layout, timeout_s=cfg.collective_timeout_s + 30)
     try:
-        mine = serve_rank(groups, cfg, requests)
+        mine = run_rank(groups, cfg, requests)
         ranks: list = [None] * cfg.layout.world_size
         dist.all_gather_object(ranks, mine, group=groups.world)
         return ranks

@@ -68,7 +68,7 @@ class RankFailure:
 
 
 def spawn(
-    fn: Callable[..., Any],
+    fn: Callable[..., Any] | str,
     layout: ParallelLayout,
     *args: Any,
     timeout_s: float = 120.0,
@@ -81,7 +81,9 @@ def spawn(
 ) -> list[Any]:
     """Run `fn(groups, *args)` on every global rank; return the results in rank order.
 
-    `fn` must be importable at module level (it is pickled by name).
+    `fn` must be importable at module level (it is pickled by name), or named as "module:function":
+    each rank then imports it before it joins the job's groups, and this process never does (the
+    embedded engine's launcher, which imports no torch, names its ranks' entry so).
     `timeout_s` bounds the whole job, start-up included; `pg_timeout_s` (default `timeout_s`)
     bounds each collective inside it. By default the first failing rank raises and the
     others are killed; with `collect_failures` each failure becomes a `RankFailure` in the

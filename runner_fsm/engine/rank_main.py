@@ -6,6 +6,7 @@ Apart from the launcher (`engine.launch`), which imports no torch: this side doe
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import pickle
@@ -38,6 +39,9 @@ def child_main(rank, fn, layout, host, port, args, pg_timeout_s, env, results) -
 def _run_and_report(rank, fn, layout, host, port, args, pg_timeout_s, results) -> bool:
     groups = None
     try:
+        # A named entry is imported first: every rank has its code loaded before the rendezvous,
+        # so that the ranks leave it together and none waits on a peer's imports in a collective.
+        fn = _resolve(fn)
         groups = init_process_groups(layout, rank, port, timeout_s=pg_timeout_s, host=host)
         # Pickle here, so that an unpicklable result is reported as this rank's error.
         results.send((rank, True, pickle.dumps(fn(groups, *args))))
@@ -61,3 +65,11 @@ def _leave(groups: ProcessGroups) -> None:
         time.sleep(_STORE_GRACE_S)
     finally:
         dist.destroy_process_group()
+
+
+def _resolve(fn):
+    """`fn` itself, or the function a "module:function" name names."""
+    if not isinstance(fn, str):
+        return fn
+    module, _, name = fn.partition(":")
+    return getattr(importlib.import_module(module), name)

@@ -182,7 +182,12 @@ def _progress(cfg: EngineConfig, runner: ReplicaRunner, sched: Scheduler, step: 
 
 
 def run_rank(groups, cfg: EngineConfig, requests: list[Request]) -> RankResult:
-    """Entry of one rank (`groups` None for a single process): serve, then report."""
+    """Entry of one rank (`groups` None for a single process): serve, then report. A rank of a
+    launched job checks the Flight Recorder's dump call its launcher turned on without loading
+    torch (`flight_recorder.enabled_for_children`): a missing one fails the rank before its
+    first step, saying how to run without it."""
+    if groups is not None and flight_recorder.active():
+        flight_recorder.require_api()
     dp_rank, pcp_rank = (groups.dp_rank, groups.pcp_rank) if groups else (0, 0)
     counts = {"steps": 0, "real": 0, "tokens": 0, "states": {}, "handoffs": 0, "last_real": False}
     sched = Scheduler(assign(requests, cfg.layout.dp_size)[dp_rank], cfg.scheduler_config())
