@@ -6,7 +6,6 @@ Apart from the launcher (`engine.launch`), which imports no torch: this side doe
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import pickle
@@ -18,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from runner_fsm.engine.groups import ProcessGroups, init_process_groups
+from runner_fsm.named import named
 
 # How long a rank of a failed run keeps its groups (and rank 0 the store) after reporting.
 _STORE_GRACE_S = 2.0
@@ -69,7 +69,4 @@ def _leave(groups: ProcessGroups) -> None:
 
 def _resolve(fn):
     """`fn` itself, or the function a "module:function" name names."""
-    if not isinstance(fn, str):
-        return fn
-    module, _, name = fn.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return named(fn) if isinstance(fn, str) else fn

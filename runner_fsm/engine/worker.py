@@ -7,7 +7,6 @@ none with requests still to come.
 
 from __future__ import annotations
 
-import importlib
 import sys
 import time
 from typing import Callable
@@ -33,6 +32,7 @@ from runner_fsm.engine.scheduler import Scheduler, SchedulerStalled
 from runner_fsm.errors import ConfigError
 from runner_fsm.events import Capture, DummyStep, Event, Fault, RealStep, Shutdown
 from runner_fsm.faults import Injection, Injector, why_not_fired
+from runner_fsm.named import named
 from runner_fsm.pcp.buffers import BUFFER_NAMES
 from runner_fsm.process import flight_recorder
 from runner_fsm.process.stop_signals import stops_on_loop
@@ -42,8 +42,7 @@ from runner_fsm.replica.replica import Replica
 
 def _model_and_drafter(cfg: EngineConfig, groups):
     if cfg.model_factory is not None:  # named by the caller: production imports no fakes itself
-        module, _, name = cfg.model_factory.partition(":")
-        return getattr(importlib.import_module(module), name)(cfg, groups)
+        return named(cfg.model_factory)(cfg, groups)
     if cfg.model_dir is None:
         raise ConfigError(MISSING_MODEL)
     from runner_fsm.model import load_drafter, load_model, model_groups

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import importlib
 import json
 import os
 import signal
@@ -32,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Any, NamedTuple, Sequence
+
+from runner_fsm.named import named
 
 
 class Req(NamedTuple):
@@ -247,8 +248,7 @@ def _child(spec_path: str, rank: int) -> None:
         llm = LLM(**job["llm"])
         extra = None
         if job.get("run"):
-            module, _, name = job["run"].partition(":")
-            outputs, seconds, extra = getattr(importlib.import_module(module), name)(llm, requests)
+            outputs, seconds, extra = named(job["run"])(llm, requests)
         else:
             outputs, seconds = generate(llm, requests)
         close_llm(llm)

@@ -32,6 +32,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 from runner_fsm.integrations.vllm.emulation import cpu_attention
+from runner_fsm.named import named
 
 GRAPH_ENV = "RUNNER_FSM_EMULATED_GRAPH"
 MANAGER_MODULE = "vllm.v1.worker.gpu.cudagraph_utils"
@@ -121,8 +122,7 @@ def graph_class() -> type:
     spec = os.environ.get(GRAPH_ENV, "")
     if not spec:
         return EmulatedGraph
-    module, _, name = spec.partition(":")
-    return getattr(importlib.import_module(module), name)
+    return named(spec)
 
 
 class _Namespace:
