@@ -1,7 +1,8 @@
 """The MRV2 leg's stand-in (tests/mrv2_site): in a child with the leg's environment, vLLM's check
 finds a working Triton and the interpreter runs without its overflow sanitizer, whose asserts it
 drops anyway with debug off (the sanitizer's work was a third of an MRV2 step's CPU); without the
-leg's environment the stand-in does nothing."""
+leg's environment the stand-in does nothing. Mutation seen to fail it: the stand-in leaving the
+interpreter builder's options as they are (the sanitizer on)."""
 
 from __future__ import annotations
 

@@ -60,7 +60,8 @@ def _run(model_dir: str, **kwargs) -> dict[str, list[int]]:
 
 
 def _assert_no_group_left() -> None:
-    """`close_llm` tears down only what the engine's shutdown left: nothing may be left after it."""
+    """`close_llm` tears down only what the engine's shutdown left: nothing may be left after it.
+    Mutation seen to fail it: `close_llm` neither shutting the engine down nor tearing down."""
     import torch.distributed as dist
     from vllm.distributed.parallel_state import model_parallel_is_initialized
 
