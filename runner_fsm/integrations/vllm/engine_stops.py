@@ -6,7 +6,8 @@ processes, workers first (`vllm.v1.utils.shutdown`, `kill_process_tree`): with S
 server alone, no signal ever reaches a worker, so FSMWorker could not record the stop itself.
 vLLM loads its general plugins (entry point group `vllm.general_plugins`, declared in this
 package's metadata) in every process it starts, its engine cores included (first thing in
-`EngineCore.__init__`, after vLLM's own SIGINT/SIGTERM handlers are in place). There
+`EngineCore.__init__`, after vLLM's own SIGINT/SIGTERM handlers are in place; in an engine core
+vLLM forks too, where `forked_plugins` has vLLM load them again). There
 `register()` chains a handler in front of vLLM's that hands NOTICE to every FSMWorker of this
 engine core, which records the stop in its own log (`WorkerNotice`), then runs vLLM's handler.
 
@@ -43,6 +44,7 @@ import os
 import signal
 from typing import Callable
 
+from runner_fsm.integrations.vllm import forked_plugins
 from runner_fsm.process.proc import process_start
 from runner_fsm.process.signal_watch import WATCH
 from runner_fsm.process.stop_signals import StopSignals
@@ -55,6 +57,7 @@ _ENGINE_LOGGER, _FATAL = "vllm.v1.engine.core", "EngineCore encountered a fatal 
 
 def register() -> None:
     """vLLM's plugin entry point, called in every vLLM process (maybe more than once)."""
+    forked_plugins.arm()  # an engine core vLLM forks from here calls this again (forked_plugins)
     if not multiprocessing.current_process().name.startswith("EngineCore"):
         return
     published = os.environ.get(REGISTRY_ENV, "")

@@ -4,9 +4,9 @@ tree before it is installed (docs/vllm.md, "Before upgrading vLLM").
 It reads the tables the start-up checks read on the imported vLLM (one table, two users), each
 picked for the tree's release (`common/versions`): the schema's, the platform workers, each
 runner adapter's CLASSES, ATTRS, KV_ATTRS, READS and DP hooks, the PCP manager's names and pins,
-the draft DP sync's pins, `serve`'s CLI_ENV_SETUP, `stop_origin`'s shutdown words, the emulation's
-names, the CPU collectives, and every `from vllm... import` of this package; from the tree's
-source (`common/source_index`), never importing it.
+the draft DP sync's pins, `serve`'s CLI_ENV_SETUP, `stop_origin`'s shutdown words, `forked_plugins`'
+flag, the emulation's names, the CPU collectives, and every `from vllm... import` of this package;
+from the tree's source (`common/source_index`), never importing it.
 
 Only the start-up checks see an attribute path of ATTRS/KV_ATTRS beyond its first name (that one
 is looked for on the runner class: a `self.X` assignment, a method or a property, inherited ones
@@ -97,11 +97,12 @@ def check_tree(tree: SourceTree) -> Checker:
 
 
 def _common(checker: Checker, release: str) -> None:
-    from runner_fsm.integrations.vllm import platform_worker, serve, stop_origin
+    from runner_fsm.integrations.vllm import forked_plugins, platform_worker, serve, stop_origin
     from runner_fsm.integrations.vllm.common import schema
     from runner_fsm.integrations.vllm.cpu import collectives
 
     tree = checker.tree
+    checker.name("common", forked_plugins.FLAG, "forked_plugins (the plugins again in a process vLLM forks)")
     for path, fields in schema.FIELDS.items():
         cls = checker.name("common", path, "the worker's schema (FIELDS)")
         if cls is not None and cls.kind == "class":
