@@ -126,17 +126,23 @@ venv-vllm: $(VLLM_STAMP) $(NATIVE)
 # Tiny Llama, Mixtral and Qwen3-MoE checkpoints are made by the tests themselves (transformers, no network).
 VLLM_CHECK = $(VLLM_PY) -c "import importlib.util as u, sys; sys.exit(u.find_spec('vllm') is None)" || \
 	{ echo "make $@: vLLM is not installed in $(VLLM_VENV)" >&2; exit 1; }
+# Every vLLM tier starts vLLM's processes the way vLLM does on CUDA (its own start method: `fork`
+# for an `LLM` script's engine core and workers, `spawn` under its CLI) in place of the `spawn`
+# its CPU platform imposes, which made every TP/PP/PCP worker import vLLM again (about 8 s of CPU
+# each): tests/vllm_site/runner_fsm_test_start_method.py (test set-up, never imported by the
+# package). The cases that keep the CPU's `spawn` say so (tests/README.md).
+VLLM_SITE_ENV := PYTHONPATH=$(CURDIR)/tests/vllm_site RUNNER_FSM_TEST_START_METHOD=vllm
 test-vllm: $(VLLM_STAMP) $(NATIVE)
 	@$(VLLM_CHECK)
-	$(VLLM_PY) -m pytest -q -m "vllm and not slow and not device" tests
+	$(VLLM_SITE_ENV) $(VLLM_PY) -m pytest -q -m "vllm and not slow and not device" tests
 	$(MAKE) test-vllm-mrv2
 	$(MAKE) test-vllm-device
 
 # The same tests on vLLM's Model Runner V2. vLLM picks MRV2 only where Triton works; on this CPU
-# Triton's interpreter runs MRV2's kernels, and tests/mrv2_site/sitecustomize.py (test set-up,
-# never imported by the package) gives vLLM's Triton check the `cpu` backend it looks for. The
+# Triton's interpreter runs MRV2's kernels, and tests/vllm_site/runner_fsm_test_triton.py (test
+# set-up, never imported by the package) gives vLLM's Triton check the `cpu` backend it looks for. The
 # leg fails, never skips, when vLLM fell back to V1 (tests/conftest.py, test_vllm_worker.py).
-MRV2_ENV := VLLM_USE_V2_MODEL_RUNNER=1 TRITON_INTERPRET=1 PYTHONPATH=$(CURDIR)/tests/mrv2_site
+MRV2_ENV := $(VLLM_SITE_ENV) VLLM_USE_V2_MODEL_RUNNER=1 TRITON_INTERPRET=1
 .PHONY: test-vllm-mrv2
 test-vllm-mrv2: $(VLLM_STAMP) $(NATIVE)
 	@$(VLLM_CHECK)
@@ -156,7 +162,7 @@ test-vllm-device: $(VLLM_STAMP) $(NATIVE)
 .PHONY: test-vllm-slow
 test-vllm-slow: $(VLLM_STAMP) $(NATIVE)
 	@$(VLLM_CHECK)
-	$(VLLM_PY) -m pytest -q -m "vllm and slow and not device" tests
+	$(VLLM_SITE_ENV) $(VLLM_PY) -m pytest -q -m "vllm and slow and not device" tests
 
 # Where the tiers' time goes: each tier run with every test phase timed (tests/conftest.py), then
 # the table in tests/README.md rewritten from what ran (tests/time_table.py). A tier that fails

@@ -11,7 +11,7 @@ slowest replica's `generate`); then bench_vllm_worker's timers go around the wor
 (paired: FSMWorker's calls minus vLLM's worker calls inside them, plus its forward pre-hook) and
 the requests run again: FSMWorker's own time per step with drafts, median over steps, then over
 workers. Outputs must be equal across runs and replicas. MRV2 runs its kernels in Triton's
-interpreter here (tests/mrv2_site), which slows vLLM's step, not the wrapper's; on 2 cores four
+interpreter here (tests/vllm_site), which slows vLLM's step, not the wrapper's; on 2 cores four
 workers share two, so the ratio says what DP x PCP costs this box, not a GPU.
 
     .venv-vllm/bin/python benchmarks/bench_vllm_mtp.py [--requests 8] [--max-new 16]
@@ -70,7 +70,7 @@ def _run(model: str, dp: int, requests: list, work: Path) -> dict:
     per_rank = [requests[r::dp] for r in range(dp)]
     env = {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1", "OMP_NUM_THREADS": "1",
            "VLLM_CPU_OMP_THREADS_BIND": "|".join(["0", "1"] * dp),
-           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "mrv2_site"), str(REPO), str(HERE)])}
+           "PYTHONPATH": os.pathsep.join([str(REPO / "tests" / "vllm_site"), str(REPO), str(HERE)])}
     result = launch_dp([Job(kwargs, per_rank, run="bench_vllm_mtp:timed_generate")], dp_size=dp, cwd=str(work),
                        timeout_s=600, env=env)
     if any(code != 0 for code in result.codes):

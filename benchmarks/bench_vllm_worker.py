@@ -40,7 +40,7 @@ and 3 live in one worker process).
 (RUNNER_FSM_EMULATE_DEVICE=1: graphs, JIT warm-up, async scheduling; docs/vllm.md).
 `--runner mrv2`: vLLM's Model Runner V2 for both workers, as the MRV2 test leg runs it on this
 CPU (VLLM_USE_V2_MODEL_RUNNER=1, Triton's interpreter for MRV2's kernels, the stand-in backend
-of tests/mrv2_site): the interpreter slows vLLM's own step, not the wrapper's, so the ratio is
+of tests/vllm_site): the interpreter slows vLLM's own step, not the wrapper's, so the ratio is
 conservative there and the wrapper's own time per step is the figure to read.
 
 Prints one `SUITE_ROW {json}` line per row for benchmarks/run_all.py and a JSON summary.
@@ -275,7 +275,7 @@ def _measure(args, worker: str, out: Path) -> dict:
     paths = [str(REPO)]
     if args.runner in ("mrv2", "device"):
         env.update(VLLM_USE_V2_MODEL_RUNNER="1", TRITON_INTERPRET="1")
-        paths.append(str(REPO / "tests" / "mrv2_site"))
+        paths.append(str(REPO / "tests" / "vllm_site"))
         if args.runner == "device":  # the device configuration, emulated (docs/vllm.md)
             env["RUNNER_FSM_EMULATE_DEVICE"] = "1"
     else:

@@ -58,7 +58,7 @@ def vllm_path(emulate: bool, out: str | None, check) -> None:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_USE_V2_MODEL_RUNNER="1")
     if emulate:
         env.update(RUNNER_FSM_EMULATE_DEVICE="1", TRITON_INTERPRET="1")
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "mrv2_site"), str(REPO), env.get("PYTHONPATH", "")])
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO / "tests" / "vllm_site"), str(REPO), env.get("PYTHONPATH", "")])
     from runner_fsm.audit import read_records
     from runner_fsm.replay.judge import replay
     from runner_fsm.testing.vllm_models import make_model

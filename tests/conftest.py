@@ -15,7 +15,7 @@ if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:  # an int as inherited, no
 
 # Which vLLM model runner the `vllm` tests run on: `make test-vllm` runs them on V1, then again on
 # Model Runner V2 (`make test-vllm-mrv2`: VLLM_USE_V2_MODEL_RUNNER=1, Triton's interpreter and the
-# stand-in backend of tests/mrv2_site). Tests compare the runner FSMWorker logged with this.
+# stand-in backend of tests/vllm_site). Tests compare the runner FSMWorker logged with this.
 EXPECTED_RUNNER = "mrv2" if os.environ.get("VLLM_USE_V2_MODEL_RUNNER") == "1" else "v1"
 
 
@@ -87,7 +87,7 @@ def _vllm_must_import(request):
             from vllm.triton_utils import HAS_TRITON
 
             assert HAS_TRITON, ("the MRV2 leg needs vLLM's Triton check to pass: run it as `make test-vllm-mrv2`"
-                                " (PYTHONPATH=tests/mrv2_site, TRITON_INTERPRET=1)")
+                                " (PYTHONPATH=tests/vllm_site, TRITON_INTERPRET=1)")
         if request.node.get_closest_marker("device") is not None:  # never the CPU platform unseen
             from vllm.platforms import current_platform
 

@@ -161,7 +161,7 @@ def run_end_to_end(model_dir: str) -> dict:
 
 
 def _run_under_mrv2(model_dir: str) -> dict:
-    """`run_end_to_end` in a fresh process with Model Runner V2 (tests/mrv2_site must act
+    """`run_end_to_end` in a fresh process with Model Runner V2 (tests/vllm_site must act
     before vLLM is imported, and this process has imported it)."""
     import json
     import os

@@ -6,6 +6,11 @@ its own, `VLLM_ENABLE_V1_MULTIPROCESSING=1`), a scheduler that raises at its 12t
 (`failing_scheduler`, through vLLM's `scheduler_cls`): the engine core logs its fatal error and
 shuts the worker down, which records the shutdown call (or, served, the SIGTERM it is told of).
 Before, replay read that as a stop someone asked for: SOUND.
+
+The failure runs under both ways vLLM starts the engine core: forked from the script (vLLM's own
+method, an `LLM` script's on CUDA: `vllm` below) and spawned (what vLLM's CPU platform imposes:
+`cpu`). A forked engine core inherits vLLM's plugins as loaded and loads none itself unless
+`forked_plugins` has vLLM load them again.
 """
 
 from __future__ import annotations
@@ -42,11 +47,13 @@ CHILD = """
 """
 
 
-def test_an_engine_core_failure_is_named_not_read_as_a_stop(vllm_models, tmp_path):
+@pytest.mark.parametrize("start_method", ["vllm", "cpu"])
+def test_an_engine_core_failure_is_named_not_read_as_a_stop(vllm_models, tmp_path, start_method):
     """Replay names a `fault` on the worker's rank: vLLM's engine core failed, with the scheduler's
     RuntimeError, at a step of the run, and the run is UNSOUND; the worker's stop record that
-    follows is read as the teardown of a failing job. Mutation: the engine-core plugin without its
-    failure handler -> replay SOUND, "stop requested" (seen: the SIGTERM the engine core told of)."""
+    follows is read as the teardown of a failing job. Mutations: the engine-core plugin without its
+    failure handler -> replay SOUND, "stop requested" (seen: the SIGTERM the engine core told of);
+    `forked_plugins.arm` doing nothing -> the same, under `vllm` (the forked engine core) only."""
     import json
 
     from runner_fsm.replay.judge import replay
@@ -56,7 +63,7 @@ def test_an_engine_core_failure_is_named_not_read_as_a_stop(vllm_models, tmp_pat
     script = tmp_path / "child.py"
     script.write_text(textwrap.dedent(CHILD))
     tests = str(TESTS)
-    env = _child_env(tmp_path)
+    env = _child_env(tmp_path, start_method)
     child = subprocess.run([sys.executable, str(script), json.dumps(kw)], capture_output=True, text=True, env=env,
                            timeout=600, cwd=tests)
     assert "GENERATE FAILED" in child.stdout, child.stdout[-2000:] + child.stderr[-4000:]
@@ -68,12 +75,15 @@ def test_an_engine_core_failure_is_named_not_read_as_a_stop(vllm_models, tmp_pat
     assert faults[0].step is not None and faults[0].step >= 5, report.format()  # a step of the run
 
 
-def _child_env(root: Path) -> dict:
-    """vLLM's default process layout, the tests on the path, this package's vLLM plugins found."""
+def _child_env(root: Path, start_method: str | None = None) -> dict:
+    """vLLM's default process layout, the tests on the path, this package's vLLM plugins found;
+    `start_method`: the tier's (None), or `vllm`/`cpu` (tests/vllm_site/runner_fsm_test_start_method.py)."""
     plugins = plugin_env(root)
-    path = [plugins.get("PYTHONPATH"), str(TESTS), os.environ.get("PYTHONPATH")]
-    return {**os.environ, **plugins, "VLLM_ENABLE_V1_MULTIPROCESSING": "1",
-            "PYTHONPATH": os.pathsep.join(filter(None, path))}
+    path = [plugins.get("PYTHONPATH"), str(TESTS / "vllm_site"), str(TESTS), os.environ.get("PYTHONPATH")]
+    env = {**os.environ, **plugins, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", "PYTHONPATH": os.pathsep.join(filter(None, path))}
+    if start_method is not None:
+        env["RUNNER_FSM_TEST_START_METHOD"] = start_method
+    return env
 
 
 LONG_CHILD = """

@@ -13,7 +13,10 @@ DP, pipeline parallelism; on the runner of the leg (V1, then MRV2 under `make te
 - decode context parallelism is vLLM's to refuse on this CPU, and its reason reaches the user
   (FSMWorker refuses no shape of its own).
 All runs start together in one fixture (one process per DP rank, vLLM's `mp` executor for the
-TP/PP workers), as tests/test_vllm_pcp_dp.py does.
+TP/PP workers), as tests/test_vllm_pcp_dp.py does. The TP workers of "tp2" are spawned, as vLLM's
+CPU platform has it (a CPU user's run); every other job's are forked, vLLM's own way and a CUDA
+user's (tests/vllm_site/runner_fsm_test_start_method.py): the equality with vLLM's default worker
+holds across the two.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ pytestmark = [pytest.mark.vllm]
 # without FSMWorker: "CPU Generator does not use offset").
 SEEDED = [(f"seeded{i}", c.prompt(6 + 3 * i, 10 + i), 6, 500 + i) for i in range(3)]
 BIND = {1: "0|1", 2: "0|1|0|1"}
+SPAWNED = {"tp2"}  # the CPU platform's start method for these jobs' workers; the tier's for the others
 
 
 def _case(model: str, dp: int, per_rank, *, fsm: bool = True, run_dir: Path | None = None, **parallel):
@@ -68,7 +72,10 @@ def runs(tmp_path_factory):
 
     def one(label: str) -> None:
         dp, job = cases[label]
-        out[label] = c.run([job], dp, root, timeout_s=1500, env={"VLLM_CPU_OMP_THREADS_BIND": BIND[dp]})
+        env = {"VLLM_CPU_OMP_THREADS_BIND": BIND[dp]}
+        if label in SPAWNED:
+            env["RUNNER_FSM_TEST_START_METHOD"] = "cpu"
+        out[label] = c.run([job], dp, root, timeout_s=1500, env=env)
 
     threads = [threading.Thread(target=one, args=(label,)) for label in cases]
     for t in threads:

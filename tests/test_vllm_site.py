@@ -1,8 +1,15 @@
-"""The MRV2 leg's stand-in (tests/mrv2_site): in a child with the leg's environment, vLLM's check
-finds a working Triton and the interpreter runs without its overflow sanitizer, whose asserts it
-drops anyway with debug off (the sanitizer's work was a third of an MRV2 step's CPU); without the
-leg's environment the stand-in does nothing. Mutation seen to fail it: the stand-in leaving the
-interpreter builder's options as they are (the sanitizer on)."""
+"""The vLLM tiers' test set-up (tests/vllm_site), in children with and without each part's
+environment.
+
+- The MRV2 leg's stand-in: vLLM's check finds a working Triton and the interpreter runs without
+  its overflow sanitizer, whose asserts it drops anyway with debug off (the sanitizer's work was a
+  third of an MRV2 step's CPU); without the leg's environment the stand-in does nothing. Mutation
+  seen to fail it: the stand-in leaving the interpreter builder's options as they are.
+- The start method: under `RUNNER_FSM_TEST_START_METHOD=vllm` an engine configured on vLLM's CPU
+  platform starts its processes with `fork`, vLLM's own default, or with the `spawn` vLLM's CLI
+  set before (served); otherwise with the `spawn` the CPU platform imposes. On a vLLM other than
+  0.32.0 the wrapper is not installed, and this fails. Mutation seen to fail it: the wrapper
+  putting nothing back (every case `spawn`)."""
 
 from __future__ import annotations
 
@@ -39,3 +46,30 @@ def test_the_leg_gets_a_working_triton_and_an_interpreter_without_the_sanitizer(
 def test_without_the_legs_environment_it_does_nothing():
     plain = {k: v for k, v in os.environ.items() if k not in ("VLLM_USE_V2_MODEL_RUNNER", "TRITON_INTERPRET")}
     assert _probe({**plain, "PYTHONPATH": mrv2_env()["PYTHONPATH"]}) == ["3.9.0", False, True, False]
+
+
+START_PROBE = """
+import json, os, sys
+from vllm.engine.arg_utils import EngineArgs
+from vllm.platforms.cpu import CpuPlatform
+from vllm.utils.system_utils import get_mp_context
+seen = {"wrapped": getattr(CpuPlatform.check_and_update_config, "runner_fsm_test", False)}
+for mode, before in (("vllm", None), ("vllm", "spawn"), ("cpu", None), (None, None)):
+    for name, value in (("RUNNER_FSM_TEST_START_METHOD", mode), ("VLLM_WORKER_MULTIPROC_METHOD", before)):
+        os.environ.pop(name, None)
+        if value is not None:
+            os.environ[name] = value
+    EngineArgs(model=sys.argv[1], dtype="float32", enforce_eager=True).create_engine_config()
+    seen[f"{mode} after {before}"] = get_mp_context().get_start_method()
+print(json.dumps(seen))
+"""
+
+
+def test_vllms_own_start_method_where_the_tier_asks_and_the_cpu_platforms_elsewhere(vllm_models):
+    env = {**os.environ, "PYTHONPATH": mrv2_env()["PYTHONPATH"]}
+    done = subprocess.run([sys.executable, "-c", START_PROBE, vllm_models["llama"]], env=env, capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
+        "wrapped": True, "vllm after None": "fork", "vllm after spawn": "spawn", "cpu after None": "spawn",
+        "None after None": "spawn"}

@@ -57,9 +57,9 @@ def hf_greedy(model_dir: str, prompts: dict[str, list[int]], new_tokens: int) ->
 def mrv2_env(**extra: str) -> dict[str, str]:
     """What a child process needs in its environment to run vLLM's Model Runner V2 on this CPU
     (as `make test-vllm-mrv2` sets it): Triton's interpreter, and first on PYTHONPATH the
-    test-only stand-in backend of tests/mrv2_site, then this checkout; `extra` adds to it."""
+    test-only stand-in backend of tests/vllm_site, then this checkout; `extra` adds to it."""
     tests = Path(__file__).resolve().parent
-    paths = [str(tests / "mrv2_site"), str(tests.parent), os.environ.get("PYTHONPATH", "")]
+    paths = [str(tests / "vllm_site"), str(tests.parent), os.environ.get("PYTHONPATH", "")]
     return {"VLLM_USE_V2_MODEL_RUNNER": "1", "TRITON_INTERPRET": "1",
             "PYTHONPATH": os.pathsep.join(filter(None, paths)), **extra}
 

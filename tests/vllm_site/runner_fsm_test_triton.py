@@ -7,10 +7,8 @@ so a stand-in entry whose driver reports active is all the check needs. With ten
 vLLM also `torch.compile`s its vocab-parallel masking, and inductor's autotune cache asks the
 active driver for its target (`get_current_target()`) and the backend that supports it for a
 `hash()`: the stand-in answers a `cpu` target and a fixed hash, and still never compiles a kernel.
-This file is found as
-`sitecustomize` by every Python process whose PYTHONPATH holds this folder (the tests' DP
-children, vLLM's engine-core and executor processes, the HTTP server), and acts only when the
-MRV2 leg's environment is set: `VLLM_USE_V2_MODEL_RUNNER=1` and `TRITON_INTERPRET=1`.
+Imported by this folder's `sitecustomize`; it acts only when the MRV2 leg's environment is set:
+`VLLM_USE_V2_MODEL_RUNNER=1` and `TRITON_INTERPRET=1`.
 
 It also turns off the interpreter's integer-overflow sanitizer while its debug mode is off, for
 speed alone: Triton 3.9's interpreter computes each int32 add, sub and mul a second time in int64
