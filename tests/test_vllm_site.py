@@ -5,11 +5,12 @@ environment.
   its overflow sanitizer, whose asserts it drops anyway with debug off (the sanitizer's work was a
   third of an MRV2 step's CPU); without the leg's environment the stand-in does nothing. Mutation
   seen to fail it: the stand-in leaving the interpreter builder's options as they are.
-- The start method: under `RUNNER_FSM_TEST_START_METHOD=vllm` an engine configured on vLLM's CPU
-  platform starts its processes with `fork`, vLLM's own default, or with the `spawn` vLLM's CLI
-  set before (served); otherwise with the `spawn` the CPU platform imposes. On a vLLM other than
-  0.32.0 the wrapper is not installed, and this fails. Mutation seen to fail it: the wrapper
-  putting nothing back (every case `spawn`)."""
+- The start method: under `RUNNER_FSM_TEST_START_METHOD=vllm` the first engine a process
+  configures on vLLM's CPU platform starts its processes with `fork`, vLLM's own default, or with
+  the `spawn` vLLM's CLI set before (served); a later one, and any under `cpu`, with the `spawn`
+  the CPU platform imposes. On a vLLM other than 0.32.0 the wrapper is not installed, and this
+  fails. Mutations seen to fail it: the wrapper putting nothing back (every case `spawn`); the
+  wrapper acting for every engine, not the first alone (the second `fork`)."""
 
 from __future__ import annotations
 
@@ -53,23 +54,28 @@ import json, os, sys
 from vllm.engine.arg_utils import EngineArgs
 from vllm.platforms.cpu import CpuPlatform
 from vllm.utils.system_utils import get_mp_context
-seen = {"wrapped": getattr(CpuPlatform.check_and_update_config, "runner_fsm_test", False)}
-for mode, before in (("vllm", None), ("vllm", "spawn"), ("cpu", None), (None, None)):
-    for name, value in (("RUNNER_FSM_TEST_START_METHOD", mode), ("VLLM_WORKER_MULTIPROC_METHOD", before)):
-        os.environ.pop(name, None)
-        if value is not None:
-            os.environ[name] = value
+seen = [getattr(CpuPlatform.check_and_update_config, "runner_fsm_test", False)]
+for _ in range(2):  # the process's first engine, then its second
+    os.environ.pop("VLLM_WORKER_MULTIPROC_METHOD", None)
+    if sys.argv[2] != "unset":
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = sys.argv[2]
     EngineArgs(model=sys.argv[1], dtype="float32", enforce_eager=True).create_engine_config()
-    seen[f"{mode} after {before}"] = get_mp_context().get_start_method()
+    seen.append(get_mp_context().get_start_method())
 print(json.dumps(seen))
 """
 
 
-def test_vllms_own_start_method_where_the_tier_asks_and_the_cpu_platforms_elsewhere(vllm_models):
-    env = {**os.environ, "PYTHONPATH": mrv2_env()["PYTHONPATH"]}
-    done = subprocess.run([sys.executable, "-c", START_PROBE, vllm_models["llama"]], env=env, capture_output=True,
-                          text=True, timeout=300)
+@pytest.mark.parametrize("mode, before, methods", [
+    ("vllm", "unset", ["fork", "spawn"]),  # vLLM's default for an `LLM` script's first engine
+    ("vllm", "spawn", ["spawn", "spawn"]),  # vLLM's CLI asked for it first (served)
+    ("cpu", "unset", ["spawn", "spawn"]),  # the CPU platform's
+])
+def test_vllms_own_start_method_for_a_processs_first_engine_where_the_tier_asks(vllm_models, mode, before, methods):
+    """The wrapper is in place; under `vllm` the process's first engine gets vLLM's own method and
+    its second the CPU platform's `spawn` (OpenMP's threads do not survive a fork of a process that
+    ran a model); under `cpu` both spawn."""
+    env = {**os.environ, "PYTHONPATH": mrv2_env()["PYTHONPATH"], "RUNNER_FSM_TEST_START_METHOD": mode}
+    done = subprocess.run([sys.executable, "-c", START_PROBE, vllm_models["llama"], before], env=env,
+                          capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout.strip().splitlines()[-1]) == {
-        "wrapped": True, "vllm after None": "fork", "vllm after spawn": "spawn", "cpu after None": "spawn",
-        "None after None": "spawn"}
+    assert json.loads(done.stdout.strip().splitlines()[-1]) == [True, *methods]

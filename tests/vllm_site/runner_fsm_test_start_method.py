@@ -13,6 +13,13 @@ of wall, 28.6 s of its children's CPU under `spawn`; 10.7 s and 11.7 s forked).
 Under `RUNNER_FSM_TEST_START_METHOD=vllm` the CPU platform's hook runs as it is, and then the
 method is put back to what it was before the hook: unset, vLLM's default (`fork`), for an `LLM`
 script, as on CUDA; `spawn` for a served engine (vLLM's CLI set it first), as on every platform.
+That holds for the first engine a process configures only. OpenMP's worker threads do not
+survive a fork: a process that ran a model itself (an earlier `LLM` on vLLM's in-process
+executor) and then forks workers leaves them waiting on threads that are not there (seen: the
+MLA child's PCP=2 engine after its PCP=1 one, hung). vLLM makes the same call on CUDA, where it
+falls back to `spawn` once CUDA is initialised in the parent; a process's later engines keep the
+CPU platform's `spawn` here. A process that runs torch's parallel kernels before its first engine
+must ask for `cpu` itself.
 FSMWorker must be right under both; the tiers run the CUDA user's method, and the cases that
 keep the CPU's `spawn` set `RUNNER_FSM_TEST_START_METHOD=cpu` in their children's environment
 (tests/README.md). The variable is read at each call, so one process can run both.
@@ -35,6 +42,9 @@ VERSION = "0.32.0"  # the vLLM whose CPU platform was read for this
 MODULE = "vllm.platforms.cpu"
 
 
+_configured = False  # an engine was configured in this process before (inherited by a fork)
+
+
 def _wrap(module) -> None:
     if getattr(sys.modules.get("vllm"), "__version__", None) != VERSION:
         return
@@ -42,9 +52,11 @@ def _wrap(module) -> None:
     hook = platform.check_and_update_config.__func__
 
     def check_and_update_config(cls, vllm_config) -> None:
+        global _configured
         before = os.environ.get(METHOD_ENV)
+        first, _configured = not _configured, True
         hook(cls, vllm_config)
-        if os.environ.get(MODE_ENV) != "vllm":
+        if os.environ.get(MODE_ENV) != "vllm" or not first:
             return
         if before is None:
             os.environ.pop(METHOD_ENV, None)
