@@ -20,9 +20,10 @@ MLA child's PCP=2 engine after its PCP=1 one, hung). vLLM makes the same call on
 falls back to `spawn` once CUDA is initialised in the parent; a process's later engines keep the
 CPU platform's `spawn` here. A process that runs torch's parallel kernels before its first engine
 must ask for `cpu` itself.
+
 FSMWorker must be right under both; the tiers run the CUDA user's method, and the cases that
 keep the CPU's `spawn` set `RUNNER_FSM_TEST_START_METHOD=cpu` in their children's environment
-(tests/README.md). The variable is read at each call, so one process can run both.
+(tests/README.md). The variable is read at each call, not at import.
 
 No public option reaches this: the CPU platform overwrites the variable unconditionally, and a
 platform plugin of the tests' own could not stand beside the emulated device platform's (vLLM
@@ -40,8 +41,6 @@ MODE_ENV = "RUNNER_FSM_TEST_START_METHOD"  # "vllm": vLLM's own method; anything
 METHOD_ENV = "VLLM_WORKER_MULTIPROC_METHOD"
 VERSION = "0.32.0"  # the vLLM whose CPU platform was read for this
 MODULE = "vllm.platforms.cpu"
-
-
 _configured = False  # an engine was configured in this process before (inherited by a fork)
 
 

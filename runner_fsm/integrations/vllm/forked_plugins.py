@@ -24,6 +24,7 @@ import os
 import sys
 
 FLAG = "vllm.plugins.plugins_loaded"  # vLLM's "general plugins loaded in this interpreter"
+_MODULE, _, _NAME = FLAG.rpartition(".")
 _armed = False  # inherited by a fork, as the hook is: one hook per lineage
 
 
@@ -31,19 +32,19 @@ def arm() -> bool:
     """Clear vLLM's plugins-loaded flag in every process forked from this one from now on (False:
     this vLLM has no such flag; nothing done)."""
     global _armed
-    if _armed:
-        return True
-    module_name, _, flag = FLAG.rpartition(".")
-    plugins = sys.modules.get(module_name)
-    if plugins is None or not isinstance(getattr(plugins, flag, None), bool):
-        return False
-    os.register_at_fork(after_in_child=_forget_loaded)
-    _armed = True
-    return True
+    if not _armed and _plugins() is not None:
+        os.register_at_fork(after_in_child=_forget_loaded)
+        _armed = True
+    return _armed
+
+
+def _plugins():
+    """vLLM's plugins module, where it is imported and holds the flag (else None)."""
+    plugins = sys.modules.get(_MODULE)
+    return plugins if isinstance(getattr(plugins, _NAME, None), bool) else None
 
 
 def _forget_loaded() -> None:
-    module_name, _, flag = FLAG.rpartition(".")
-    plugins = sys.modules.get(module_name)
-    if plugins is not None and isinstance(getattr(plugins, flag, None), bool):
-        setattr(plugins, flag, False)
+    plugins = _plugins()
+    if plugins is not None:
+        setattr(plugins, _NAME, False)
