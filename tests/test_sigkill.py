@@ -1,13 +1,18 @@
 """An embedded DP=2 run killed with SIGKILL, every process at once, is never SOUND, wherever the
 kill lands: nothing asked it to stop (no `stop` record), so its logs end in a death.
 
-One run is frozen (SIGSTOP to its process group) until its logs show the moment wanted, five
-moments in order: during start-up; between steps, early; inside a step; inside a collective;
-between steps, late. At the first four the logs are copied while every writer is frozen: a
-copy of a memory-mapped log then is byte for byte what a SIGKILL at that instant leaves on disk
-(the page cache is all there is). At the fifth the whole group is killed for real. Each is
-replayed: every complete line parses, and the verdicts are the cut's (`unfinished`, `hang`,
-`missing_replica`, a `gap` for a cut line), never SOUND.
+Five moments, in order: during start-up; between steps, early; inside a step; between steps,
+late; inside a collective. Start-up is caught by freezing the run (SIGSTOP to its process group)
+until its logs show it, then copying the logs while every writer is frozen: a copy of a
+memory-mapped log then is byte for byte what a SIGKILL at that instant leaves on disk (the page
+cache is all there is). The next three are cut from a later copy of each log, every rank at the
+same record of the same step: their windows (a couple of milliseconds between a step's `finish`
+and the next agreement; well under one between the agreement and the forward) are too short to
+catch by polling, and a test that waited for luck failed when the run ended first. The fifth,
+where a replica spends most of a step (inside the forward's expert exchange), is caught frozen,
+and the whole group is killed for real. Each is replayed: every complete line parses, and the
+verdicts are the cut's (`unfinished`, `hang`, `missing_replica`, a `gap` for a cut line), never
+SOUND.
 
 Mutation seen to fail it: `settle_stops` (rules/stops.py) treating a log that ends between
 steps as explained without any `stop` record (the quiescent-stop rule of before: it read the
@@ -75,23 +80,18 @@ def _finished(record, at_least: int = 0) -> bool:
             and isinstance(record["step_id"], int) and record["step_id"] >= at_least)
 
 
-def _in_step(record) -> bool:
-    """A step's record after its agreement and before its end: buffers, a forward's `done`, the
-    step's own transition (logged once its forward is over)."""
-    if not isinstance(record["step_id"], int) or record["step_id"] < 0:
-        return False
-    if record["event"] == "transition":
-        return record["trigger"] != "finish"
-    return record["event"] == "buffers" or (record["event"] == "collective" and record["stage"] == "done")
+def _agreed(record) -> bool:
+    """A step's `buffers` record: logged once its agreement is done, before its forward."""
+    return record["event"] == "buffers"
 
 
-# name -> (every rank's last record says it is now; or, for a moment between steps, the first
-# step it may be after: caught rank by rank, see `_between_steps`)
+# name -> a test of every rank's last record while the run is frozen (caught by polling); or
+# (step, which record): a cut of every log right after that record of that step (`_cut_at`)
 MOMENTS = {
     "start-up": lambda lasts: all(r["step_id"] is None or r["step_id"] < 0 for r in lasts),
-    "between steps, early": 2,
-    "inside a step": lambda lasts: any(_in_step(r) for r in lasts),
-    "between steps, late": 20,
+    "between steps, early": (2, _finished),
+    "inside a step": (10, _agreed),
+    "between steps, late": (20, _finished),
     "inside a collective": lambda lasts: any(r["event"] == "collective" and r["stage"] == "enqueue"
                                              for r in lasts),
 }
@@ -171,12 +171,12 @@ def _rank_pids(session: int, out: Path, wait_s: float = 10.0) -> dict[int, int]:
     return found
 
 
-def _cut_after_finish(data: bytes, step: int) -> bytes | None:
-    """A rank's log as it stood right after it logged the end of `step` (its `finish`), from
-    any later copy of it: the bytes up to that line, then the blank tail its writer had mapped
-    by then (whole chunks: `audit.mapped`). An append-only file had exactly these bytes at
-    that instant, so this is what a SIGKILL landing then leaves on disk. None before that
-    line was written."""
+def _cut_after(data: bytes, step: int, which) -> bytes | None:
+    """A rank's log as it stood right after it logged `step`'s first record that `which`
+    accepts, from any later copy of it: the bytes up to that line, then the blank tail its
+    writer had mapped by then (whole chunks: `audit.mapped`). An append-only file had exactly
+    these bytes at that instant, so this is what a SIGKILL landing then leaves on disk. None
+    before that line was written."""
     text = data[: len(data.rstrip(b"\n\x00"))]
     head_end = text.find(b"\n")
     if head_end < 0:
@@ -191,23 +191,23 @@ def _cut_after_finish(data: bytes, step: int) -> bytes | None:
         except ValueError:  # the line being written: nothing after it is whole
             return None
         offset = line_end + 1
-        if _finished(record) and record["step_id"] == step:
+        if record["step_id"] == step and which(record):
             # data[offset - 1] is the line's newline (or the fill's, the same byte)
             mapped = max(CHUNK, -(-offset // CHUNK) * CHUNK)
             return data[:offset] + b"\n" * (mapped - offset)
     return None
 
 
-def _between_steps(out: Path, at_least: int, alive) -> dict[int, bytes] | None:
-    """{rank: its log's bytes} as each rank's log stood right after it logged the end of the
-    same step S >= `at_least`: what a SIGKILL of every process leaves when it lands while all
-    are between steps S and S+1 (a consistent cut: no rank has begun S+1, whose agreement
-    every rank must join). Cut from a later copy of each log (`_cut_after_finish`): the
-    instant itself, a couple of milliseconds between one step's `finish` and the next step's
-    agreement, is too short to catch by polling. None when the run ends first."""
+def _cut_at(out: Path, step: int, which, alive) -> dict[int, bytes] | None:
+    """{rank: its log's bytes} as each rank's log stood right after it logged the record `which`
+    accepts of `step`: what a SIGKILL of every process leaves when it lands while every rank is
+    just there. A consistent cut for the records used here: a step's `finish` (no rank has begun
+    the next step, whose agreement every rank must join) and its `buffers` (every rank past the
+    step's agreement, none yet in its forward's exchange). Cut from a later copy of each log
+    (`_cut_after`). None when the run ends first."""
     paths = [out / f"rank-{rank}.jsonl" for rank in range(RANKS)]
     while alive():
-        cuts = {rank: _cut_after_finish(paths[rank].read_bytes(), at_least) for rank in range(RANKS)}
+        cuts = {rank: _cut_after(paths[rank].read_bytes(), step, which) for rank in range(RANKS)}
         if all(cut is not None for cut in cuts.values()):
             return cuts
         time.sleep(0.02)
@@ -237,8 +237,8 @@ def killed(tmp_path_factory, models):
         while names and alive():
             moment, name = MOMENTS[names[0]], names[0]
             copy = root / name.replace(" ", "_").replace(",", "")
-            if isinstance(moment, int):
-                logs = _between_steps(out, moment, alive)
+            if isinstance(moment, tuple):
+                logs = _cut_at(out, *moment, alive)
                 if logs is not None:
                     copy.mkdir()
                     for rank, data in logs.items():
