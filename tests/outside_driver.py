@@ -6,7 +6,8 @@ what the moment was and every entry then in TMPDIR and /dev/shm that was not the
     python outside_driver.py SPEC_JSON   (SPEC: cmd, env, run_dir, ranks, moment, tmpdir, mark)
 
 Moments, named by what the logs (or the segment hook, `segment_site`) show:
-- start-up: every rank's log is open, no step has finished (no exchange exists yet);
+- start-up: every rank's log is open, no step has finished (no exchange exists yet; looked for
+  with the job frozen);
 - workers-started: a grandchild of the job's first process titled as vLLM titles its workers
   (`VLLM::Worker*`: the engine core, past the plugin's `register()`, has started them) and no
   rank's log exists yet (FSMWorker's exchange comes after it);
@@ -136,9 +137,9 @@ def _frozen(pgid: int):
     """The job's whole group stopped (SIGSTOP, then waited for) for as long as the block runs.
     After the stop request a job logs its `stop` record and exits within about 20 ms (measured
     here, embedded DP=2 x PCP=2): a driver that polled a running job read the record after the
-    job had gone (a fresh-clone make test read after-stop unreached twice in three, steps
-    [3, 3, 3, 3]). Read frozen, the job moves only in the short gaps between reads, and a read
-    that finds the record leaves it frozen for the kill."""
+    job had gone (make test here read after-stop unreached twice in three, steps [3, 3, 3, 3]).
+    Read frozen, the job moves only in the short gaps between reads, and a read that finds the
+    moment leaves the job frozen for the kill."""
     os.killpg(pgid, signal.SIGSTOP)
     deadline = time.monotonic() + 5
     while time.monotonic() < deadline and not all(_state(pid) in b"TtZX" for pid in _group(pgid)):
@@ -148,6 +149,20 @@ def _frozen(pgid: int):
     finally:
         with contextlib.suppress(ProcessLookupError):  # killed in the block, and reaped
             os.killpg(pgid, signal.SIGCONT)
+
+
+def _read_frozen(spec: dict, run_dir: Path, stopped: bool) -> bool:
+    """Whether the moment is now looked for with the job frozen (`_frozen`): the two whose window
+    is short. After-stop once this driver asked for the stop (a `stop` record before it is vLLM's
+    own end of a run, which SIGTERMs its engine core too: not the moment). Start-up once every
+    rank's log exists (until then a look is a `stat`): about 130 ms of the job's time from the last
+    log made to the first step done, missed by a driver polling a running job on a loaded box (a
+    fresh-clone make test once found the run at its end, steps [19, 19, 19, 19])."""
+    if spec["moment"] == "after-stop":
+        return stopped
+    if spec["moment"] == "start-up":
+        return all((run_dir / f"rank-{rank}.jsonl").exists() for rank in range(spec["ranks"]))
+    return False
 
 
 def _listing(tmpdir: str) -> dict:
@@ -165,14 +180,15 @@ def main(spec: dict) -> dict:
                             stdout=open(run_dir.parent / f"{run_dir.name}.out", "w"), stderr=subprocess.STDOUT)
     deadline, stopped, reached, logs = time.monotonic() + spec.get("timeout_s", 240), False, False, []
     while time.monotonic() < deadline and proc.poll() is None:
-        if stopped:  # after-stop, the stop requested: read the logs with the job frozen
+        if _read_frozen(spec, run_dir, stopped):
             with _frozen(proc.pid):
-                # a `stop` record once this driver asked for the stop (vLLM's own end of a run
-                # sends its engine core a SIGTERM too, recorded so: that one is not the moment)
                 if _moment_reached(spec, _records(run_dir, spec["ranks"]), proc.pid):
                     os.killpg(proc.pid, signal.SIGKILL)  # while frozen: the moment itself
                     reached = True
                     break
+            time.sleep(0.002)
+            continue
+        if spec["moment"] == "start-up":  # looked for frozen only, once every log exists
             time.sleep(0.002)
             continue
         logs = _records(run_dir, spec["ranks"]) if spec["moment"] != "segment" else []
