@@ -56,8 +56,30 @@ def llm_kwargs(model_dir: str, *, worker: str | None = FSM_WORKER, run_dir: str 
         kw["additional_config"] = {"runner_fsm": options}
     if k:
         kw["speculative_config"] = {"method": "draft_model", "model": draft_dir, "num_speculative_tokens": k}
+    if "attention_backend" not in extra and _mla_on_the_cpu(model_dir):
+        kw["attention_backend"] = "CPU_MLA"
     kw.update(extra)
     return kw
+
+
+def _mla_on_the_cpu(model_dir: str) -> bool:
+    """An MLA model (its config has `kv_lora_rank`) on vLLM's CPU platform. There vLLM 0.32 picks
+    its AMX MLA backend wherever the CPU has AMX tiles, and that backend packs only bfloat16,
+    float16 or int8 weights: the float32 test models failed to load ("expect weight to be
+    bfloat16, float16, int8, ...") on a host with AMX, every MLA test with them. On hosts without
+    AMX vLLM picks the reference CPU_MLA backend; asked for by name, every host runs that one."""
+    import json
+    from pathlib import Path
+
+    try:
+        config = json.loads((Path(model_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    if not config.get("kv_lora_rank"):
+        return False
+    from vllm.platforms import current_platform
+
+    return current_platform.is_cpu()
 
 
 @contextlib.contextmanager
