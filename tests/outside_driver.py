@@ -29,6 +29,8 @@ import sys
 import time
 from pathlib import Path
 
+from runner_fsm.process.proc import parent_of, stat_fields
+
 
 def _records(run_dir: Path, ranks: int) -> list[list[dict]]:
     """Each rank's records as its log held them at one moment. Read from a copy of the file's
@@ -69,15 +71,12 @@ def _workers_started(pid: int) -> bool:
 
 
 def _grandchildren(pid: int) -> list[int]:
-    parents = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as stat:
-                    parents[int(entry)] = int(stat.read().rsplit(b")", 1)[1].split()[1])
-            except (OSError, IndexError, ValueError):
-                continue
+    parents = {p: parent_of(p) for p in _pids()}
     return [p for p, parent in parents.items() if parents.get(parent) == pid]
+
+
+def _pids() -> list[int]:
+    return [int(entry) for entry in os.listdir("/proc") if entry.isdigit()]
 
 
 def _moment_reached(spec: dict, logs: list[list[dict]], pid: int) -> bool:
@@ -112,24 +111,12 @@ def _nicer() -> None:
 
 def _group(pgid: int) -> list[int]:
     """The processes of process group `pgid` (the job and every descendant it did not move)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/stat", "rb") as stat:
-                    if int(stat.read().rsplit(b")", 1)[1].split()[2]) == pgid:
-                        found.append(int(entry))
-            except (OSError, IndexError, ValueError):
-                continue
-    return found
+    wanted = str(pgid).encode()  # field 5 of /proc/<pid>/stat, the process group
+    return [pid for pid in _pids() if (fields := stat_fields(pid)) and fields[2] == wanted]
 
 
 def _state(pid: int) -> bytes:
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as stat:
-            return stat.read().rsplit(b")", 1)[1].split()[0]
-    except (OSError, IndexError):
-        return b"X"
+    return (stat_fields(pid) or [b"X"])[0]
 
 
 @contextlib.contextmanager

@@ -34,6 +34,7 @@ import pytest
 
 from runner_fsm.audit.expand import Expander
 from runner_fsm.audit.mapped import CHUNK, data_end
+from runner_fsm.process.proc import stat_fields
 from runner_fsm.replay.judge import replay
 
 pytestmark = pytest.mark.multiproc
@@ -99,23 +100,13 @@ MOMENTS = {
 
 def _session(pid: int) -> list[int]:
     """Processes of the session `pid` leads (the launcher and its ranks)."""
-    found = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[3]) == pid:  # the session id
-                found.append(int(entry.name))
-    return found
+    wanted = str(pid).encode()  # field 6 of /proc/<pid>/stat, the session id
+    return [int(entry.name) for entry in Path("/proc").iterdir()
+            if entry.name.isdigit() and (fields := stat_fields(int(entry.name))) and fields[3] == wanted]
 
 
 def _state(pid: int) -> str:
-    try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return "X"
+    return (stat_fields(pid) or [b"X"])[0].decode()
 
 
 def _stop(pids) -> None:
