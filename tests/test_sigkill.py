@@ -2,14 +2,15 @@
 kill lands: nothing asked it to stop (no `stop` record), so its logs end in a death.
 
 Five moments, in order: during start-up; between steps, early; inside a step; between steps,
-late; inside a collective. Start-up is caught by freezing the run (SIGSTOP to its process group)
-until its logs show it, then copying the logs while every writer is frozen: a copy of a
-memory-mapped log then is byte for byte what a SIGKILL at that instant leaves on disk (the page
-cache is all there is). The next three are cut from a later copy of each log, every rank at the
-same record of the same step: their windows (a couple of milliseconds between a step's `finish`
-and the next agreement; well under one between the agreement and the forward) are too short to
-catch by polling, and a test that waited for luck failed when the run ended first. The fifth,
-where a replica spends most of a step (inside the forward's expert exchange), is caught frozen,
+late; inside a collective. The first four are cut from a later copy of each log, every rank at
+the same record of the same step: an append-only, memory-mapped log had exactly those bytes then,
+which is what a SIGKILL at that instant leaves on disk (the page cache is all there is). Their
+windows (tens of milliseconds from the last rank's log opened to step 0's agreement; a couple of
+milliseconds between a step's `finish` and the next agreement; well under one between the
+agreement and the forward) are too short to catch by polling, and a test that waited for luck
+failed when the run ended first (start-up missed once in a fresh clone's make test, "inside a
+step" once here). The fifth, where a replica spends most of a step (inside the forward's expert
+exchange), is caught by freezing the run (SIGSTOP to its process group) until its logs show it,
 and the whole group is killed for real. Each is replayed: every complete line parses, and the
 verdicts are the cut's (`unfinished`, `hang`, `missing_replica`, a `gap` for a cut line), never
 SOUND.
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
@@ -81,21 +81,30 @@ def _finished(record, at_least: int = 0) -> bool:
             and isinstance(record["step_id"], int) and record["step_id"] >= at_least)
 
 
+def _captured(record) -> bool:
+    """Start-up's last record: the replica ready, before step 0's agreement."""
+    return record["event"] == "transition" and record["trigger"] == "captured"
+
+
 def _agreed(record) -> bool:
     """A step's `buffers` record: logged once its agreement is done, before its forward."""
     return record["event"] == "buffers"
 
 
-# name -> a test of every rank's last record while the run is frozen (caught by polling); or
-# (step, which record): a cut of every log right after that record of that step (`_cut_at`)
-MOMENTS = {
-    "start-up": lambda lasts: all(r["step_id"] is None or r["step_id"] < 0 for r in lasts),
+# name -> (step, which record): every rank's log cut right after that record of that step (`_cut_at`)
+CUTS = {
+    "start-up": (-1, _captured),
     "between steps, early": (2, _finished),
     "inside a step": (10, _agreed),
     "between steps, late": (20, _finished),
-    "inside a collective": lambda lasts: any(r["event"] == "collective" and r["stage"] == "enqueue"
-                                             for r in lasts),
 }
+KILLED = "inside a collective"  # the real SIGKILL: see `_in_collective`
+MOMENTS = [*CUTS, KILLED]
+
+
+def _in_collective(lasts) -> bool:
+    """A rank's last record is an exchange it entered and has not left (most of a step is one)."""
+    return any(r["event"] == "collective" and r["stage"] == "enqueue" for r in lasts)
 
 
 def _session(pid: int) -> list[int]:
@@ -215,40 +224,29 @@ def killed(tmp_path_factory, models):
     log = open(root / "run.log", "w")
     proc = subprocess.Popen(cmd, start_new_session=True, stdout=log, stderr=subprocess.STDOUT)
     seen: dict[str, Path] = {}
-    names = list(MOMENTS)
-    lasts: list = []
     deadline = time.monotonic() + 240
+    alive = lambda: proc.poll() is None and time.monotonic() < deadline  # noqa: E731
     try:
         while not all(map(_last, [out] * RANKS, range(RANKS))) and time.monotonic() < deadline:
             time.sleep(0.01)
         pids = _rank_pids(proc.pid, out)
         assert sorted(pids) == list(range(RANKS)), pids
         everyone = [proc.pid, *pids.values()]
-        alive = lambda: proc.poll() is None and time.monotonic() < deadline  # noqa: E731
-        while names and alive():
-            moment, name = MOMENTS[names[0]], names[0]
+        for name, (step, which) in CUTS.items():
+            logs = _cut_at(out, step, which, alive)
+            if logs is None:
+                break
             copy = root / name.replace(" ", "_").replace(",", "")
-            if isinstance(moment, tuple):
-                logs = _cut_at(out, *moment, alive)
-                if logs is not None:
-                    copy.mkdir()
-                    for rank, data in logs.items():
-                        (copy / f"rank-{rank}.jsonl").write_bytes(data)
-                    seen[names.pop(0)] = copy
-                continue
+            copy.mkdir()
+            for rank, data in logs.items():
+                (copy / f"rank-{rank}.jsonl").write_bytes(data)
+            seen[name] = copy
+        while len(seen) == len(CUTS) and alive():
             _stop(everyone)
-            lasts = [_last(out, rank) for rank in range(RANKS)]
-            if all(lasts) and moment(lasts):
-                names.pop(0)
-                if names:  # copied while frozen: what a SIGKILL now would leave
-                    copy.mkdir()
-                    for rank in range(RANKS):
-                        shutil.copyfile(out / f"rank-{rank}.jsonl", copy / f"rank-{rank}.jsonl")
-                    seen[name] = copy
-                else:
-                    os.killpg(proc.pid, signal.SIGKILL)
-                    seen[name] = out
-                    break
+            if all(lasts := [_last(out, rank) for rank in range(RANKS)]) and _in_collective(lasts):
+                os.killpg(proc.pid, signal.SIGKILL)
+                seen[KILLED] = out
+                break
             _resume(everyone)
             time.sleep(0.002)
     finally:
@@ -256,12 +254,12 @@ def killed(tmp_path_factory, models):
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait(timeout=30)
         log.close()
-    assert list(seen) == list(MOMENTS), (f"the run ended (exit status {proc.returncode}) before every moment was"
-                                         f" caught: {list(seen)}\n{(root / 'run.log').read_text()[-2000:]}")
+    assert list(seen) == MOMENTS, (f"the run ended (exit status {proc.returncode}) before every moment was"
+                                   f" caught: {list(seen)}\n{(root / 'run.log').read_text()[-2000:]}")
     return seen
 
 
-@pytest.mark.parametrize("moment", list(MOMENTS))
+@pytest.mark.parametrize("moment", MOMENTS)
 def test_a_sigkill_is_never_sound(killed, moment):
     run = killed[moment]
     for path in sorted(run.glob("rank-*.jsonl")):
